@@ -1,0 +1,27 @@
+# Two entry points, each doing its own set-up from a fresh clone:
+#   make demo   creates .venv, installs stepfx, trains a small GPT (ZeRO-3, 2 local processes)
+#   make test   creates .venv, installs stepfx with test extras, runs the whole suite
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.stepfx-installed
+
+.PHONY: demo test install clean
+
+install: $(STAMP)
+
+# torch is pinned to the CPU build served from local disk; a range would pull a CUDA build.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/demo_gpt.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis
