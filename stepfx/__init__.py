@@ -1,0 +1,22 @@
+"""stepfx: a compiler for PyTorch training steps.
+
+Decorate an ordinary training step with ``@stepfx.parallelize(config)``;
+stepfx captures forward, backward and optimizer update as one graph,
+rewrites it with passes and runs it.
+"""
+from .api import ParallelStep, parallelize
+from .config import Config, ConfigError, load_config
+from .errors import CaptureError, ExecutionError, PassError, StepfxError
+
+__all__ = [
+    "parallelize",
+    "ParallelStep",
+    "Config",
+    "ConfigError",
+    "load_config",
+    "StepfxError",
+    "CaptureError",
+    "PassError",
+    "ExecutionError",
+]
+__version__ = "0.1.0"

@@ -6,3 +6,133 @@ file and nothing else. Each wrapper says what it wraps and why the public
 API does not do the job.
 """
 from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.fx as fx
+import torch.fx.traceback as fx_traceback
+
+# ---------------------------------------------------------------------------
+# Capture: tracing a whole step with make_fx over fake tensors.
+# ---------------------------------------------------------------------------
+
+
+def make_fake_mode():
+    """A FakeTensorMode with static shapes that can represent scalars read
+    out of tensors (``step.item()``, ``lr.item()``) as symbolic floats.
+
+    Why: the optimizer computes its bias corrections and step sizes in Python
+    from the step counter; with a plain fake mode those become constants of
+    the first step. A ShapeEnv lets ``.item()`` produce an unbacked SymFloat
+    whose Python arithmetic is recorded in the graph, so the graph computes
+    the same double-precision scalars eager PyTorch computes, every step.
+    ``FakeTensorMode`` and ``ShapeEnv`` are private.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    return FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True, allow_non_fake_inputs=False)
+
+
+def trace_step_function(fn: Callable[..., Any], fake_args: tuple, user_functions: tuple = ()) -> fx.GraphModule:
+    """make_fx ``fn`` over fake args, keeping node metadata annotations
+    (``fx.traceback.annotate``) and stack traces. ``make_fx`` itself is
+    public but its ``record_stack_traces`` flag and node-meta preservation
+    are not stable API.
+
+    make_fx keeps only frames of functions named ``forward`` in stack
+    traces; ``user_functions`` (the user's step function) are registered as
+    extra frames to keep (``_register_stack_trace_anchor``, private, absent
+    on some versions: then only module frames are kept)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    register = getattr(torch.fx.proxy, "_register_stack_trace_anchor", None)
+    if register is not None:
+        for f in user_functions:
+            register(f)
+    with fx_traceback.preserve_node_meta():
+        return make_fx(fn, tracing_mode="fake", record_stack_traces=True)(*fake_args)
+
+
+def functionalize_graph_module(gm: fx.GraphModule, fake_args: tuple) -> fx.GraphModule:
+    """Re-trace ``gm`` through torch's functionalization so in-place updates
+    become out-of-place ops plus a ``copy_`` epilogue into the inputs; views
+    stay views (``remove="mutations"``: materializing views as copies changes
+    matmul layouts and so results). Running ``gm`` node by node through an
+    Interpreter lets the re-trace copy each node's annotations and stack
+    trace onto the nodes it produces."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def run(*args):
+        return fx.Interpreter(gm).run(*args)
+
+    with fx_traceback.preserve_node_meta():
+        return make_fx(torch.func.functionalize(run, remove="mutations"), tracing_mode="fake")(*fake_args)
+
+
+@contextlib.contextmanager
+def annotate_nodes(annotation: dict) -> Iterator[None]:
+    """Attach ``annotation`` to ``node.meta["custom"]`` of every node traced
+    inside the block (``torch.fx.traceback.annotate``, not BC-guaranteed)."""
+    annotate = getattr(fx_traceback, "annotate", None)
+    if annotate is not None:
+        with annotate(annotation):
+            yield
+        return
+    saved = fx_traceback.current_meta.get("custom")
+    fx_traceback.current_meta["custom"] = {**(saved or {}), **annotation}
+    try:
+        yield
+    finally:
+        if saved is None:
+            fx_traceback.current_meta.pop("custom", None)
+        else:
+            fx_traceback.current_meta["custom"] = saved
+
+
+NODE_ANNOTATIONS = "custom"  # the node.meta key annotate_nodes writes
+
+
+def reparametrize_module(module: torch.nn.Module, tensors: dict) -> contextlib.AbstractContextManager:
+    """Swap a module's parameters and buffers for ``tensors`` (by fully
+    qualified name) for the duration of a block, keeping tied weights tied.
+    What ``torch.func.functional_call`` does internally, as a context manager
+    so the user's own step code (which calls the module itself) runs inside
+    it. ``_reparametrize_module`` is private."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    return _reparametrize_module(module, tensors, tie_weights=True, strict=False)
+
+
+def data_dependent_errors() -> tuple[type[BaseException], ...]:
+    """Exception types fake tracing raises when Python code needs a tensor's
+    value (control flow on a tensor, data-dependent shapes)."""
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+    )
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    return (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException)
+
+
+def unsupported_operator_error() -> type[BaseException]:
+    from torch._subclasses.fake_tensor import UnsupportedOperatorException
+
+    return UnsupportedOperatorException
+
+
+def is_fake(t: Any) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
+def rename_node(node: fx.Node, name: str) -> None:
+    """Rename a node (a placeholder's target too) through the graph's
+    namespace, which keeps names unique. ``Node._rename`` is private."""
+    node._rename(name)
+    if node.op == "placeholder":
+        node.target = node.name

@@ -1,0 +1,92 @@
+"""What must stay the same for a captured graph to be reused.
+
+A graph bakes in shapes, dtypes, devices, module train/eval modes, the
+optimizer's hyperparameters other than the learning rate, which parameters
+have gradients and optimizer state, and the Python constants among the
+step's arguments. :func:`fingerprint` lists all of them as labelled items;
+two calls with equal fingerprints can share a graph, and :func:`describe_change`
+says what differs when they cannot.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from .optimizers import group_hyperparam_key
+
+__all__ = ["fingerprint", "describe_change"]
+
+
+def _tensor_key(t: torch.Tensor) -> tuple:
+    return (tuple(t.shape), t.dtype, t.device, t.requires_grad)
+
+
+def _const_key(x: Any):
+    try:
+        hash(x)
+        return (type(x), x)
+    except TypeError:
+        return (type(x), repr(x))
+
+
+def fingerprint(model: torch.nn.Module, optimizer, args: tuple, kwargs: dict) -> tuple:
+    items: list[tuple[str, Any]] = [("model", id(model)), ("optimizer", id(optimizer))]
+    for name, p in model.named_parameters():
+        grad = None if p.grad is None else (tuple(p.grad.shape), p.grad.dtype)
+        items.append((f"param {name}", (_tensor_key(p), grad)))
+    for name, b in model.named_buffers():
+        items.append((f"buffer {name}", _tensor_key(b)))
+    items.append(("train/eval modes", tuple(m.training for m in model.modules())))
+    if optimizer is not None:
+        items.append(("optimizer type", type(optimizer)))
+        for g, group in enumerate(optimizer.param_groups):
+            items.append((f"optimizer group {g} hyperparameters", group_hyperparam_key(group)))
+            items.append((f"optimizer group {g} params", tuple(id(p) for p in group["params"])))
+            for i, p in enumerate(group["params"]):
+                state = optimizer.state.get(p)
+                if state:
+                    items.append(
+                        (
+                            f"optimizer state (group {g}, param #{i})",
+                            tuple((k, _tensor_key(v)) for k, v in sorted(state.items()) if isinstance(v, torch.Tensor)),
+                        )
+                    )
+    leaves, spec = pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))
+    items.append(("argument structure", spec))
+    for path, leaf in leaves:
+        label = "argument " + pytree.keystr(path)
+        items.append((label, _tensor_key(leaf) if isinstance(leaf, torch.Tensor) else _const_key(leaf)))
+    items.append(("grad mode", torch.is_grad_enabled()))
+    items.append(("autocast", _autocast_state()))
+    return tuple(items)
+
+
+def _autocast_state() -> tuple:
+    states = []
+    for device in ("cpu", "cuda"):
+        try:
+            enabled = torch.is_autocast_enabled(device)
+        except (TypeError, RuntimeError):
+            continue
+        if enabled:
+            states.append((device, torch.get_autocast_dtype(device)))
+    return tuple(states)
+
+
+def describe_change(old: tuple, new: tuple, limit: int = 3) -> str:
+    """What differs between two fingerprints, for the re-capture log."""
+    old_map, new_map = dict(old), dict(new)
+    diffs = []
+    for label in list(dict.fromkeys([k for k, _ in old] + [k for k, _ in new])):
+        a, b = old_map.get(label, "<absent>"), new_map.get(label, "<absent>")
+        if a != b:
+            diffs.append(f"{label}: {_show(a)} -> {_show(b)}")
+    more = f" (+{len(diffs) - limit} more)" if len(diffs) > limit else ""
+    return "; ".join(diffs[:limit]) + more if diffs else "nothing"
+
+
+def _show(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

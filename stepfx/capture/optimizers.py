@@ -1,0 +1,118 @@
+"""The optimizers stepfx captures, and what of them is state.
+
+The real ``torch.optim`` optimizer object runs inside the trace; stepfx only
+swaps what it works on (parameters, state, learning rate) for traced values.
+This module knows which optimizers and options are supported, which
+per-group hyperparameters are graph *inputs* (the learning rate, so that a
+scheduler can change it between calls) and which are baked into the graph
+(betas, eps, weight decay, momentum: changing them re-captures).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import CaptureError
+
+__all__ = [
+    "SUPPORTED_OPTIMIZERS",
+    "GRAPH_INPUT_HYPERPARAMS",
+    "check_optimizer",
+    "group_hyperparam_key",
+    "state_tensors",
+    "TraceOverrides",
+]
+
+SUPPORTED_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+)
+
+# Per-group hyperparameters passed to the graph as inputs every call.
+GRAPH_INPUT_HYPERPARAMS = ("lr",)
+
+# Group keys that are not hyperparameters of the update rule.
+_NOT_HYPERPARAMS = frozenset({"params", "param_names", "initial_lr", *GRAPH_INPUT_HYPERPARAMS})
+
+# Options that select an implementation, not the math. stepfx traces the
+# reference single-tensor implementation (its own codegen fuses the update),
+# so these do not enter the cache key.
+_IMPLEMENTATION_FLAGS = frozenset({"foreach", "fused"})
+
+
+@dataclass(frozen=True)
+class TraceOverrides:
+    """Group entries set while tracing, restored afterwards."""
+
+    entries: dict[str, Any]
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer | None) -> None:
+    if optimizer is None:
+        return
+    if not isinstance(optimizer, SUPPORTED_OPTIMIZERS):
+        names = ", ".join(f"torch.optim.{c.__name__}" for c in SUPPORTED_OPTIMIZERS)
+        raise CaptureError(
+            f"unsupported optimizer {type(optimizer).__module__}.{type(optimizer).__qualname__}",
+            hint=f"use one of {names} (their subclasses work when they keep the update rule)",
+        )
+    for g, group in enumerate(optimizer.param_groups):
+        if group.get("differentiable"):
+            raise CaptureError(
+                f"optimizer param group {g} has differentiable=True",
+                hint="differentiable optimizers are for meta-learning; construct it with differentiable=False",
+            )
+        for key, value in group.items():
+            if key in _NOT_HYPERPARAMS or key in ("params",):
+                continue
+            if isinstance(value, torch.Tensor):
+                raise CaptureError(
+                    f"optimizer param group {g} hyperparameter {key!r} is a tensor",
+                    hint=f"pass {key} as a Python number (only lr may be changed between steps without re-capture)",
+                )
+
+
+def group_hyperparam_key(group: dict) -> tuple:
+    """The hyperparameters baked into the graph: a change re-captures."""
+    items = []
+    for key in sorted(group):
+        if key in _NOT_HYPERPARAMS or key in _IMPLEMENTATION_FLAGS:
+            continue
+        value = group[key]
+        if isinstance(value, list):
+            value = tuple(value)
+        items.append((key, value))
+    return tuple(items)
+
+
+def trace_overrides(group: dict) -> dict[str, Any]:
+    """Implementation flags forced while tracing: the single-tensor loop
+    (``foreach=False``, ``fused=False``) is the reference algorithm; the
+    fused kernel is opaque to tracing and functionalization."""
+    overrides = {}
+    if "foreach" in group:
+        overrides["foreach"] = False
+    if "fused" in group:
+        overrides["fused"] = False
+    return overrides
+
+
+def state_tensors(optimizer: torch.optim.Optimizer, param: torch.Tensor, where: str) -> dict[str, torch.Tensor]:
+    """The tensor state of one parameter (empty before its first step)."""
+    state = optimizer.state.get(param)
+    if not state:
+        return {}
+    out = {}
+    for key, value in state.items():
+        if value is None:
+            continue
+        if not isinstance(value, torch.Tensor):
+            raise CaptureError(
+                f"optimizer state {where}[{key!r}] is a {type(value).__name__}, not a tensor",
+                hint="stepfx carries optimizer state as tensors; numbers in the state cannot be updated by a graph",
+            )
+        out[key] = value
+    return out

@@ -1,0 +1,404 @@
+"""Capture a user's whole training step as one aten-level fx graph.
+
+How (see NOTES-torch.md for the measured facts behind each choice):
+
+- The user's step runs unchanged under ``make_fx`` over fake tensors. Its
+  module's parameters and buffers are swapped for traced values
+  (``compat.reparametrize_module``), and the optimizer's param groups and
+  state are swapped the same way, so ``loss.backward()`` and
+  ``optimizer.step()`` record their ops into the same graph as the forward.
+- The learning rate of each param group enters as a float64 0-dim tensor and
+  is read with ``.item()`` into a symbolic float; the optimizer's Python
+  arithmetic on it and on its step counters (bias corrections, step sizes)
+  is recorded in the graph instead of being frozen at capture-time values.
+- Phases are recorded as the trace runs: ``optimizer.step`` hooks and a
+  wrapper around ``torch.autograd.backward`` annotate the nodes they produce.
+- The result keeps the optimizer's in-place updates (the graph is not yet
+  functional); the ``functionalize_graph`` pass makes it so.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import inspect
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from .. import compat
+from ..errors import CaptureError
+from ..graph import (
+    META_PHASE,
+    META_SLOT,
+    META_SOURCE,
+    Phase,
+    Role,
+    Slot,
+    StepGraph,
+    StepSignature,
+)
+from ..graph.signature import hyperparam_tensor
+from ..graph.build import bind_placeholders, flatten_codegen, label_params
+from ..graph.ops import mutated_args
+from ..graph.verify import mutation_base
+from .optimizers import check_optimizer, state_tensors, trace_overrides
+from .source import user_frame_from_stack_trace, user_frame_from_traceback, user_frame_of_caller
+
+__all__ = ["StepInputs", "collect_inputs", "capture_step"]
+
+# make_fx, fx's node-meta annotations and the backward wrapper are process
+# globals: two threads capturing at once (threaded ranks) would mix them.
+_CAPTURE_LOCK = threading.Lock()
+
+
+@dataclass
+class StepInputs:
+    """The step's inputs in graph order: slots and the live tensors behind them."""
+
+    slots: list[Slot]
+    values: list[torch.Tensor]
+    param_names: dict[int, str]  # id(parameter) -> fully qualified name
+    group_params: list[list[str]]  # optimizer param group -> parameter names
+    batch_spec: pytree.TreeSpec
+    batch_leaves: list[Any]  # every leaf of (args, kwargs); tensors are graph inputs
+
+
+def _keystr(path) -> str:
+    return pytree.keystr(path) if path else "<root>"
+
+
+def collect_inputs(model: torch.nn.Module, optimizer, args: tuple, kwargs: dict) -> StepInputs:
+    """Enumerate every input of the step: params, buffers, existing grads,
+    optimizer state, learning rates and batch tensors, in that order."""
+    check_optimizer(optimizer)
+    slots: list[Slot] = []
+    values: list[torch.Tensor] = []
+
+    named_params = list(model.named_parameters())
+    param_names = {id(p): name for name, p in named_params}
+    for name, p in named_params:
+        slots.append(Slot(Role.PARAM, name))
+        values.append(p)
+    for name, b in model.named_buffers():
+        slots.append(Slot(Role.BUFFER, name))
+        values.append(b)
+    for name, p in named_params:
+        if p.grad is not None:
+            slots.append(Slot(Role.GRAD, name))
+            values.append(p.grad)
+
+    group_params: list[list[str]] = []
+    if optimizer is not None:
+        for g, group in enumerate(optimizer.param_groups):
+            names = []
+            for i, p in enumerate(group["params"]):
+                name = param_names.get(id(p))
+                if name is None:
+                    raise CaptureError(
+                        f"optimizer param group {g}, parameter #{i} (shape {tuple(p.shape)}) is not a parameter of the model",
+                        hint="register every optimized tensor on the module as an nn.Parameter, so the step can swap it for a traced value",
+                    )
+                names.append(name)
+            group_params.append(names)
+        for g, names in enumerate(group_params):
+            for name, p in zip(names, optimizer.param_groups[g]["params"]):
+                for key, value in sorted(state_tensors(optimizer, p, f"state[{name}]").items()):
+                    slots.append(Slot(Role.OPTIMIZER_STATE, name, key=key))
+                    values.append(value)
+        for g, group in enumerate(optimizer.param_groups):
+            slots.append(Slot(Role.HYPERPARAM, "lr", group=g))
+            values.append(hyperparam_tensor(group["lr"]))
+
+    leaves_with_path, batch_spec = pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))
+    batch_leaves = []
+    for path, leaf in leaves_with_path:
+        batch_leaves.append(leaf)
+        if isinstance(leaf, torch.Tensor):
+            slots.append(Slot(Role.BATCH, _batch_name(path)))
+            values.append(leaf)
+    return StepInputs(slots, values, param_names, group_params, batch_spec, batch_leaves)
+
+
+def _batch_name(path) -> str:
+    # path[0] selects args (0) or kwargs (1); show it the way the user wrote it
+    head, rest = path[0], path[1:]
+    where = "args" if getattr(head, "idx", None) == 0 else "kwargs"
+    return where + pytree.keystr(rest)
+
+
+class _Recorder:
+    """What the traced function learns while it runs: output slots and the
+    user's output structure."""
+
+    def __init__(self):
+        self.output_slots: list[Slot] = []
+        self.user_spec = None
+        self.user_constants: list[Any] = []
+        self.user_from_slot: list[bool] = []
+
+
+@contextlib.contextmanager
+def _phase_hooks(optimizer):
+    """Annotate nodes made inside ``torch.autograd.backward``/``grad`` as
+    backward and inside ``optimizer.step`` as optimizer."""
+    real_backward, real_grad = torch.autograd.backward, torch.autograd.grad
+
+    def wrap(fn):
+        def wrapper(*a, **k):
+            with compat.annotate_nodes({"phase": Phase.BACKWARD.value, "source": user_frame_of_caller()}):
+                return fn(*a, **k)
+
+        return wrapper
+
+    handles = []
+    stack: list[contextlib.AbstractContextManager] = []
+    if optimizer is not None:
+
+        def pre(*_):
+            cm = compat.annotate_nodes({"phase": Phase.OPTIMIZER.value})
+            cm.__enter__()
+            stack.append(cm)
+
+        def post(*_):
+            stack.pop().__exit__(None, None, None)
+
+        handles = [optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post)]
+    torch.autograd.backward, torch.autograd.grad = wrap(real_backward), wrap(real_grad)
+    try:
+        yield
+    finally:
+        torch.autograd.backward, torch.autograd.grad = real_backward, real_grad
+        for h in handles:
+            h.remove()
+        while stack:
+            stack.pop().__exit__(None, None, None)
+
+
+@contextlib.contextmanager
+def _swapped_optimizer(optimizer, group_params, leaves, lrs, states):
+    """Point the optimizer at traced parameters, learning rates and state."""
+    if optimizer is None:
+        yield
+        return
+    saved_groups = [dict(group) for group in optimizer.param_groups]
+    saved_state = optimizer.state
+    new_state: dict = collections.defaultdict(dict)
+    for (name, key), value in states.items():
+        new_state[leaves[name]][key] = value
+    try:
+        for g, group in enumerate(optimizer.param_groups):
+            group["params"] = [leaves[n] for n in group_params[g]]
+            with compat.annotate_nodes({"phase": Phase.OPTIMIZER.value}):
+                group["lr"] = lrs[g].item()
+            group.update(trace_overrides(group))
+        optimizer.state = new_state
+        yield
+    finally:
+        for group, saved in zip(optimizer.param_groups, saved_groups):
+            group.clear()
+            group.update(saved)
+        optimizer.state = saved_state
+
+
+def _make_traced_fn(fn, model, optimizer, inputs: StepInputs, rec: _Recorder):
+    slots = inputs.slots
+    buffer_names = [s.name for s in slots if s.role is Role.BUFFER]
+    param_req = {name: p.requires_grad for name, p in model.named_parameters()}
+
+    def forward(*flat):  # named "forward": fx keeps stack frames from here down
+        by_role: dict[Role, list] = collections.defaultdict(list)
+        for slot, value in zip(slots, flat):
+            by_role[slot.role].append((slot, value))
+        leaves = {s.name: v.detach().requires_grad_(param_req[s.name]) for s, v in by_role[Role.PARAM]}
+        for s, v in by_role[Role.GRAD]:
+            leaves[s.name].grad = v
+        states = {(s.name, s.key): v for s, v in by_role[Role.OPTIMIZER_STATE]}
+        lrs = [v for _, v in by_role[Role.HYPERPARAM]]
+        batch_iter = iter(v for _, v in by_role[Role.BATCH])
+        leaves_in = [next(batch_iter) if isinstance(x, torch.Tensor) else x for x in inputs.batch_leaves]
+        args, kwargs = pytree.tree_unflatten(leaves_in, inputs.batch_spec)
+        module_tensors = dict(leaves)
+        module_tensors.update({s.name: v for s, v in by_role[Role.BUFFER]})
+
+        with compat.reparametrize_module(model, module_tensors), _swapped_optimizer(
+            optimizer, inputs.group_params, leaves, lrs, states
+        ):
+            with compat.annotate_nodes({"phase": Phase.FORWARD.value}), _phase_hooks(optimizer):
+                result = fn(model, optimizer, *args, **kwargs)
+            out_buffers = [model.get_buffer(n) for n in buffer_names]
+            out_states = []
+            if optimizer is not None:
+                reverse = {id(t): n for n, t in leaves.items()}
+                for g, names in enumerate(inputs.group_params):
+                    for name in names:
+                        st = optimizer.state.get(leaves[name], {})
+                        for key in sorted(st):
+                            if isinstance(st[key], torch.Tensor):
+                                out_states.append((Slot(Role.OPTIMIZER_STATE, name, key=key), st[key]))
+                stray = [t for t in optimizer.state if id(t) not in reverse]
+                if stray:
+                    raise CaptureError("the optimizer created state for a tensor that is not one of its parameters")
+
+        outs: list = []
+        rec.output_slots = []
+
+        def emit(slot, value):
+            rec.output_slots.append(slot)
+            outs.append(value)
+
+        for name, leaf in leaves.items():
+            emit(Slot(Role.PARAM, name), leaf)
+        for name, value in zip(buffer_names, out_buffers):
+            emit(Slot(Role.BUFFER, name), value)
+        for name, leaf in leaves.items():
+            if leaf.grad is not None:
+                emit(Slot(Role.GRAD, name), leaf.grad)
+        for slot, value in out_states:
+            emit(slot, value)
+
+        flat_result, rec.user_spec = pytree.tree_flatten_with_path(result)
+        rec.user_constants, rec.user_from_slot = [], []
+        for path, leaf in flat_result:
+            if isinstance(leaf, (torch.Tensor, torch.SymFloat, torch.SymInt, torch.SymBool)):
+                if isinstance(leaf, torch.Tensor):
+                    leaf = leaf.detach()
+                emit(Slot(Role.USER_OUTPUT, _keystr(path)), leaf)
+                rec.user_constants.append(None)
+                rec.user_from_slot.append(True)
+            else:
+                rec.user_constants.append(leaf)
+                rec.user_from_slot.append(False)
+        return tuple(outs)
+
+    return forward
+
+
+def capture_step(
+    fn: Callable,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    args: tuple,
+    kwargs: dict,
+    inputs: StepInputs | None = None,
+) -> StepGraph:
+    """Trace ``fn(model, optimizer, *args, **kwargs)`` into one StepGraph.
+
+    The returned graph still contains the in-place updates the optimizer and
+    modules perform (``functional=False``); its outputs are the final values
+    of every parameter, buffer, remaining gradient and optimizer state, then
+    the leaves of what ``fn`` returned.
+    """
+    if inputs is None:
+        inputs = collect_inputs(model, optimizer, args, kwargs)
+    rec = _Recorder()
+    traced = _make_traced_fn(fn, model, optimizer, inputs, rec)
+    fake_mode = compat.make_fake_mode()
+    fake_args = tuple(fake_mode.from_tensor(v.detach()) for v in inputs.values)
+
+    with _CAPTURE_LOCK, _preserved_rng():
+        try:
+            gm = compat.trace_step_function(traced, fake_args, user_functions=(inspect.unwrap(fn),))
+        except CaptureError:
+            raise
+        except compat.data_dependent_errors() as exc:
+            raise CaptureError(
+                "Python code reads a tensor's value (tensor-dependent control flow, .item()/.tolist() used in Python, or a data-dependent shape)",
+                source=user_frame_from_traceback(exc.__traceback__),
+                hint="express the choice with tensor ops (torch.where, masking) or move it out of the step",
+                detail=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+            ) from exc
+        except compat.unsupported_operator_error() as exc:
+            raise CaptureError(
+                f"operator {getattr(exc, 'func', exc)} cannot be traced with fake tensors",
+                source=user_frame_from_traceback(exc.__traceback__),
+                hint="replace the op with a supported one or move it out of the step",
+            ) from exc
+        except Exception as exc:
+            raise CaptureError(
+                f"the step raised {type(exc).__name__} while being traced",
+                source=user_frame_from_traceback(exc.__traceback__),
+                detail=str(exc).strip().splitlines()[0] if str(exc).strip() else None,
+            ) from exc
+
+    flatten_codegen(gm)
+    signature = StepSignature(
+        inputs=tuple(inputs.slots),
+        outputs=tuple(rec.output_slots),
+        user_output_spec=rec.user_spec,
+        user_output_constants=tuple(rec.user_constants),
+        user_output_from_slot=tuple(rec.user_from_slot),
+    )
+    graph = StepGraph(gm=gm, signature=signature, functional=False)
+    annotate_step_graph(graph)
+    _check_mutations(graph)
+    return graph
+
+
+@contextlib.contextmanager
+def _preserved_rng():
+    """Tracing must not move the user's RNG streams."""
+    cpu = torch.random.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        torch.random.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+def annotate_step_graph(graph: StepGraph) -> None:
+    """Fill stepfx's node metadata from what tracing recorded: slots on
+    placeholders (renamed after them), phase and user source on every node,
+    owning parameter where a node belongs to one."""
+    gm = graph.gm
+    bind_placeholders(gm, graph.signature.inputs)
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        # make_fx records ``val`` wherever an op produced a value; unused
+        # optional outputs (a getitem of None) have none
+        node.meta.setdefault("val", None)
+        notes = dict(node.meta.get(compat.NODE_ANNOTATIONS) or {})
+        phase = Phase(notes.get("phase", Phase.FORWARD.value))
+        source = notes.get("source") if phase is Phase.BACKWARD else None
+        source = source or user_frame_from_stack_trace(node.meta.get("stack_trace"))
+        # kept in the annotations too, so re-tracing passes carry them over
+        notes.update(phase=phase.value, source=source)
+        node.meta[compat.NODE_ANNOTATIONS] = notes
+        node.meta[META_PHASE] = phase
+        node.meta[META_SOURCE] = source
+    label_params(graph)
+    gm.recompile()
+
+
+def _check_mutations(graph: StepGraph) -> None:
+    """In-place writes are allowed into parameters, buffers, gradients and
+    optimizer state (their new values become outputs). A write into a batch
+    tensor or into a tensor the graph holds as a constant (a global, an
+    unregistered module attribute) cannot be replayed faithfully."""
+    for node in graph.gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        for arg in mutated_args(node):
+            base = mutation_base(arg)
+            if base is None:
+                continue
+            where = node.meta.get(META_SOURCE)
+            if base.op == "get_attr":
+                raise CaptureError(
+                    f"the step writes in place ({node.target}) into a tensor that is not a parameter, buffer or optimizer state",
+                    source=where,
+                    hint="register the tensor on the module (register_buffer) or return its new value from the step",
+                )
+            slot = base.meta.get(META_SLOT) if base.op == "placeholder" else None
+            if slot is not None and slot.role in (Role.BATCH, Role.HYPERPARAM):
+                raise CaptureError(
+                    f"the step writes in place ({node.target}) into its input {slot.describe()}",
+                    source=where,
+                    hint="work on a copy (x = x.clone()) or return the new value",
+                )

@@ -1,0 +1,100 @@
+"""``explain()``: what stepfx did to a step, for people.
+
+Sections: the passes run (with times and what each changed), the step's
+state by role with bytes, the parameter count, config keys that were
+accepted but not applied or ignored, and the final graph as readable Python
+with phases as trailing comments.
+"""
+from __future__ import annotations
+
+import collections
+
+import torch
+
+from .graph import META_PHASE, Role, format_graph
+
+__all__ = ["explain_plan", "format_bytes"]
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _value_size(val) -> tuple[int, int]:
+    if isinstance(val, torch.Tensor):
+        return val.numel(), val.numel() * val.element_size()
+    return 1, 8
+
+
+def explain_plan(step, plan) -> str:
+    cfg = step.config
+    graph = plan.graph
+    lines: list[str] = []
+    lines.append(
+        f"stepfx plan for {step.__name__}: {len(step.plans)} captured variant(s); "
+        f"this one captured at call {plan.created_at_call}, run {plan.runs} time(s)"
+    )
+    lines.append(f"config: {getattr(cfg, 'source', '<config>')}    device: {plan.device_type}    world size: 1")
+    lines.append("")
+
+    total = sum(r.seconds for r in plan.records)
+    lines.append(f"passes ({total:.2f} s in all):")
+    for r in plan.records:
+        if r.skipped:
+            lines.append(f"  {r.label:<32} {'':>10}  skipped ({r.skipped})")
+        else:
+            what = r.summary or ("changed" if r.changed else "no change")
+            lines.append(f"  {r.label:<32} {r.seconds * 1e3:>7.1f} ms  {what}")
+    lines.append("")
+
+    lines.append("inputs by role:")
+    lines.append(f"  {'role':<16} {'tensors':>8} {'elements':>14} {'bytes':>12}")
+    by_role: dict[Role, list[int]] = collections.defaultdict(lambda: [0, 0, 0])
+    for node in graph.gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        slot = node.meta["slot"]
+        numel, nbytes = _value_size(node.meta.get("val"))
+        acc = by_role[slot.role]
+        acc[0] += 1
+        acc[1] += numel
+        acc[2] += nbytes
+    for role in Role:
+        if role in by_role:
+            n, numel, nbytes = by_role[role]
+            lines.append(f"  {role.value:<16} {n:>8} {numel:>14,} {format_bytes(nbytes):>12}")
+    outs = collections.Counter(s.role.value for s in graph.signature.outputs)
+    lines.append("  outputs: " + ", ".join(f"{n} {role}" for role, n in outs.items()))
+    lines.append("")
+
+    model = step._model
+    if model is not None:
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+        count = sum(1 for _ in model.parameters())
+        lines.append(f"parameters: {trainable + frozen:,} ({trainable:,} trainable, {frozen:,} frozen) in {count} tensors")
+        lines.append("")
+
+    not_applied = tuple(getattr(cfg, "not_applied", ()))
+    ignored = tuple(getattr(cfg, "ignored_keys", ()))
+    if not_applied:
+        lines.append("config keys accepted, not applied: " + ", ".join(not_applied))
+    if ignored:
+        lines.append("unknown top-level config keys, ignored: " + ", ".join(ignored))
+    if not_applied or ignored:
+        lines.append("")
+
+    phases = collections.Counter(
+        str(n.meta.get(META_PHASE)) for n in graph.gm.graph.nodes if n.op == "call_function"
+    )
+    lines.append(
+        "final step graph ("
+        + ", ".join(f"{phase} {n}" for phase, n in phases.items())
+        + " ops):"
+    )
+    lines.append(format_graph(graph, header=plan.records[-1].provenance()))
+    return "\n".join(lines)

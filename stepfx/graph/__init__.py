@@ -1,0 +1,37 @@
+"""The step IR: StepGraph, its signature, op kinds, printer and invariants.
+
+Shared by capture (which produces step graphs), passes (which rewrite them)
+and the runtime (which binds and runs them). Imports nothing else of stepfx.
+"""
+from .signature import STATE_ROLES, Role, Slot, StepSignature
+from .step_graph import (
+    META_PARAM,
+    META_PHASE,
+    META_SLOT,
+    META_SOURCE,
+    Phase,
+    StepGraph,
+    output_node,
+    output_values,
+    placeholders,
+)
+from .printer import format_graph
+from .verify import verify_step_graph
+
+__all__ = [
+    "Role",
+    "Slot",
+    "StepSignature",
+    "STATE_ROLES",
+    "Phase",
+    "StepGraph",
+    "META_PARAM",
+    "META_PHASE",
+    "META_SLOT",
+    "META_SOURCE",
+    "placeholders",
+    "output_node",
+    "output_values",
+    "format_graph",
+    "verify_step_graph",
+]

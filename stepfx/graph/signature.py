@@ -1,0 +1,140 @@
+"""The step signature: what every input and output of a step graph *is*.
+
+A captured step is a pure function ``(state, batch) -> (new state, user
+outputs)``. The signature names each positional input and each output with a
+:class:`Slot`: its role (a parameter, an optimizer state, a batch tensor, ...)
+and the name that binds it to live objects (``"fc1.weight"``,
+``"fc1.weight"/"exp_avg"``, ``group 0 / "lr"``). Passes rewrite roles (ZeRO
+turns a parameter into a parameter shard); the runtime binds slots to storage.
+
+Invariants (checked by :func:`stepfx.graph.verify.verify_step_graph`):
+- the graph's placeholders are the signature's inputs, in order, and each
+  placeholder carries its slot in ``node.meta["slot"]``;
+- the graph returns one flat tuple whose entries are the signature's outputs;
+- (role, name, key) identifies a slot uniquely among the inputs and among the
+  outputs; an output whose identity equals an input's *updates* that input.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from torch.utils._pytree import TreeSpec
+
+__all__ = ["Role", "Slot", "StepSignature", "STATE_ROLES"]
+
+
+class Role(str, enum.Enum):
+    """What a graph input or output stands for."""
+
+    PARAM = "param"  # a model parameter (whole); updated by the optimizer
+    BUFFER = "buffer"  # a model buffer (BatchNorm running stats, ...)
+    GRAD = "grad"  # a parameter's .grad that exists before or after the step
+    OPTIMIZER_STATE = "optimizer_state"  # exp_avg, exp_avg_sq, step, momentum_buffer, ...
+    HYPERPARAM = "hyperparam"  # a per-group scalar read every step (the learning rate)
+    BATCH = "batch"  # a tensor leaf of the step's positional/keyword arguments
+    USER_OUTPUT = "user_output"  # a leaf of what the user's step returns
+
+    def __str__(self) -> str:  # keeps f-strings and explain() readable
+        return self.value
+
+
+# Roles whose values persist across steps and are owned by the executor.
+STATE_ROLES = frozenset({Role.PARAM, Role.BUFFER, Role.GRAD, Role.OPTIMIZER_STATE})
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One input or output of a step graph.
+
+    ``name`` binds the slot: a parameter/buffer fully qualified name for
+    PARAM, BUFFER, GRAD and OPTIMIZER_STATE (the owning parameter), ``"lr"``
+    style names for HYPERPARAM, the pytree path (``"[0]['x']"``) for BATCH
+    and USER_OUTPUT. ``key`` distinguishes several optimizer states of one
+    parameter; ``group`` is the optimizer param-group index for HYPERPARAM.
+    """
+
+    role: Role
+    name: str
+    key: str | None = None
+    group: int | None = None
+
+    @property
+    def ident(self) -> tuple[Role, str, str | None, int | None]:
+        return (self.role, self.name, self.key, self.group)
+
+    def describe(self) -> str:
+        """Short human form: ``param fc1.weight``, ``optimizer_state fc1.weight[exp_avg]``."""
+        text = f"{self.role} {self.name}"
+        if self.key is not None:
+            text += f"[{self.key}]"
+        if self.group is not None:
+            text += f" (group {self.group})"
+        return text
+
+
+@dataclass(frozen=True)
+class StepSignature:
+    """Roles of a step graph's inputs and outputs, and how to rebuild the
+    user's return value.
+
+    ``user_output_spec`` is the pytree spec of what the user's step returned;
+    its leaves come, in order, from the USER_OUTPUT slots (for tensor and
+    symbolic-scalar leaves) or from ``user_output_constants`` (for leaves that
+    were Python constants at capture time; ``None`` marks a slot-supplied leaf
+    in that tuple, see ``user_output_from_slot``).
+    """
+
+    inputs: tuple[Slot, ...]
+    outputs: tuple[Slot, ...]
+    user_output_spec: TreeSpec | None = None
+    user_output_constants: tuple[Any, ...] = ()
+    user_output_from_slot: tuple[bool, ...] = ()
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def input_index(self) -> dict[tuple, int]:
+        return {s.ident: i for i, s in enumerate(self.inputs)}
+
+    def output_index(self) -> dict[tuple, int]:
+        return {s.ident: i for i, s in enumerate(self.outputs)}
+
+    def inputs_with(self, role: Role) -> list[tuple[int, Slot]]:
+        return [(i, s) for i, s in enumerate(self.inputs) if s.role is role]
+
+    def outputs_with(self, role: Role) -> list[tuple[int, Slot]]:
+        return [(i, s) for i, s in enumerate(self.outputs) if s.role is role]
+
+    def with_outputs(self, outputs: tuple[Slot, ...]) -> "StepSignature":
+        return replace(self, outputs=tuple(outputs))
+
+    def with_inputs(self, inputs: tuple[Slot, ...]) -> "StepSignature":
+        return replace(self, inputs=tuple(inputs))
+
+    def check_unique(self) -> list[str]:
+        """Problems with slot identities (duplicates), as messages."""
+        problems = []
+        for where, slots in (("input", self.inputs), ("output", self.outputs)):
+            seen: set[tuple] = set()
+            for s in slots:
+                if s.ident in seen:
+                    problems.append(f"duplicate {where} slot {s.describe()}")
+                seen.add(s.ident)
+        n_from_slot = sum(self.user_output_from_slot)
+        n_user = len(self.outputs_with(Role.USER_OUTPUT))
+        if self.user_output_spec is not None and n_from_slot != n_user:
+            problems.append(
+                f"{n_user} user_output slots but the output spec takes {n_from_slot} leaves from slots"
+            )
+        return problems
+
+
+def hyperparam_tensor(value) -> "torch.Tensor":
+    """How a HYPERPARAM slot is fed: a float64 CPU scalar, so the
+    optimizer's Python arithmetic on it (captured as symbolic floats) runs
+    in double precision exactly as eager PyTorch's does."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(device="cpu", dtype=torch.float64).reshape(())
+    return torch.tensor(float(value), dtype=torch.float64)

@@ -1,0 +1,19 @@
+"""Graph-to-graph passes over StepGraphs, and the manager that runs them.
+
+Each pass is one module named ``verb_object`` with one public function of
+the same name (STYLE.md). Passes are pure rewrites: mesh facts and config
+arrive as data in :class:`PassOptions`; they never touch process groups.
+"""
+from .manager import PassManager, PassOptions, PassRecord, PassResult, PipelineEntry, dump_records
+from .pipeline import PIPELINE, pass_names
+
+__all__ = [
+    "PassManager",
+    "PassOptions",
+    "PassRecord",
+    "PassResult",
+    "PipelineEntry",
+    "PIPELINE",
+    "pass_names",
+    "dump_records",
+]
