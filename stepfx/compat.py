@@ -136,3 +136,17 @@ def rename_node(node: fx.Node, name: str) -> None:
     node._rename(name)
     if node.op == "placeholder":
         node.target = node.name
+
+
+def is_untraced_tensor_error(exc: BaseException) -> bool:
+    """True when fake tracing met a real tensor it was not given as an input
+    (a global, a closure variable, an unregistered module attribute). Fake
+    mode reports it as an AssertionError whose text is the only marker."""
+    return isinstance(exc, AssertionError) and "convert all Tensors to FakeTensors" in str(exc)
+
+
+def dispatch_mode_base() -> type:
+    """``TorchDispatchMode`` (lives in the private ``torch.utils._python_dispatch``)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode

@@ -81,7 +81,13 @@ def describe_change(old: tuple, new: tuple, limit: int = 3) -> str:
     diffs = []
     for label in list(dict.fromkeys([k for k, _ in old] + [k for k, _ in new])):
         a, b = old_map.get(label, "<absent>"), new_map.get(label, "<absent>")
-        if a != b:
+        if a == b:
+            continue
+        if a == "<absent>":
+            diffs.append(f"{label}: appeared")
+        elif b == "<absent>":
+            diffs.append(f"{label}: disappeared")
+        else:
             diffs.append(f"{label}: {_show(a)} -> {_show(b)}")
     more = f" (+{len(diffs) - limit} more)" if len(diffs) > limit else ""
     return "; ".join(diffs[:limit]) + more if diffs else "nothing"
@@ -89,4 +95,4 @@ def describe_change(old: tuple, new: tuple, limit: int = 3) -> str:
 
 def _show(value) -> str:
     text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -204,6 +204,33 @@ def _swapped_optimizer(optimizer, group_params, leaves, lrs, states):
         optimizer.state = saved_state
 
 
+class _RealTensorWriteGuard(compat.dispatch_mode_base()):
+    """Refuse in-place writes into real (untraced) tensors while tracing.
+
+    make_fx executes ops on real tensors it meets (globals, closure
+    variables, unregistered module attributes) for real: without this
+    guard, capture would change the user's data. Pushed inside the trace,
+    this mode sees each op before make_fx does."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        schema = getattr(func, "_schema", None)
+        if schema is not None:
+            for i, arg in enumerate(schema.arguments):
+                if arg.alias_info is None or not arg.alias_info.is_write:
+                    continue
+                value = args[i] if i < len(args) else kwargs.get(arg.name)
+                if isinstance(value, torch.Tensor) and not compat.is_fake(value):
+                    raise CaptureError(
+                        f"the step writes in place ({func}) into a tensor that is not a parameter, buffer, "
+                        "optimizer state or argument of the step (a global, a closure variable or a module "
+                        "attribute that is not registered)",
+                        source=user_frame_of_caller(),
+                        hint="register the tensor on the module (register_buffer) or return its new value from the step",
+                    )
+        return func(*args, **kwargs)
+
+
 def _make_traced_fn(fn, model, optimizer, inputs: StepInputs, rec: _Recorder):
     slots = inputs.slots
     buffer_names = [s.name for s in slots if s.role is Role.BUFFER]
@@ -227,7 +254,7 @@ def _make_traced_fn(fn, model, optimizer, inputs: StepInputs, rec: _Recorder):
         with compat.reparametrize_module(model, module_tensors), _swapped_optimizer(
             optimizer, inputs.group_params, leaves, lrs, states
         ):
-            with compat.annotate_nodes({"phase": Phase.FORWARD.value}), _phase_hooks(optimizer):
+            with compat.annotate_nodes({"phase": Phase.FORWARD.value}), _phase_hooks(optimizer), _RealTensorWriteGuard():
                 result = fn(model, optimizer, *args, **kwargs)
             out_buffers = [model.get_buffer(n) for n in buffer_names]
             out_states = []
@@ -318,6 +345,13 @@ def capture_step(
                 hint="replace the op with a supported one or move it out of the step",
             ) from exc
         except Exception as exc:
+            if compat.is_untraced_tensor_error(exc):
+                raise CaptureError(
+                    "the step uses a tensor that is not a parameter, buffer, optimizer state or argument of the step "
+                    "(a global, a closure variable or a module attribute that is not registered)",
+                    source=user_frame_from_traceback(exc.__traceback__),
+                    hint="register it on the module (register_buffer) or pass it to the step as an argument",
+                ) from exc
             raise CaptureError(
                 f"the step raised {type(exc).__name__} while being traced",
                 source=user_frame_from_traceback(exc.__traceback__),
@@ -391,7 +425,8 @@ def _check_mutations(graph: StepGraph) -> None:
             where = node.meta.get(META_SOURCE)
             if base.op == "get_attr":
                 raise CaptureError(
-                    f"the step writes in place ({node.target}) into a tensor that is not a parameter, buffer or optimizer state",
+                    f"the step writes in place ({node.target}) into a tensor that is not a parameter, buffer, optimizer state "
+                    "or argument of the step (a global, a closure variable or a module attribute that is not registered)",
                     source=where,
                     hint="register the tensor on the module (register_buffer) or return its new value from the step",
                 )

@@ -1,0 +1,158 @@
+"""Every unsupported construct fails loudly: a CaptureError naming the
+construct, the user's source line and what to do instead."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import stepfx
+from stepfx import CaptureError
+from tests.steps import MLP, ce_step
+
+THIS_FILE = __file__.rstrip("c")
+
+
+def _run(step, model=None, optimizer=None, batch=None):
+    model = model or MLP((8, 16, 4))
+    optimizer = optimizer if optimizer is not None else torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = batch or (torch.randn(6, 8), torch.randint(0, 4, (6,)))
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(CaptureError) as info:
+        stepfx.parallelize()(step)(model, optimizer, x, y)
+    # nothing the user had is lost
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    return str(info.value), info.value
+
+
+def test_tensor_dependent_control_flow_names_the_line():
+    def step(model, optimizer, x, y):
+        loss = F.cross_entropy(model(x), y)
+        if loss > 1.0:  # the offending line
+            loss = loss * 2
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    msg, err = _run(step)
+    assert "reads a tensor's value" in msg
+    assert err.source is not None and THIS_FILE in err.source and "if loss > 1.0" in err.source
+    assert "torch.where" in msg
+
+
+def test_tensor_dependent_control_flow_inside_the_model():
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 4)
+
+        def forward(self, x):
+            h = self.fc(x)
+            if h.sum() > 0:  # data-dependent branch in the model
+                h = -h
+            return h
+
+    msg, err = _run(ce_step, model=Branchy())
+    assert "if h.sum() > 0" in err.source and "in forward" in err.source
+
+
+@pytest.mark.parametrize("make", [lambda ps: torch.optim.RMSprop(ps), lambda ps: torch.optim.Adagrad(ps)], ids=["rmsprop", "adagrad"])
+def test_unsupported_optimizer(make):
+    model = MLP((8, 16, 4))
+    msg, err = _run(ce_step, model=model, optimizer=make(model.parameters()))
+    assert "unsupported optimizer" in msg and "torch.optim.SGD" in msg
+
+
+def test_write_into_a_global_tensor():
+    counter = torch.zeros(())
+
+    def step(model, optimizer, x, y):
+        loss = F.cross_entropy(model(x), y)
+        counter.add_(1)  # a global that is no parameter/buffer/state
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    msg, err = _run(step)
+    assert "not a parameter, buffer, optimizer state or argument" in msg
+    assert "counter.add_(1)" in err.source
+    assert "register_buffer" in msg
+    assert counter.item() == 0  # capture did not touch the user's tensor
+
+
+def test_read_of_a_global_tensor():
+    weights = torch.ones(4)
+
+    def step(model, optimizer, x, y):
+        loss = F.cross_entropy(model(x), y, weight=weights)
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    msg, err = _run(step)
+    assert "(a global, a closure variable" in msg and "weight=weights" in err.source
+
+
+def test_write_into_an_unregistered_module_attribute():
+    class Holder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 4)
+            self.seen = torch.zeros(())  # not a buffer
+
+        def forward(self, x):
+            self.seen += 1
+            return self.fc(x)
+
+    msg, err = _run(ce_step, model=Holder())
+    assert "not a parameter, buffer, optimizer state or argument" in msg and "self.seen += 1" in err.source
+
+
+def test_write_into_the_batch():
+    def step(model, optimizer, x, y):
+        x.mul_(2)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    msg, err = _run(step)
+    assert "input batch args[0]" in msg and "x.mul_(2)" in err.source and "clone" in msg
+
+
+def test_optimizer_parameter_outside_the_model():
+    model = MLP((8, 16, 4))
+    stray = nn.Parameter(torch.zeros(3))
+    msg, _ = _run(ce_step, model=model, optimizer=torch.optim.SGD([*model.parameters(), stray], lr=0.1))
+    assert "is not a parameter of the model" in msg and "nn.Parameter" in msg
+
+
+def test_tensor_hyperparameter_other_than_lr():
+    model = MLP((8, 16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt.param_groups[0]["momentum"] = torch.tensor(0.9)
+    msg, _ = _run(ce_step, model=model, optimizer=opt)
+    assert "'momentum' is a tensor" in msg
+
+
+def test_user_exception_is_reported_with_its_line():
+    def step(model, optimizer, x, y):
+        loss = F.cross_entropy(model(x).t(), y)  # wrong shapes
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    msg, err = _run(step)
+    assert "raised" in msg and "model(x).t()" in err.source
+
+
+def test_model_must_be_a_module():
+    step = stepfx.parallelize()(ce_step)
+    with pytest.raises(TypeError, match="nn.Module"):
+        step(lambda x: x, None, torch.randn(2, 8), torch.zeros(2, dtype=torch.long))
+
+
+def test_bare_decorator_is_rejected_with_a_hint():
+    with pytest.raises(TypeError, match=r"parallelize\(\)"):
+        stepfx.parallelize(ce_step)
