@@ -4,9 +4,10 @@ Decorate an ordinary training step with ``@stepfx.parallelize(config)``;
 stepfx captures forward, backward and optimizer update as one graph,
 rewrites it with passes and runs it.
 """
+from . import testing
 from .api import ParallelStep, parallelize
 from .config import Config, ConfigError, load_config
-from .errors import CaptureError, ExecutionError, PassError, StepfxError
+from .errors import CaptureError, CaptureWarning, ExecutionError, PassError, StepfxError
 
 __all__ = [
     "parallelize",
@@ -16,6 +17,7 @@ __all__ = [
     "load_config",
     "StepfxError",
     "CaptureError",
+    "CaptureWarning",
     "PassError",
     "ExecutionError",
 ]

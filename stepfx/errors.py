@@ -5,7 +5,7 @@ the config key, the pass.
 """
 from __future__ import annotations
 
-__all__ = ["StepfxError", "CaptureError", "PassError", "ExecutionError"]
+__all__ = ["StepfxError", "CaptureError", "PassError", "ExecutionError", "CaptureWarning"]
 
 
 class StepfxError(RuntimeError):
@@ -39,3 +39,8 @@ class PassError(StepfxError):
 
 class ExecutionError(StepfxError):
     """Running a compiled step failed; the user's state is left as it was."""
+
+
+class CaptureWarning(UserWarning):
+    """Something in the step is captured, but probably not as the user meant
+    (Python side effects that run only once, at capture)."""

@@ -88,3 +88,35 @@ __all__ = [
     "MLP",
     "SmallCNN",
 ]
+
+
+def captured_mlp(optimizer="adamw", warm=True, dropout=0.0, frozen=False):
+    """A freshly captured (not yet passed) step graph of a small MLP, plus
+    the live model, optimizer and batch it was captured from. ``warm`` runs
+    one eager step first so the optimizer state exists (steady-state graph)."""
+    from stepfx.capture import capture_step
+
+    torch.manual_seed(0)
+    model = MLP((8, 16, 4), dropout=dropout)
+    if frozen:
+        model.net[0].bias.requires_grad_(False)
+    make = {
+        "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.01),
+        "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    }[optimizer]
+    opt = make([p for p in model.parameters() if p.requires_grad])
+    x, y = mlp_batches(1)[0]
+    if warm:
+        ce_step(model, opt, x, y)
+    graph = capture_step(ce_step, model, opt, (x, y), {})
+    return graph, model, opt, (x, y)
+
+
+def run_graph(graph, model, opt, batch):
+    """Run a step graph on copies of the live state (nothing is written back)."""
+    from stepfx.runtime import ModuleBinding
+
+    binding = ModuleBinding(graph.signature, model, opt)
+    inputs = [t.detach().clone() if isinstance(t, torch.Tensor) else t for t in binding.inputs(list(batch))]
+    with torch.no_grad():
+        return graph.gm(*inputs)

@@ -22,6 +22,7 @@ import collections
 import contextlib
 import inspect
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -30,7 +31,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from .. import compat
-from ..errors import CaptureError
+from ..errors import CaptureError, CaptureWarning
 from ..graph import (
     META_PHASE,
     META_SLOT,
@@ -40,6 +41,7 @@ from ..graph import (
     Slot,
     StepGraph,
     StepSignature,
+    output_values,
 )
 from ..graph.signature import hyperparam_tensor
 from ..graph.build import bind_placeholders, flatten_codegen, label_params
@@ -369,6 +371,7 @@ def capture_step(
     graph = StepGraph(gm=gm, signature=signature, functional=False)
     annotate_step_graph(graph)
     _check_mutations(graph)
+    _warn_python_only_reads(graph)
     return graph
 
 
@@ -408,6 +411,24 @@ def annotate_step_graph(graph: StepGraph) -> None:
         node.meta[META_SOURCE] = source
     label_params(graph)
     gm.recompile()
+
+
+def _warn_python_only_reads(graph: StepGraph) -> None:
+    """``.item()`` whose value only Python saw (printed, logged, appended to
+    a list) ran once, at capture; later calls do not repeat it."""
+    outputs = {v for v in output_values(graph.gm) if isinstance(v, fx.Node)}
+    for node in graph.gm.graph.nodes:
+        if node.op != "call_function" or node.target is not torch.ops.aten._local_scalar_dense.default:
+            continue
+        if node.users or node in outputs or node.meta.get(META_PHASE) is Phase.OPTIMIZER:
+            continue
+        warnings.warn(
+            f"the step reads a tensor's value with .item() at {node.meta.get(META_SOURCE) or 'an unknown line'} "
+            "and uses it only in Python: Python side effects (print, logging, lists) run once, at capture, "
+            "not on every call. Return the value from the step instead.",
+            CaptureWarning,
+            stacklevel=4,
+        )
 
 
 def _check_mutations(graph: StepGraph) -> None:

@@ -156,3 +156,18 @@ def test_model_must_be_a_module():
 def test_bare_decorator_is_rejected_with_a_hint():
     with pytest.raises(TypeError, match=r"parallelize\(\)"):
         stepfx.parallelize(ce_step)
+
+
+def test_item_used_only_in_python_warns():
+    seen = []
+
+    def step(model, optimizer, x, y):
+        loss = F.cross_entropy(model(x), y)
+        seen.append(loss.item())  # runs once, at capture
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    model = MLP((8, 16, 4))
+    with pytest.warns(stepfx.CaptureWarning, match=r"\.item\(\).*seen.append"):
+        stepfx.parallelize()(step)(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(6, 8), torch.randint(0, 4, (6,)))

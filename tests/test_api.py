@@ -1,0 +1,166 @@
+"""The public face: parallelize, re-capture, cache, explain, graphs, dumps, state."""
+from __future__ import annotations
+
+import copy
+import logging
+import os
+
+import pytest
+import torch
+
+import stepfx
+from stepfx.config import Config, StepfxOptions
+from stepfx.explain import format_bytes
+from stepfx.passes import pass_names
+from tests.steps import MLP, ce_step, mlp_batches
+
+
+def _setup(dropout=0.0):
+    torch.manual_seed(0)
+    model = MLP((8, 16, 4), dropout=dropout)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+
+def test_later_calls_reuse_the_plan():
+    model, opt = _setup()
+    step = stepfx.parallelize()(ce_step)
+    for x, y in mlp_batches(5):
+        step(model, opt, x, y)
+    # the first call runs a graph that creates Adam's state; then one steady-state plan
+    assert len(step.plans) == 2
+    assert step.plan.runs == 4
+
+
+def test_new_shapes_recapture_and_are_logged(caplog):
+    model, opt = _setup()
+    ref_model, ref_opt = copy.deepcopy(model), torch.optim.AdamW(copy.deepcopy(model).parameters(), lr=0.01)
+    ref_model = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=0.01)
+    step = stepfx.parallelize()(ce_step)
+    g = torch.Generator().manual_seed(1)
+    with caplog.at_level(logging.INFO, logger="stepfx"):
+        for batch in (6, 6, 3, 6, 3):
+            x, y = torch.randn(batch, 8, generator=g), torch.randint(0, 4, (batch,), generator=g)
+            assert torch.equal(step(model, opt, x, y), ce_step(ref_model, ref_opt, x, y))
+    assert len(step.plans) == 3  # first step, steady state at 6, steady state at 3
+    assert any("re-capturing" in r.message and "argument [0][0]" in r.message and "(6, 8)" in r.message for r in caplog.records)
+    for a, b in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_cache_is_bounded_and_eviction_is_logged(caplog):
+    model, opt = _setup()
+    step = stepfx.parallelize(Config(stepfx=StepfxOptions(cache_size=2)))(ce_step)
+    with caplog.at_level(logging.WARNING, logger="stepfx"):
+        for batch in (2, 3, 4, 5):
+            step(model, opt, torch.randn(batch, 8), torch.randint(0, 4, (batch,)))
+    assert len(step.plans) == 2
+    assert any("at most 2 captured variants" in r.message for r in caplog.records)
+
+
+def test_eval_mode_and_no_grad_changes_are_new_variants():
+    model, opt = _setup(dropout=0.5)
+    ref, ref_opt = copy.deepcopy(model), None
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    step = stepfx.parallelize()(ce_step)
+    x, y = mlp_batches(1)[0]
+    for mode in ("train", "eval", "train"):
+        getattr(model, mode)()
+        getattr(ref, mode)()
+        torch.manual_seed(7)
+        out = step(model, opt, x, y)
+        torch.manual_seed(7)
+        assert torch.equal(out, ce_step(ref, ref_opt, x, y))
+
+
+def test_hyperparameter_change_other_than_lr_recaptures():
+    model, _ = _setup()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    step = stepfx.parallelize()(ce_step)
+    (x, y), (x2, y2) = mlp_batches(2)
+    step(model, opt, x, y)
+    step(model, opt, x, y)
+    n = len(step.plans)
+    opt.param_groups[0]["lr"] = 0.05  # an input: no re-capture
+    step(model, opt, x2, y2)
+    assert len(step.plans) == n
+    opt.param_groups[0]["momentum"] = 0.5  # baked in: re-capture
+    step(model, opt, x2, y2)
+    assert len(step.plans) == n + 1
+
+
+def test_graphs_are_ordered_by_pass():
+    model, opt = _setup()
+    step = stepfx.parallelize()(ce_step)
+    step(model, opt, *mlp_batches(1)[0])
+    assert list(step.graphs) == ["capture", *pass_names()]
+    assert not step.graphs["capture"].functional and step.graphs["eliminate_dead_code"].functional
+
+
+def test_explain_shows_passes_roles_bytes_and_the_graph():
+    model, opt = _setup()
+    step = stepfx.parallelize()(ce_step)
+    for x, y in mlp_batches(2):
+        step(model, opt, x, y)
+    text = step.explain()
+    for name in ("00_capture", *[f"{i + 1:02d}_{n}" for i, n in enumerate(pass_names())]):
+        assert name in text
+    assert "inputs by role:" in text
+    n_params = sum(p.numel() for p in model.parameters())
+    assert f"parameters: {n_params:,} ({n_params:,} trainable, 0 frozen)" in text
+    param_line = next(line for line in text.splitlines() if line.strip().startswith("param "))
+    assert f"{n_params:,}" in param_line and format_bytes(n_params * 4) in param_line
+    assert "optimizer_state" in text and "hyperparam" in text and "batch" in text
+    assert "def step(self, p_net_0_weight" in text
+    assert "# forward" in text and "# backward" in text and "# optimizer" in text
+
+
+def test_explain_before_any_call_is_a_clear_error():
+    step = stepfx.parallelize()(ce_step)
+    with pytest.raises(RuntimeError, match="has not been called yet"):
+        step.explain()
+
+
+def test_dump_writes_every_pass(tmp_path):
+    model, opt = _setup()
+    step = stepfx.parallelize()(ce_step)
+    step(model, opt, *mlp_batches(1)[0])
+    paths = step.dump(str(tmp_path))
+    assert [os.path.basename(p) for p in paths] == [f"{i:02d}_{n}.py" for i, n in enumerate(["capture", *pass_names()])]
+
+
+def test_dump_env_var_is_read_when_decorating(tmp_path, monkeypatch):
+    monkeypatch.setenv("STEPFX_DUMP_DIR", str(tmp_path))
+    step = stepfx.parallelize()(ce_step)
+    monkeypatch.delenv("STEPFX_DUMP_DIR")
+    model, opt = _setup()
+    step(model, opt, *mlp_batches(1)[0])
+    (variant,) = os.listdir(tmp_path)
+    assert "00_capture.py" in os.listdir(tmp_path / variant)
+
+
+def test_model_state_and_torch_save_roundtrip(tmp_path):
+    model, opt = _setup()
+    step = stepfx.parallelize()(ce_step)
+    for x, y in mlp_batches(3):
+        step(model, opt, x, y)
+    state = step.model_state_dict()
+    assert state.keys() == model.state_dict().keys()
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    torch.save(model.state_dict(), tmp_path / "m.pt")
+    fresh = MLP((8, 16, 4))
+    fresh.load_state_dict(torch.load(tmp_path / "m.pt"))
+    x = torch.randn(2, 8)
+    assert torch.equal(fresh(x), model(x))
+
+
+def test_disabled_pass_still_runs_correctly():
+    report = stepfx.testing.assert_step_equivalent(
+        ce_step,
+        lambda: MLP((8, 16, 4)),
+        lambda m: torch.optim.Adam(m.parameters(), lr=0.01),
+        mlp_batches(3),
+        config=Config(stepfx=StepfxOptions(disable=("remove_aliases", "eliminate_dead_code"))),
+        exact=True,
+    )
+    assert report.bitwise
