@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from .errors import ConfigError, bad_value, closest, join
@@ -41,10 +42,10 @@ _LR = Float(ge=0.0)
 _LR_OR_LIST = OneOf((_LR, ListOf(_LR)))  # DeepSpeed's schedulers take a float or one per param group
 # The params HF transformers / accelerate fill when "auto" (integrations/deepspeed.py: trainer_config_process,
 # trainer_config_finalize; accelerate Accelerator._prepare_deepspeed), with the types the consumer needs.
-OPTIMIZER_AUTO_PARAMS = {"lr": _LR, "betas": ListOf(Float(ge=0.0, le=1.0), length=2), "eps": Float(ge=0.0),
-                         "weight_decay": Float(ge=0.0)}
-SCHEDULER_AUTO_PARAMS = {"warmup_min_lr": _LR_OR_LIST, "warmup_max_lr": _LR_OR_LIST,
-                         "warmup_num_steps": Int(ge=0), "total_num_steps": Int(ge=1)}
+OPTIMIZER_AUTO_PARAMS = MappingProxyType({"lr": _LR, "betas": ListOf(Float(ge=0.0, le=1.0), length=2),
+                                          "eps": Float(ge=0.0), "weight_decay": Float(ge=0.0)})
+SCHEDULER_AUTO_PARAMS = MappingProxyType({"warmup_min_lr": _LR_OR_LIST, "warmup_max_lr": _LR_OR_LIST,
+                                          "warmup_num_steps": Int(ge=0), "total_num_steps": Int(ge=1)})
 
 
 def _check_type(value: Any, path: str, deepspeed_names: tuple[str, ...], torch_names: tuple[str, ...],

@@ -139,6 +139,9 @@ def _python_not_applied(c: Config) -> list[str]:
         if name != "zero_optimization" and block.enabled is False:
             continue  # a disabled block contributes nothing
         paths += _changed(block, type(block)(), name)
+    zero = c.zero_optimization
+    if zero.stage is not AUTO and zero.overlap_comm == (zero.stage == 3):  # DeepSpeed's dynamic default
+        paths = [p for p in paths if p != "zero_optimization.overlap_comm"]
     for name in ("optimizer", "scheduler"):
         block = getattr(c, name)
         if block is not None:

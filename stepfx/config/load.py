@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 from .applied import is_applied
@@ -31,7 +32,7 @@ from .rules import Notes, Rule, auto_not_allowed, checked_fields, is_auto, parse
 from .schema import BLOCKS, SCALARS, block_enabled, check_block_keys
 from .zero import legacy_zero, parse_zero
 
-_BLOCK_PARSERS = {
+_BLOCK_PARSERS = MappingProxyType({
     "zero_optimization": parse_zero,
     "fp16": parse_fp16,
     "bf16": parse_bf16,
@@ -39,8 +40,8 @@ _BLOCK_PARSERS = {
     "optimizer": parse_optimizer,
     "scheduler": parse_scheduler,
     "stepfx": parse_stepfx,
-}
-_CANONICAL = {"bfloat16": "bf16"}
+})
+_CANONICAL = MappingProxyType({"bfloat16": "bf16"})
 
 
 def known_top_level_keys() -> frozenset[str]:

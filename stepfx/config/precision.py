@@ -38,7 +38,7 @@ class FP16Config:
     fp16_master_weights_and_grads: bool = spec(False, Bool())
 
     def __post_init__(self):
-        validate_fields(self, "fp16")
+        validate_fields(self, "fp16", pydantic=True)
         # DeepSpeedFP16Config._validate_dynamic_loss_scale_params: only checked when dynamic scaling is on.
         if self.enabled is True and self.loss_scale == 0:
             for name in ("loss_scale_window", "min_loss_scale"):
@@ -63,7 +63,7 @@ class BF16Config:
     bf16_optimizer_states: bool = spec(False, Bool())
 
     def __post_init__(self):
-        validate_fields(self, "bf16")
+        validate_fields(self, "bf16", pydantic=True)
 
 
 def parse_fp16(mapping: Any, path: str, notes: Notes) -> tuple[FP16Config, list[str]]:

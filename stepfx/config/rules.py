@@ -107,18 +107,34 @@ def checked_fields(cls_or_obj) -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(cls_or_obj) if f.metadata.get("check") is not None]
 
 
-def validate_fields(obj: Any, prefix: str) -> None:
+_DROPPED = object()
+
+
+def _coerce(f: dataclasses.Field, value: Any, path: str, pydantic: bool, notes: Notes) -> Any:
+    """One field's value, checked; "auto" becomes AUTO where HF fills it, else per the block's reader.
+
+    ``pydantic``: DeepSpeed reads the block with a ``DeepSpeedConfigModel``,
+    whose non-strict constructor drops every "auto" value
+    (``config_utils.py: DeepSpeedConfigModel.__init__``), so "auto" at a key
+    HF does not fill means DeepSpeed's default (returns ``_DROPPED``);
+    elsewhere it is an error.
+    """
+    if not is_auto(value):
+        return f.metadata["check"](value, path)
+    if f.metadata["auto"]:
+        return AUTO
+    if pydantic:
+        notes.warn(f"{path}: 'auto' is not filled in by HF transformers/accelerate here, so DeepSpeed drops it "
+                   f"and uses its default {default_of(f)!r}; stepfx does the same")
+        return _DROPPED
+    raise auto_not_allowed(path)
+
+
+def validate_fields(obj: Any, prefix: str, *, pydantic: bool = False) -> None:
     """Check and coerce every field of a frozen dataclass in place (used by ``__post_init__``)."""
     for f in checked_fields(obj):
-        value = getattr(obj, f.name)
-        path = join(prefix, f.name)
-        if is_auto(value):
-            if not f.metadata["auto"]:
-                raise auto_not_allowed(path)
-            value = AUTO
-        else:
-            value = f.metadata["check"](value, path)
-        object.__setattr__(obj, f.name, value)
+        value = _coerce(f, getattr(obj, f.name), join(prefix, f.name), pydantic, Notes(immediate=True))
+        object.__setattr__(obj, f.name, default_of(f) if value is _DROPPED else value)
 
 
 def default_of(f: dataclasses.Field) -> Any:
@@ -133,10 +149,7 @@ def parse_fields(cls, mapping: Any, path: str, canon: str, notes: Notes, rule: R
 
     Returns the constructor kwargs (canonical field names) and the canonical
     dotted paths the user set. ``handled`` keys are left to the caller.
-    ``pydantic``: DeepSpeed reads this block with a ``DeepSpeedConfigModel``,
-    whose non-strict constructor drops every "auto" value
-    (``config_utils.py: DeepSpeedConfigModel.__init__``), so "auto" at a key
-    HF does not fill means DeepSpeed's default; elsewhere it is an error.
+    ``pydantic``: see ``_coerce``.
     """
     if not isinstance(mapping, Mapping):
         raise bad_value(path, mapping, "a mapping (JSON object)")
@@ -161,14 +174,7 @@ def parse_fields(cls, mapping: Any, path: str, canon: str, notes: Notes, rule: R
                               "DeepSpeed rejects a config that gives both", value=value,
                               expected="only one of them")
         seen[f.name] = key
-        if is_auto(value):
-            if f.metadata["auto"]:
-                kwargs[f.name] = AUTO
-            elif pydantic:
-                notes.warn(f"{key_path}: 'auto' is not filled in by HF transformers/accelerate here, so "
-                           f"DeepSpeed drops it and uses its default {default_of(f)!r}; stepfx does the same")
-            else:
-                raise auto_not_allowed(key_path)
-            continue
-        kwargs[f.name] = f.metadata["check"](value, key_path)
+        value = _coerce(f, value, key_path, pydantic, notes)
+        if value is not _DROPPED:
+            kwargs[f.name] = value
     return kwargs, [join(canon, name) for name in seen]

@@ -43,6 +43,9 @@ class Block:
     keys: Mapping[str, Check] = field(default_factory=dict)
     enabled_default: bool | None = None
 
+    def __post_init__(self):
+        object.__setattr__(self, "keys", MappingProxyType(dict(self.keys)))
+
 
 @dataclass(frozen=True)
 class StrictKeys:
@@ -51,6 +54,9 @@ class StrictKeys:
     keys: Mapping[str, Check]
     block: str
     expected: str = "a mapping (JSON object)"
+
+    def __post_init__(self):
+        object.__setattr__(self, "keys", MappingProxyType(dict(self.keys)))
 
     def __call__(self, value: Any, path: str) -> Any:
         # STRICT never warns, so these notes stay empty.

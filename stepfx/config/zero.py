@@ -32,6 +32,7 @@ import dataclasses
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from .errors import ConfigError, bad_value, join
@@ -44,8 +45,8 @@ SLOTS = ("offload_param", "offload_optimizer")
 _PARAM_KEYS = frozenset({"device", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pin_memory"})
 _OPTIMIZER_KEYS = frozenset({"device", "nvme_path", "buffer_count", "pin_memory", "pipeline_read", "pipeline_write",
                              "fast_init", "ratio", "super_offload", "cpuadam_cores_perc"})
-_SLOT_KEYS = {"offload_param": _PARAM_KEYS, "offload_optimizer": _OPTIMIZER_KEYS}
-_BUFFER_COUNT_DEFAULT = {"offload_param": 5, "offload_optimizer": 4}
+_SLOT_KEYS = MappingProxyType({"offload_param": _PARAM_KEYS, "offload_optimizer": _OPTIMIZER_KEYS})
+_BUFFER_COUNT_DEFAULT = MappingProxyType({"offload_param": 5, "offload_optimizer": 4})
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,7 @@ class OffloadConfig:
     cpuadam_cores_perc: float = spec(0.8, Float(ge=0.0, le=1.0))
 
     def __post_init__(self):
-        validate_fields(self, "offload")
+        validate_fields(self, "offload", pydantic=True)
 
     @property
     def enabled(self) -> bool:
@@ -88,7 +89,7 @@ class OffloadConfig:
 
 # zenflow: deepspeed/runtime/zenflow/zenflow_config.py (pydantic, strict). Its own "auto" values are literal.
 _INTERVAL = Optional(Int(ge=0))
-ZENFLOW_KEYS: Mapping[str, Any] = {
+ZENFLOW_KEYS: Mapping[str, Any] = MappingProxyType({
     "topk_ratio": (0.1, Float(ge=0.0, le=1.0)),
     "select_strategy": ("auto", Choice(("auto", "step", "epoch"))),
     "select_interval": ("auto", None),
@@ -99,7 +100,7 @@ ZENFLOW_KEYS: Mapping[str, Any] = {
     "full_warm_up_rounds": (0, Int()),
     "pt_reserved_cores_perc": (0.5, Float(ge=0.0, le=1.0)),
     "steps_per_epoch": (None, _INTERVAL),
-}
+})
 # leaf_module: deepspeed/runtime/zero/leaf_module_config.py (pydantic, strict).
 LEAF_MODULE_DEFAULT = FrozenMap({
     "classes": ("transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
@@ -200,7 +201,7 @@ class ZeroConfig:
     leaf_module: FrozenMap = LEAF_MODULE_DEFAULT
 
     def __post_init__(self):
-        validate_fields(self, "zero_optimization")
+        validate_fields(self, "zero_optimization", pydantic=True)
         object.__setattr__(self, "zenflow", _check_zenflow(self.zenflow, "zero_optimization.zenflow"))
         object.__setattr__(self, "leaf_module", _check_leaf_module(self.leaf_module, "zero_optimization.leaf_module"))
         for slot in SLOTS:
@@ -235,12 +236,12 @@ def _place_offload(value: Any, slot: str) -> OffloadConfig | None:
     return value
 
 
-_DEPRECATED = {
+_DEPRECATED = MappingProxyType({
     "cpu_offload": "offload_optimizer",
     "cpu_offload_param": "offload_param",
     "stage3_gather_fp16_weights_on_model_save": "gather_16bit_weights_on_model_save",
     "cpu_offload_use_pin_memory": None,
-}
+})
 _NESTED = ("offload_param", "offload_optimizer", "zenflow", "leaf_module")
 
 
@@ -288,6 +289,8 @@ def _parse_offload(mapping: Any, slot: str, path: str, notes: Notes) -> tuple[Of
     for key, value in mapping.items():
         if key not in _SLOT_KEYS[slot]:
             handle_unknown(join(path, key), value, _SLOT_KEYS[slot], Rule.STRICT, notes, path)
+    if mapping.get("buffer_count", "auto") != "auto":  # None means "slot default" only in Python, not in JSON
+        Int(ge=0)(mapping["buffer_count"], join(path, "buffer_count"))
     kwargs, set_paths = parse_fields(OffloadConfig, mapping, path, f"zero_optimization.{slot}", notes, Rule.STRICT,
                                      pydantic=True, block=path)
     return OffloadConfig(**kwargs), set_paths
