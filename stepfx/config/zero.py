@@ -264,7 +264,8 @@ def parse_zero(mapping: Any, path: str, notes: Notes) -> tuple[ZeroConfig, list[
         if old not in mapping:
             continue
         old_path = join(path, old)
-        value = Optional(Bool())(mapping[old], old_path)
+        # DeepSpeed types the cpu_offload* keys Optional[bool] and the fp16-save key plain bool.
+        value = (Bool() if old.startswith("stage3_") else Optional(Bool()))(mapping[old], old_path)
         if new is None:
             notes.warn(f"{old_path}: deprecated and ignored by DeepSpeed; set pin_memory in offload_param or "
                        "offload_optimizer instead")
