@@ -1,31 +1,31 @@
-"""TEMPORARY stub until the config package lands (branch `config`)."""
-from __future__ import annotations
+"""stepfx.config: DeepSpeed JSON configs, read as DeepSpeed reads them, as typed frozen dataclasses.
 
-from dataclasses import dataclass, field
+Plain data: this package imports nothing else of stepfx and reads no
+environment variables. Reference: DeepSpeed v0.19.5 (commit edaa722),
+transformers ``integrations/deepspeed.py`` and accelerate 1.x for "auto".
 
+    from stepfx.config import load_config, resolve_auto, resolve_batch_sizes
+    config = load_config("ds_config.json")            # ConfigError / ConfigWarning
+    config = resolve_auto(config, hidden_size=4096, world_size=8, micro_batch_size=4, ...)
+    train, micro, gas = resolve_batch_sizes(config, dp_world_size=8)
 
-class ConfigError(ValueError):
-    pass
+Which block is read strictly and which leniently, and why: ``rules.py``
+(the rules), ``zero.py``, ``precision.py``, ``blocks.py``, ``schema.py``
+(each block, with its DeepSpeed source). Keys stepfx acts on: ``applied.py``.
+"""
+from .applied import APPLIED
+from .auto import resolve_auto
+from .batch import resolve_batch_sizes
+from .blocks import OptimizerConfig, SchedulerConfig, StepfxOptions
+from .config import Config
+from .errors import ConfigError, ConfigWarning
+from .load import load_config
+from .precision import BF16Config, FP16Config
+from .values import AUTO
+from .zero import OffloadConfig, ZeroConfig
 
-
-@dataclass(frozen=True)
-class StepfxOptions:
-    codegen: bool | None = None
-    disable: tuple[str, ...] = ()
-    dump_dir: str | None = None
-    cache_size: int = 8
-    verify: bool = True
-
-
-@dataclass(frozen=True)
-class Config:
-    stepfx: StepfxOptions = field(default_factory=StepfxOptions)
-    source: str = "<defaults>"
-    ignored_keys: tuple[str, ...] = ()
-    not_applied: tuple[str, ...] = ()
-
-
-def load_config(source=None) -> Config:
-    if isinstance(source, Config):
-        return source
-    return Config()
+__all__ = [
+    "AUTO", "APPLIED", "BF16Config", "Config", "ConfigError", "ConfigWarning", "FP16Config", "OffloadConfig",
+    "OptimizerConfig", "SchedulerConfig", "StepfxOptions", "ZeroConfig", "load_config", "resolve_auto",
+    "resolve_batch_sizes",
+]

@@ -1,0 +1,24 @@
+"""The config key paths stepfx acts on today.
+
+``Config.not_applied`` lists every key path the user set that is *not*
+covered here: DeepSpeed keys stepfx accepts but does not implement yet, so
+that nothing in a user's file is dropped silently. Add a path here in the
+same change that makes a pass or the runtime honour it.
+
+A path is covered by an exact entry ("train_batch_size") or by an entry
+ending in ".*" for a whole block ("stepfx.*"). Paths are canonical: aliases
+resolved (``stage3_max_live_parameters`` ->
+``zero_optimization.max_live_parameters``, ``bfloat16`` -> ``bf16``).
+"""
+from __future__ import annotations
+
+APPLIED: frozenset[str] = frozenset({
+    "stepfx.*",  # stepfx's own options
+})
+
+
+def is_applied(path: str, applied: frozenset[str] = APPLIED) -> bool:
+    if path in applied:
+        return True
+    parts = path.split(".")
+    return any(".".join(parts[:i]) + ".*" in applied for i in range(1, len(parts) + 1))

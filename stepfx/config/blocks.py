@@ -1,0 +1,175 @@
+"""``optimizer``, ``scheduler`` and stepfx's own ``stepfx`` block.
+
+optimizer / scheduler — LENIENT. DeepSpeed reads them with dict lookups
+(``runtime/config.py: get_optimizer_name/params, get_scheduler_name/params``):
+keys other than ``type``, ``params`` (and ``legacy_fusion`` for the
+optimizer) are never read. ``params`` are keyword arguments handed to the
+optimizer / scheduler constructor at engine start, not checked while the
+config is parsed (gpt-neox's ``"cuda-aware"`` param parses), so stepfx keeps
+them as given, except for the keys HF fills ("auto" is accepted there and
+nowhere else in ``params``) whose types stepfx checks.
+
+The type must name something DeepSpeed can build: one of DeepSpeed's
+optimizers (any case: DeepSpeed lower-cases them) or a ``torch.optim`` class
+(exact case: DeepSpeed does ``getattr(torch.optim, name)``); for the
+scheduler, a ``deepspeed.runtime.lr_schedules`` or
+``torch.optim.lr_scheduler`` class (``engine._scheduler_from_config``). The
+torch names are listed here so that this package needs no torch import.
+
+stepfx — STRICT: stepfx's own options; an unknown key is an error.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+from .errors import ConfigError, bad_value, closest, join
+from .rules import Notes, Rule, auto_not_allowed, handle_unknown, is_auto, parse_fields, spec, validate_fields
+from .values import AUTO, Bool, Float, FrozenMap, Int, ListOf, OneOf, Optional, Str, StrList, freeze
+
+DEEPSPEED_OPTIMIZERS = ("adagrad", "adam", "adamw", "lamb", "onebitadam", "onebitlamb", "zerooneadam", "muadam",
+                        "muadamw", "musgd", "lion", "muon")
+TORCH_OPTIMIZERS = ("ASGD", "Adadelta", "Adafactor", "Adagrad", "Adam", "AdamW", "Adamax", "LBFGS", "Muon", "NAdam",
+                    "RAdam", "RMSprop", "Rprop", "SGD", "SparseAdam")
+DEEPSPEED_SCHEDULERS = ("LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
+TORCH_SCHEDULERS = ("ChainedScheduler", "ConstantLR", "CosineAnnealingLR", "CosineAnnealingWarmRestarts", "CyclicLR",
+                    "ExponentialLR", "LambdaLR", "LinearLR", "MultiStepLR", "MultiplicativeLR", "OneCycleLR",
+                    "PolynomialLR", "ReduceLROnPlateau", "SequentialLR", "StepLR")
+
+_LR = Float(ge=0.0)
+_LR_OR_LIST = OneOf((_LR, ListOf(_LR)))  # DeepSpeed's schedulers take a float or one per param group
+# The params HF transformers / accelerate fill when "auto" (integrations/deepspeed.py: trainer_config_process,
+# trainer_config_finalize; accelerate Accelerator._prepare_deepspeed), with the types the consumer needs.
+OPTIMIZER_AUTO_PARAMS = MappingProxyType({"lr": _LR, "betas": ListOf(Float(ge=0.0, le=1.0), length=2),
+                                          "eps": Float(ge=0.0), "weight_decay": Float(ge=0.0)})
+SCHEDULER_AUTO_PARAMS = MappingProxyType({"warmup_min_lr": _LR_OR_LIST, "warmup_max_lr": _LR_OR_LIST,
+                                          "warmup_num_steps": Int(ge=0), "total_num_steps": Int(ge=1)})
+
+
+def _check_type(value: Any, path: str, deepspeed_names: tuple[str, ...], torch_names: tuple[str, ...],
+                fold_case: bool) -> str:
+    ok = isinstance(value, str) and (value in torch_names or value in deepspeed_names
+                                     or (fold_case and value.lower() in deepspeed_names))
+    if ok:
+        return value
+    allowed = deepspeed_names + torch_names
+    near = closest(value, allowed) if isinstance(value, str) else None
+    hint = f" Did you mean {near!r}?" if near else ""
+    raise ConfigError(path, f"got {value!r}; expected a DeepSpeed or torch name, one of {', '.join(allowed)}.{hint}",
+                      value=value, expected=f"one of {allowed}", suggestion=near)
+
+
+def _check_params(value: Any, path: str, auto_params: Mapping[str, Any]) -> FrozenMap:
+    if not isinstance(value, Mapping):
+        raise bad_value(path, value, "a mapping (JSON object) of constructor arguments")
+    out = {}
+    for key, v in value.items():
+        key_path = join(path, key)
+        if is_auto(v):
+            if key not in auto_params:
+                raise auto_not_allowed(key_path)
+            out[key] = AUTO
+        elif key in auto_params:
+            out[key] = auto_params[key](v, key_path)
+        else:
+            out[key] = freeze(v)
+    return FrozenMap(out)
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """``optimizer``: ``type`` (e.g. "AdamW") and constructor ``params`` (values may be AUTO where HF fills them)."""
+
+    type: str = spec(check=Str())
+    params: FrozenMap = FrozenMap()
+    legacy_fusion: bool = spec(False, Bool())
+
+    def __post_init__(self):
+        validate_fields(self, "optimizer")
+        object.__setattr__(self, "type", _check_type(self.type, "optimizer.type", DEEPSPEED_OPTIMIZERS,
+                                                     TORCH_OPTIMIZERS, fold_case=True))
+        object.__setattr__(self, "params", _check_params(self.params, "optimizer.params", OPTIMIZER_AUTO_PARAMS))
+
+    @property
+    def name(self) -> str:
+        """The type as DeepSpeed resolves it: DeepSpeed's own optimizers lower-cased, torch names as given."""
+        return self.type.lower() if self.type.lower() in DEEPSPEED_OPTIMIZERS else self.type
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """``scheduler``: ``type`` (e.g. "WarmupLR") and constructor ``params``."""
+
+    type: str = spec(check=Str())
+    params: FrozenMap = FrozenMap()
+
+    def __post_init__(self):
+        validate_fields(self, "scheduler")
+        object.__setattr__(self, "type", _check_type(self.type, "scheduler.type", DEEPSPEED_SCHEDULERS,
+                                                     TORCH_SCHEDULERS, fold_case=False))
+        object.__setattr__(self, "params", _check_params(self.params, "scheduler.params", SCHEDULER_AUTO_PARAMS))
+
+
+def _parse_typed(cls, mapping: Any, path: str, notes: Notes, extra: tuple[str, ...]):
+    """optimizer / scheduler: a block without ``type`` is ignored by DeepSpeed (no optimizer built)."""
+    if not isinstance(mapping, Mapping):
+        raise bad_value(path, mapping, "a mapping with 'type' and 'params'")
+    for key, value in mapping.items():
+        if key not in ("type", "params") + extra:
+            handle_unknown(join(path, key), value, ("type", "params") + extra, Rule.LENIENT, notes, path)
+    if "type" not in mapping or mapping["type"] is None:
+        notes.warn(f"{path}: no 'type', so DeepSpeed builds no {path} from this block; stepfx ignores it too")
+        return None, []
+    if is_auto(mapping["type"]):
+        raise auto_not_allowed(join(path, "type"))
+    kwargs = {"type": Str()(mapping["type"], join(path, "type"))}
+    params = mapping.get("params") or {}
+    kwargs["params"] = _check_params(params, join(path, "params"),
+                                     OPTIMIZER_AUTO_PARAMS if cls is OptimizerConfig else SCHEDULER_AUTO_PARAMS)
+    set_paths = [join(path, "type")] + [join(path, f"params.{k}") for k in params]
+    for key in extra:
+        if key in mapping:
+            kwargs[key] = Bool()(mapping[key], join(path, key))
+            set_paths.append(join(path, key))
+    return cls(**kwargs), set_paths
+
+
+def parse_optimizer(mapping: Any, path: str, notes: Notes):
+    return _parse_typed(OptimizerConfig, mapping, path, notes, ("legacy_fusion", ))
+
+
+def parse_scheduler(mapping: Any, path: str, notes: Notes):
+    return _parse_typed(SchedulerConfig, mapping, path, notes, ())
+
+
+@dataclass(frozen=True)
+class StepfxOptions:
+    """The top-level ``"stepfx"`` block: stepfx's own options (not DeepSpeed's).
+
+    codegen: emit Triton kernels; None = on for CUDA, off for CPU.
+    disable: names of passes to turn off.
+    dump_dir: folder for ``NN_<pass>.py`` dumps after every pass; None = no dumps.
+    cache_size: captured variants kept per step (at least 1).
+    verify: check the graph invariants after every pass.
+    """
+
+    codegen: bool | None = spec(None, Optional(Bool()))
+    disable: tuple[str, ...] = spec((), StrList())
+    dump_dir: str | None = spec(None, Optional(Str()))
+    cache_size: int = spec(8, Int(ge=1))
+    verify: bool = spec(True, Bool())
+
+    def __post_init__(self):
+        validate_fields(self, "stepfx")
+        for name in self.disable:
+            if not name:
+                raise bad_value("stepfx.disable", self.disable, "a list of non-empty pass names")
+
+
+def parse_stepfx(mapping: Any, path: str, notes: Notes) -> tuple[StepfxOptions, list[str]]:
+    kwargs, set_paths = parse_fields(StepfxOptions, mapping, path, "stepfx", notes, Rule.STRICT, pydantic=False,
+                                     block="stepfx")
+    return StepfxOptions(**kwargs), set_paths
+
