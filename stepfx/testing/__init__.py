@@ -1,0 +1,34 @@
+"""Run code on several local ranks from tests.
+
+- `RankPool(world_size)`: real rank processes (gloo or NCCL), started once and
+  reused by every `pool.run(fn, ...)`; ~2 s to start, milliseconds per run.
+- `run_threaded(fn, world_size)`: ranks as threads of this process with
+  torch's threaded process group; milliseconds per call, for unit tests.
+- `rank()`, `world_size()`, `seed_all(seed)`: helpers for code running on a rank.
+- The pytest plugin `stepfx.testing.pytest_plugin` provides a session-scoped
+  `rank_pool(world_size, backend="gloo")` fixture that shares pools across tests.
+
+Both runners raise `RankError` (or its subclass `RankTimeout`) naming each
+failing rank with its exception, remote traceback and output.
+"""
+from stepfx.testing.errors import RankError, RankFailure, RankTimeout
+from stepfx.testing.ranks import (
+    RankPool,
+    rank,
+    seed_all,
+    torchrun_env,
+    world_size,
+)
+from stepfx.testing.threaded import run_threaded
+
+__all__ = [
+    "RankError",
+    "RankFailure",
+    "RankPool",
+    "RankTimeout",
+    "rank",
+    "run_threaded",
+    "seed_all",
+    "torchrun_env",
+    "world_size",
+]
