@@ -1,4 +1,42 @@
-"""Public testing helpers (TEMPORARY: the rank pool lands from branch `testing`)."""
-from .equivalence import EquivalenceReport, assert_step_equivalent, compare_tensors
+"""Public testing helpers: run code on several local ranks, and check that a
+stepfx step equals the eager step.
 
-__all__ = ["assert_step_equivalent", "EquivalenceReport", "compare_tensors"]
+- `assert_step_equivalent(...)`: the central property, for any model and
+  optimizer: outputs and all state after every step, within stated
+  tolerances (bitwise with ``exact=True``).
+- `RankPool(world_size)`: real rank processes (gloo or NCCL), started once and
+  reused by every `pool.run(fn, ...)`; ~2 s to start, milliseconds per run.
+- `run_threaded(fn, world_size)`: ranks as threads of this process with
+  torch's threaded process group; milliseconds per call, for unit tests.
+- `rank()`, `world_size()`, `seed_all(seed)`: helpers for code running on a rank.
+- The pytest plugin `stepfx.testing.pytest_plugin` provides a session-scoped
+  `rank_pool(world_size, backend="gloo")` fixture that shares pools across tests.
+
+Both runners raise `RankError` (or its subclass `RankTimeout`) naming each
+failing rank with its exception, remote traceback and output.
+"""
+from stepfx.testing.equivalence import EquivalenceReport, assert_step_equivalent, compare_tensors
+from stepfx.testing.errors import RankError, RankFailure, RankTimeout
+from stepfx.testing.ranks import (
+    RankPool,
+    rank,
+    seed_all,
+    torchrun_env,
+    world_size,
+)
+from stepfx.testing.threaded import run_threaded
+
+__all__ = [
+    "assert_step_equivalent",
+    "EquivalenceReport",
+    "compare_tensors",
+    "RankError",
+    "RankFailure",
+    "RankPool",
+    "RankTimeout",
+    "rank",
+    "run_threaded",
+    "seed_all",
+    "torchrun_env",
+    "world_size",
+]
