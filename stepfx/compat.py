@@ -36,24 +36,15 @@ def make_fake_mode():
     return FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True, allow_non_fake_inputs=False)
 
 
-def trace_step_function(fn: Callable[..., Any], fake_args: tuple, user_functions: tuple = ()) -> fx.GraphModule:
+def trace_step_function(fn: Callable[..., Any], fake_args: tuple) -> fx.GraphModule:
     """make_fx ``fn`` over fake args, keeping node metadata annotations
-    (``fx.traceback.annotate``) and stack traces. ``make_fx`` itself is
-    public but its ``record_stack_traces`` flag and node-meta preservation
-    are not stable API.
-
-    make_fx keeps only frames of functions named ``forward`` in stack
-    traces; ``user_functions`` (the user's step function) are registered as
-    extra frames to keep (``_register_stack_trace_anchor``, private, absent
-    on some versions: then only module frames are kept)."""
+    (``fx.traceback.annotate``; node-meta preservation is not stable API).
+    Stack traces are not recorded: capture annotates each op with its user
+    source line itself, at a fraction of the cost."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    register = getattr(torch.fx.proxy, "_register_stack_trace_anchor", None)
-    if register is not None:
-        for f in user_functions:
-            register(f)
     with fx_traceback.preserve_node_meta():
-        return make_fx(fn, tracing_mode="fake", record_stack_traces=True)(*fake_args)
+        return make_fx(fn, tracing_mode="fake")(*fake_args)
 
 
 def functionalize_graph_module(gm: fx.GraphModule, fake_args: tuple) -> fx.GraphModule:
@@ -219,3 +210,17 @@ def abort_threaded_collectives(exc: BaseException) -> None:
     from torch.testing._internal.distributed import multi_threaded_pg
 
     multi_threaded_pg.ProcessLocalGroup.exception_handle(exc)
+
+
+def graph_module(root: torch.nn.Module, graph: fx.Graph) -> fx.GraphModule:
+    """A GraphModule whose Python code is generated on first call, not on
+    construction or ``recompile()``: passes build many intermediate graphs
+    that are printed or rewritten but never run, and code generation costs
+    ~50 us per node. ``_LazyGraphModule`` is private; plain GraphModule
+    where it is missing."""
+    try:
+        from torch.fx._lazy_graph_module import _LazyGraphModule
+    except ImportError:  # pragma: no cover - older torch
+        return fx.GraphModule(root, graph)
+    return _LazyGraphModule(root, graph)
+

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from .optimizers import group_hyperparam_key
+from .optimizers import group_hyperparam_key, shared_step_count
 
 __all__ = ["fingerprint", "describe_change"]
 
@@ -41,6 +41,7 @@ def fingerprint(model: torch.nn.Module, optimizer, args: tuple, kwargs: dict) ->
     items.append(("train/eval modes", tuple(m.training for m in model.modules())))
     if optimizer is not None:
         items.append(("optimizer type", type(optimizer)))
+        items.append(("optimizer step counters all equal", shared_step_count(optimizer) is not None))
         for g, group in enumerate(optimizer.param_groups):
             items.append((f"optimizer group {g} hyperparameters", group_hyperparam_key(group)))
             items.append((f"optimizer group {g} params", tuple(id(p) for p in group["params"])))

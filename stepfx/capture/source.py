@@ -6,8 +6,11 @@ a Hugging Face ``modeling_*.py`` (that is the code the user runs).
 """
 from __future__ import annotations
 
+import functools
+import linecache
 import os
 import re
+import sys
 import traceback
 import types
 
@@ -20,6 +23,7 @@ _STEPFX_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.s
 _FRAME_RE = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>.+)$')
 
 
+@functools.lru_cache(maxsize=4096)
 def is_user_file(filename: str) -> bool:
     path = os.path.abspath(filename)
     if path.startswith(_TORCH_DIR) or path.startswith(_STEPFX_DIR):
@@ -67,3 +71,17 @@ def user_frame_of_caller() -> str | None:
         if is_user_file(frame.filename):
             found = format_frame(frame.filename, frame.lineno, frame.name, frame.line)
     return found
+
+
+def innermost_user_frame() -> str | None:
+    """The innermost user frame of the running Python stack, cheaply (a
+    walk up the frame chain; no traceback objects): called once per traced
+    op."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if is_user_file(code.co_filename):
+            line = linecache.getline(code.co_filename, frame.f_lineno)
+            return format_frame(code.co_filename, frame.f_lineno, code.co_name, line or None)
+        frame = frame.f_back
+    return None

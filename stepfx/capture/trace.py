@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import inspect
 import threading
 import warnings
 from dataclasses import dataclass
@@ -47,8 +46,8 @@ from ..graph.signature import hyperparam_tensor
 from ..graph.build import bind_placeholders, flatten_codegen, label_params
 from ..graph.ops import mutated_args
 from ..graph.verify import mutation_base
-from .optimizers import check_optimizer, state_tensors, trace_overrides
-from .source import user_frame_from_stack_trace, user_frame_from_traceback, user_frame_of_caller
+from .optimizers import check_optimizer, shared_step_count, state_tensors, trace_overrides
+from .source import innermost_user_frame, user_frame_from_traceback, user_frame_of_caller
 
 __all__ = ["StepInputs", "collect_inputs", "capture_step"]
 
@@ -67,6 +66,7 @@ class StepInputs:
     group_params: list[list[str]]  # optimizer param group -> parameter names
     batch_spec: pytree.TreeSpec
     batch_leaves: list[Any]  # every leaf of (args, kwargs); tensors are graph inputs
+    shared_step: bool = False  # all optimizer step counters are equal (read once)
 
 
 def _keystr(path) -> str:
@@ -122,7 +122,8 @@ def collect_inputs(model: torch.nn.Module, optimizer, args: tuple, kwargs: dict)
         if isinstance(leaf, torch.Tensor):
             slots.append(Slot(Role.BATCH, _batch_name(path)))
             values.append(leaf)
-    return StepInputs(slots, values, param_names, group_params, batch_spec, batch_leaves)
+    shared = shared_step_count(optimizer) is not None
+    return StepInputs(slots, values, param_names, group_params, batch_spec, batch_leaves, shared)
 
 
 def _batch_name(path) -> str:
@@ -206,16 +207,37 @@ def _swapped_optimizer(optimizer, group_params, leaves, lrs, states):
         optimizer.state = saved_state
 
 
-class _RealTensorWriteGuard(compat.dispatch_mode_base()):
-    """Refuse in-place writes into real (untraced) tensors while tracing.
+class _TraceGuard(compat.dispatch_mode_base()):
+    """Sees every op of the user's step before make_fx does.
 
-    make_fx executes ops on real tensors it meets (globals, closure
-    variables, unregistered module attributes) for real: without this
-    guard, capture would change the user's data. Pushed inside the trace,
-    this mode sees each op before make_fx does."""
+    - Refuses in-place writes into real (untraced) tensors: make_fx executes
+      ops on real tensors it meets (globals, closure variables, unregistered
+      module attributes) for real, so capture would change the user's data.
+    - Reads all optimizer step counters as one symbolic value when they are
+      known to be equal (``shared_steps``: the traced step-state tensors),
+      see ``optimizers.shared_step_count``.
+    - Records the user's source line of each op in the node annotations
+      (cheaper than make_fx's stack traces, which format every frame).
+    """
+
+    def __init__(self, shared_steps: frozenset[int] = frozenset()):
+        super().__init__()
+        self.shared_steps = shared_steps
+        self.step_value = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.ops.aten._local_scalar_dense.default and id(args[0]) in self.shared_steps:
+            if self.step_value is None:
+                self.step_value = func(*args, **kwargs)
+            return self.step_value
+        source = innermost_user_frame()
+        if source is not None:
+            with compat.annotate_nodes({"source": source}):
+                return self._checked(func, args, kwargs)
+        return self._checked(func, args, kwargs)
+
+    def _checked(self, func, args, kwargs):
         schema = getattr(func, "_schema", None)
         if schema is not None:
             for i, arg in enumerate(schema.arguments):
@@ -256,7 +278,8 @@ def _make_traced_fn(fn, model, optimizer, inputs: StepInputs, rec: _Recorder):
         with compat.reparametrize_module(model, module_tensors), _swapped_optimizer(
             optimizer, inputs.group_params, leaves, lrs, states
         ):
-            with compat.annotate_nodes({"phase": Phase.FORWARD.value}), _phase_hooks(optimizer), _RealTensorWriteGuard():
+            shared = frozenset(id(v) for (_, key), v in states.items() if key == "step") if inputs.shared_step else frozenset()
+            with compat.annotate_nodes({"phase": Phase.FORWARD.value}), _phase_hooks(optimizer), _TraceGuard(shared):
                 result = fn(model, optimizer, *args, **kwargs)
             out_buffers = [model.get_buffer(n) for n in buffer_names]
             out_states = []
@@ -330,7 +353,7 @@ def capture_step(
 
     with _CAPTURE_LOCK, _preserved_rng():
         try:
-            gm = compat.trace_step_function(traced, fake_args, user_functions=(inspect.unwrap(fn),))
+            gm = compat.trace_step_function(traced, fake_args)
         except CaptureError:
             raise
         except compat.data_dependent_errors() as exc:
@@ -402,13 +425,11 @@ def annotate_step_graph(graph: StepGraph) -> None:
         node.meta.setdefault("val", None)
         notes = dict(node.meta.get(compat.NODE_ANNOTATIONS) or {})
         phase = Phase(notes.get("phase", Phase.FORWARD.value))
-        source = notes.get("source") if phase is Phase.BACKWARD else None
-        source = source or user_frame_from_stack_trace(node.meta.get("stack_trace"))
-        # kept in the annotations too, so re-tracing passes carry them over
-        notes.update(phase=phase.value, source=source)
+        # kept in the annotations, so re-tracing passes carry them over
+        notes["phase"] = phase.value
         node.meta[compat.NODE_ANNOTATIONS] = notes
         node.meta[META_PHASE] = phase
-        node.meta[META_SOURCE] = source
+        node.meta[META_SOURCE] = notes.get("source")
     label_params(graph)
     gm.recompile()
 

@@ -36,7 +36,7 @@ def clone_step_graph(graph: StepGraph) -> StepGraph:
     out = new_graph.graph_copy(graph.gm.graph, val_map)
     new_graph.output(out)
     new_graph._codegen = graph.gm.graph._codegen
-    gm = fx.GraphModule(graph.gm, new_graph)
+    gm = compat.graph_module(graph.gm, new_graph)
     return graph.replace(gm=gm)
 
 

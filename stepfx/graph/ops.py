@@ -5,6 +5,7 @@ this op write?", "is it random?" through these helpers.
 """
 from __future__ import annotations
 
+import functools
 import operator
 
 import torch
@@ -74,11 +75,23 @@ def _schema(node: fx.Node):
     return target._schema
 
 
+def _undeclared(node: fx.Node) -> tuple[int, ...]:
+    positions = UNDECLARED_MUTATIONS.get(node.target, ())
+    # batch norm writes its running statistics only in training mode
+    if positions and len(node.args) > 5 and node.args[5] is True:
+        return tuple(i for i in positions if i < len(node.args) and node.args[i] is not None)
+    return ()
+
+
 def mutated_arg_indices(node: fx.Node) -> list[int]:
-    """Positions of the arguments this op writes in place (schema alias info)."""
+    """Positions of the arguments this op writes in place (schema alias
+    info, plus the writes a few ops make without declaring them)."""
     schema = _schema(node)
     if schema is None:
         return []
+    hidden = _undeclared(node)
+    if hidden:
+        return list(hidden)
     return [
         i
         for i, arg in enumerate(schema.arguments)
@@ -91,6 +104,9 @@ def mutated_args(node: fx.Node) -> list:
     schema = _schema(node)
     if schema is None:
         return []
+    hidden = _undeclared(node)
+    if hidden:
+        return [node.args[i] for i in hidden]
     out = []
     for i, arg in enumerate(schema.arguments):
         if arg.alias_info is None or not arg.alias_info.is_write:
@@ -128,3 +144,39 @@ def is_collective(node: fx.Node) -> bool:
     if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
         return False
     return target.namespace in ("_c10d_functional", "c10d_functional")
+
+
+# Ops that write their running-statistics arguments in training mode
+# although their schemas do not say so. Functionalization must know them.
+UNDECLARED_MUTATIONS = {
+    aten.native_batch_norm.default: (3, 4),  # running_mean, running_var (when training)
+}
+for _name in ("cudnn_batch_norm", "miopen_batch_norm"):
+    _packet = getattr(aten, _name, None)
+    if _packet is not None:
+        UNDECLARED_MUTATIONS[_packet.default] = (3, 4)
+
+
+def _arg_types(schema) -> tuple:
+    return tuple((a.name, str(a.type).replace("(a!)", "").replace("(a)", "")) for a in schema.arguments)
+
+
+@functools.cache
+def functional_variant(op) -> "torch._ops.OpOverload | None":
+    """The out-of-place twin of an in-place op (``aten.mul_.Tensor`` ->
+    ``aten.mul.Tensor``; ``aten.bernoulli_.float`` -> ``aten.bernoulli.p``):
+    the overload of the un-suffixed packet whose arguments have the same
+    names and types. None when there is none (the caller falls back)."""
+    found = None
+    if isinstance(op, torch._ops.OpOverload):
+        name = op.overloadpacket.__name__
+        if name.endswith("_") and not name.endswith("__"):
+            packet = getattr(getattr(torch.ops, op.namespace), name[:-1], None)
+            if packet is not None:
+                want = _arg_types(op._schema)
+                for overload in packet.overloads():
+                    candidate = getattr(packet, overload)
+                    if _arg_types(candidate._schema) == want:
+                        found = candidate
+                        break
+    return found

@@ -5,9 +5,9 @@ the final value of every input it writes (capture guarantees this for
 parameters, buffers, gradients and optimizer state, and rejects writes into
 anything else).
 
-Ensures: ``functional`` True — no node writes a graph input or constant;
-views stay views (materializing them would change matmul operand layouts
-and so the numbers). Node phases, sources and annotations carry over.
+Ensures: ``functional`` True — no node writes anything; views stay views
+(materializing them would change matmul operand layouts and so the
+numbers). Node phases, sources and annotations carry over.
 
 Before / after::
 
@@ -15,20 +15,30 @@ Before / after::
     addcmul_ = aten.addcmul_(mul_, g, g, value=0.001)    ->  addcmul = aten.addcmul(mul, g, g, value=0.001)
     return (..., addcmul_)                               ->  return (..., addcmul)
 
-torch's functionalization appends ``copy_(input, new_value)`` for each
-written input; the output already returns ``new_value``, so those copies are
-dropped here (checked one by one).
+Two ways, same result:
+
+- *direct rewrite* (fast, pure graph surgery): each in-place op becomes its
+  out-of-place twin and later reads of the written tensor read the new
+  value. It applies when every write is provably local: the written tensor
+  (or the view written through) is not read through another alias after the
+  write — which is what optimizer updates, gradient clipping, dropout masks
+  and batch-norm statistics look like.
+- *torch's functionalization* (general, ~100x slower: it re-traces the
+  graph) for everything else: an op without an out-of-place twin, or a
+  write that another live view must observe.
 """
 from __future__ import annotations
+
+import operator
 
 import torch
 import torch.fx as fx
 
 from .. import compat
 from ..errors import PassError
-from ..graph import StepGraph, output_values
-from ..graph.build import adopt_annotations, flatten_codegen, label_params
-from ..graph.ops import ALIAS_OPS, is_view
+from ..graph import StepGraph, output_node, output_values
+from ..graph.build import adopt_annotations, clone_step_graph, copy_node_meta, flatten_codegen, label_params
+from ..graph.ops import ALIAS_OPS, UNDECLARED_MUTATIONS, functional_variant, is_view, mutated_arg_indices
 from .manager import PassOptions, PassResult
 
 __all__ = ["functionalize_graph"]
@@ -36,22 +46,223 @@ __all__ = ["functionalize_graph"]
 aten = torch.ops.aten
 
 
+class _NotLocal(Exception):
+    """The direct rewrite cannot prove this graph safe; use torch's."""
+
+
 def functionalize_graph(graph: StepGraph, options: PassOptions) -> PassResult:
     if graph.functional:
         return PassResult(graph, False)
+    try:
+        result, count = _rewrite_directly(graph)
+        how = f"{count} in-place ops rewritten out of place"
+    except _NotLocal as why:
+        result, count = _torch_functionalize(graph)
+        how = f"torch functionalization ({why}); {count} input writes turned into outputs"
+    label_params(result)
+    return PassResult(result, True, how)
+
+
+# -- direct rewrite -------------------------------------------------------------
+
+
+def _is_inplace_alias(node: fx.Node) -> bool:
+    """``foo_(x, ...)`` returns x itself: its result is x."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return False
+    rets = target._schema.returns
+    return len(rets) == 1 and rets[0].alias_info is not None and rets[0].alias_info.is_write
+
+
+def _root(node):
+    """Follow full aliases (detach, alias, the result of an in-place op) to
+    the node that names the same tensor."""
+    while isinstance(node, fx.Node) and node.op == "call_function" and (node.target in ALIAS_OPS - {aten.lift_fresh_copy.default} or _is_inplace_alias(node)):
+        node = node.args[0]
+    return node
+
+
+def _base(node):
+    """Follow full aliases and views to the node that owns the storage."""
+    while isinstance(node, fx.Node) and node.op == "call_function" and (
+        node.target in ALIAS_OPS - {aten.lift_fresh_copy.default} or _is_inplace_alias(node) or is_view(node)
+    ):
+        node = node.args[0]
+    return node
+
+
+def _written(node: fx.Node) -> list[tuple[int, fx.Node | list]]:
+    """(argument position, value) of every argument the node writes."""
+    out = []
+    for i in mutated_arg_indices(node):
+        schema_arg = node.target._schema.arguments[i]
+        value = node.args[i] if i < len(node.args) else node.kwargs.get(schema_arg.name)
+        out.append((i, value))
+    return out
+
+
+def _rewrite_directly(graph: StepGraph) -> tuple[StepGraph, int]:
+    graph = clone_step_graph(graph)
+    g = graph.gm.graph
+    nodes = list(g.nodes)
+    # alias structure of the graph as captured, before any rewriting
+    pos = {n: i for i, n in enumerate(nodes)}
+    root = {n: _root(n) for n in nodes}
+    base = {n: _base(n) for n in nodes}
+    last_use = {n: max((pos[u] for u in n.users), default=-1) for n in nodes}
+    members: dict[fx.Node, list[fx.Node]] = {}
+    for n in nodes:
+        members.setdefault(base[n], []).append(n)
+
+    def check_local(target: fx.Node, at: int) -> None:
+        """Writing ``target`` at position ``at`` is local when no other alias
+        of its storage, made before the write, is read after it."""
+        for x in members.get(base[target], ()):
+            if root[x] is root[target]:
+                continue
+            if pos[x] < at < last_use[x]:
+                raise _NotLocal(f"{x.name} aliases {target.name}, written by {nodes[at].name}, and is read after")
+
+    current: dict[fx.Node, fx.Node] = {}  # tracked tensor (a root) -> its latest value
+
+    def read(value):
+        if isinstance(value, fx.Node):
+            return current.get(root.get(value, value), value)
+        if isinstance(value, (list, tuple)):
+            return type(value)(read(v) for v in value)
+        if isinstance(value, dict):
+            return {k: read(v) for k, v in value.items()}
+        return value
+
+    rewritten = 0
+    replaced = []
+    for node in nodes:
+        if node.op == "output":
+            node.args = read(node.args)
+            continue
+        if node.op != "call_function":
+            continue
+        writes = _written(node)  # judged on the graph as captured
+        for _, value in writes:
+            for t in value if isinstance(value, (list, tuple)) else [value]:
+                if isinstance(t, fx.Node):
+                    check_local(t, pos[node])
+        roots = [[root[t] for t in v] if isinstance(v, (list, tuple)) else root[v] for _, v in writes]
+        node.args, node.kwargs = read(node.args), read(dict(node.kwargs))
+        if writes:
+            _replace_write(g, node, roots, current)
+            replaced.append(node)
+            rewritten += 1
+
+    for node in reversed(replaced):
+        if node.users:
+            raise PassError(f"functionalize_graph: {node.name} still has users after the rewrite: {list(node.users)}")
+        g.erase_node(node)
+    _check_state_outputs(graph, current)
+    return graph.replace(functional=True), rewritten
+
+
+def _replace_write(g: fx.Graph, node: fx.Node, roots: list, current: dict) -> None:
+    """Insert the out-of-place twin of ``node`` and make it the current
+    value of the tensors ``node`` wrote (``roots``, one per written argument:
+    a node, or a list of nodes for foreach ops). Later reads of those
+    tensors pick the new values up through ``current``."""
+    target = node.target
+    if target in UNDECLARED_MUTATIONS:
+        if target is not aten.native_batch_norm.default:
+            raise _NotLocal(f"{target} writes its arguments without declaring it")
+        # training batch norm: the functional op also returns the new running stats
+        with g.inserting_before(node):
+            new = g.create_node(
+                "call_function", aten._native_batch_norm_legit_functional.default, node.args, node.kwargs, name="batch_norm"
+            )
+        copy_node_meta(node, new)
+        vals = tuple(node.meta.get("val") or (None, None, None))
+        new.meta["val"] = (*vals, node.args[3].meta.get("val"), node.args[4].meta.get("val"))
+        outs = _getitems(g, node, new, 5)
+        for user in list(node.users):
+            if user.op == "call_function" and user.target is operator.getitem:
+                user.replace_all_uses_with(outs[user.args[1]])
+                g.erase_node(user)
+        current[roots[0]] = outs[3]
+        current[roots[1]] = outs[4]
+        return
+    twin = functional_variant(target)
+    if twin is None:
+        raise _NotLocal(f"{target} has no out-of-place twin")
+    if len(roots) != 1:
+        raise _NotLocal(f"{target} writes several arguments")
+    (written,) = roots
+    args, kwargs = _with_defaults(target, twin, node.args, node.kwargs)
+    with g.inserting_before(node):
+        new = g.create_node("call_function", twin, args, kwargs, name=twin.overloadpacket.__name__)
+    copy_node_meta(node, new)
+    if isinstance(written, list):
+        new.meta["val"] = [w.meta.get("val") for w in written]
+        for w, item in zip(written, _getitems(g, node, new, len(written))):
+            current[w] = item
+    else:
+        new.meta["val"] = node.meta.get("val")
+        current[written] = new
+
+
+def _with_defaults(op, twin, args, kwargs):
+    """Spell out arguments the in-place op defaults but its twin requires
+    (``bernoulli_(x)`` has p=0.5; ``bernoulli.p`` needs p)."""
+    args, kwargs = list(args), dict(kwargs)
+    for i, (a, b) in enumerate(zip(op._schema.arguments, twin._schema.arguments)):
+        if not b.has_default_value() and a.has_default_value():
+            if b.kwarg_only:
+                kwargs.setdefault(b.name, a.default_value)
+            elif i >= len(args):
+                args.append(a.default_value)
+    return tuple(args), kwargs
+
+
+def _getitems(g: fx.Graph, like: fx.Node, multi: fx.Node, n: int) -> list[fx.Node]:
+    items, last = [], multi
+    for i in range(n):
+        with g.inserting_after(last):
+            item = g.call_function(operator.getitem, (multi, i))
+        copy_node_meta(like, item)
+        item.meta["val"] = multi.meta["val"][i]
+        items.append(item)
+        last = item
+    return items
+
+
+def _check_state_outputs(graph: StepGraph, current: dict) -> None:
+    """Every written graph input must be returned, with its final value, by
+    the output slot of the same identity (capture's contract)."""
+    out_index = graph.signature.output_index()
+    outs = output_values(graph.gm)
+    for node in graph.gm.graph.nodes:
+        if node.op != "placeholder" or node not in current:
+            continue
+        slot = node.meta["slot"]
+        i = out_index.get(slot.ident)
+        if i is None:
+            raise PassError(f"functionalize_graph: the step writes {slot.describe()} but returns no new value for it")
+        if outs[i] is not current[node]:
+            raise PassError(
+                f"functionalize_graph: the value returned for {slot.describe()} ({outs[i]}) is not its final value ({current[node]})"
+            )
+
+
+# -- torch's functionalization --------------------------------------------------
+
+
+def _torch_functionalize(graph: StepGraph) -> tuple[StepGraph, int]:
     gm = graph.gm
+    gm.recompile()
     fake_args = tuple(n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder")
     new_gm = compat.functionalize_graph_module(gm, fake_args)
     flatten_codegen(new_gm)
     adopt_annotations(new_gm, graph.signature.inputs)
     dropped = _drop_copy_epilogue(new_gm, graph)
     new_gm.graph.lint()
-    new_gm.recompile()
-    result = graph.replace(gm=new_gm, functional=True)
-    label_params(result)
-    before = sum(1 for n in gm.graph.nodes if n.op == "call_function")
-    after = sum(1 for n in new_gm.graph.nodes if n.op == "call_function")
-    return PassResult(result, True, f"{dropped} input writes turned into outputs; {before} -> {after} ops")
+    return graph.replace(gm=new_gm, functional=True), dropped
 
 
 def _unalias(value):

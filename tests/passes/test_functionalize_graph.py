@@ -49,3 +49,48 @@ def test_already_functional_graph_is_unchanged():
     new = functionalize_graph(graph, PassOptions()).graph
     again = functionalize_graph(new, PassOptions())
     assert not again.changed and again.graph is new
+
+
+class WithCounter(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 4)
+        self.register_buffer("hist", torch.zeros(3))
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def _write_through_view_then_read_base(model, optimizer, x, y):
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    with torch.no_grad():
+        model.hist[0].add_(1)  # a write through a view ...
+        total = model.hist.sum()  # ... that the base, read afterwards, must see
+    return loss, total
+
+
+def test_writes_another_alias_must_see_fall_back_to_torch_functionalization():
+    from stepfx.capture import capture_step
+    from stepfx.testing.equivalence import assert_step_equivalent
+    from tests.steps import mlp_batches
+
+    model = WithCounter()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = mlp_batches(1)[0]
+    graph = capture_step(_write_through_view_then_read_base, model, opt, (x, y), {})
+    result = functionalize_graph(graph, PassOptions())
+    assert result.summary.startswith("torch functionalization (")
+    assert "is read after" in result.summary
+    report = assert_step_equivalent(
+        _write_through_view_then_read_base, WithCounter, lambda m: torch.optim.SGD(m.parameters(), lr=0.1), mlp_batches(3), exact=True
+    )
+    assert report.bitwise
+
+
+def test_direct_rewrite_is_used_for_ordinary_steps():
+    graph, *_ = captured_mlp()
+    result = functionalize_graph(graph, PassOptions())
+    assert result.summary.endswith("in-place ops rewritten out of place")
