@@ -12,6 +12,8 @@ import collections
 import torch
 
 from .graph import META_PHASE, Role, format_graph
+from .graph.accounting import communication, estimate_memory
+from .graph.layout import LAYOUT_KEY
 
 __all__ = ["explain_plan", "format_bytes"]
 
@@ -30,6 +32,43 @@ def _value_size(val) -> tuple[int, int]:
     return 1, 8
 
 
+def _zero_section(graph, world: int) -> list[str]:
+    layout = graph.signature.extra.get(LAYOUT_KEY)
+    lines: list[str] = []
+    mem = estimate_memory(graph)
+    if layout is not None:
+        kinds = collections.Counter(str(b.sharding) for b in layout.buckets)
+        lines.append(
+            f"ZeRO stage {layout.stage} over {layout.world_size} ranks: {len(layout.buckets)} buckets ("
+            + ", ".join(f"{n} sharding {k}" for k, n in sorted(kinds.items()))
+            + ")"
+        )
+        for b in layout.buckets[:8]:
+            lines.append(
+                f"  bucket {b.index}: {len(b.params)} params, {b.numel:,} elements (padded {b.padded:,}), "
+                f"{b.shard:,} per rank, sharding {b.sharding}"
+            )
+        if len(layout.buckets) > 8:
+            lines.append(f"  ... {len(layout.buckets) - 8} more buckets")
+    lines.append("memory on this rank (predicted):")
+    for role in (Role.PARAM, Role.GRAD, Role.OPTIMIZER_STATE, Role.BUFFER):
+        lines.append(f"  {role.value + ' at rest':<24} {format_bytes(mem.at_rest.get(role, 0)):>12}")
+    lines.append(f"  {'peak during the step':<24} {format_bytes(mem.peak):>12}  (at {mem.peak_node})")
+    comm = communication(graph, world)
+    if comm:
+        lines.append("communication per step on this rank:")
+        by_op: dict[str, list] = collections.defaultdict(lambda: [0, 0, 0.0])
+        for item in comm:
+            acc = by_op[item.op]
+            acc[0] += 1
+            acc[1] += item.payload_bytes
+            acc[2] += item.sent_bytes
+        for op, (count, payload, sent) in sorted(by_op.items()):
+            lines.append(f"  {op:<16} x{count:<4} buffers {format_bytes(payload):>12}   sent (ring) {format_bytes(sent):>12}")
+    lines.append("")
+    return lines
+
+
 def explain_plan(step, plan) -> str:
     cfg = step.config
     graph = plan.graph
@@ -38,7 +77,10 @@ def explain_plan(step, plan) -> str:
         f"stepfx plan for {step.__name__}: {len(step.plans)} captured variant(s); "
         f"this one captured at call {plan.created_at_call}, run {plan.runs} time(s)"
     )
-    lines.append(f"config: {getattr(cfg, 'source', '<config>')}    device: {plan.device_type}    world size: 1")
+    dp = getattr(step, "_dp", None)
+    world = dp.world_size if dp is not None else 1
+    rank = dp.rank if dp is not None else 0
+    lines.append(f"config: {getattr(cfg, 'source', '<config>')}    device: {plan.device_type}    world size: {world}    rank: {rank}")
     lines.append("")
 
     total = sum(r.seconds for r in plan.records)
@@ -70,6 +112,8 @@ def explain_plan(step, plan) -> str:
     outs = collections.Counter(s.role.value for s in graph.signature.outputs)
     lines.append("  outputs: " + ", ".join(f"{n} {role}" for role, n in outs.items()))
     lines.append("")
+
+    lines.extend(_zero_section(graph, world))
 
     model = step._model
     if model is not None:

@@ -75,19 +75,6 @@ def hf_llama():
     return LlamaForCausalLM(cfg)
 
 
-__all__ = [
-    "ce_step",
-    "lm_step",
-    "hf_step",
-    "mlp_batches",
-    "token_batches",
-    "image_batches",
-    "tiny_gpt",
-    "hf_gpt2",
-    "hf_llama",
-    "MLP",
-    "SmallCNN",
-]
 
 
 def captured_mlp(optimizer="adamw", warm=True, dropout=0.0, frozen=False):
@@ -120,3 +107,26 @@ def run_graph(graph, model, opt, batch):
     inputs = [t.detach().clone() if isinstance(t, torch.Tensor) else t for t in binding.inputs(list(batch))]
     with torch.no_grad():
         return graph.gm(*inputs)
+
+
+# picklable factories for data-parallel tests (rank processes import them)
+def adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def adam(model):
+    return torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3)
+
+
+def small_mlp():
+    return MLP((8, 24, 16, 4))
+
+
+def dp_batches(world, steps=3, kind="tokens", seed=7, **kw):
+    """Per-rank batch lists: rank r's i-th batch differs from every other."""
+    make = {"tokens": token_batches, "mlp": mlp_batches}[kind]
+    return [make(steps, seed=seed + 1000 * r, **kw) for r in range(world)]

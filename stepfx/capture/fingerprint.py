@@ -9,12 +9,12 @@ says what differs when they cannot.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import torch.utils._pytree as pytree
 
-from .optimizers import group_hyperparam_key, shared_step_count
+from .optimizers import group_hyperparam_key, shared_step_count, step_counters
 
 __all__ = ["fingerprint", "describe_change"]
 
@@ -31,7 +31,11 @@ def _const_key(x: Any):
         return (type(x), repr(x))
 
 
-def fingerprint(model: torch.nn.Module, optimizer, args: tuple, kwargs: dict) -> tuple:
+def fingerprint(model: torch.nn.Module, optimizer, args: tuple, kwargs: dict, held: Mapping | None = None) -> tuple:
+    """``held``: state a rank keeps for the user's objects (see
+    ``collect_inputs``): its keys are part of the fingerprint, and its step
+    counters count as the optimizer's."""
+    held = held or {}
     items: list[tuple[str, Any]] = [("model", id(model)), ("optimizer", id(optimizer))]
     for name, p in model.named_parameters():
         grad = None if p.grad is None else (tuple(p.grad.shape), p.grad.dtype)
@@ -41,7 +45,8 @@ def fingerprint(model: torch.nn.Module, optimizer, args: tuple, kwargs: dict) ->
     items.append(("train/eval modes", tuple(m.training for m in model.modules())))
     if optimizer is not None:
         items.append(("optimizer type", type(optimizer)))
-        items.append(("optimizer step counters all equal", shared_step_count(optimizer) is not None))
+        steps = step_counters(optimizer) + [v for (role, _, key), v in held.items() if key == "step"]
+        items.append(("optimizer step counters all equal", bool(steps) and shared_step_count(steps) is not None))
         for g, group in enumerate(optimizer.param_groups):
             items.append((f"optimizer group {g} hyperparameters", group_hyperparam_key(group)))
             items.append((f"optimizer group {g} params", tuple(id(p) for p in group["params"])))
@@ -59,6 +64,7 @@ def fingerprint(model: torch.nn.Module, optimizer, args: tuple, kwargs: dict) ->
     for path, leaf in leaves:
         label = "argument " + pytree.keystr(path)
         items.append((label, _tensor_key(leaf) if isinstance(leaf, torch.Tensor) else _const_key(leaf)))
+    items.append(("state held by stepfx", tuple(sorted((str(r), n, k) for r, n, k in held))))
     items.append(("grad mode", torch.is_grad_enabled()))
     items.append(("autocast", _autocast_state()))
     return tuple(items)

@@ -118,30 +118,31 @@ def state_tensors(optimizer: torch.optim.Optimizer, param: torch.Tensor, where: 
     return out
 
 
-def shared_step_count(optimizer: torch.optim.Optimizer | None) -> float | None:
-    """The common value of every parameter's ``state["step"]`` when all are
-    equal CPU scalars (the normal case: all parameters step together), else
-    None.
+def shared_step_count(steps) -> float | None:
+    """The common value of the optimizer step counters ``steps`` (tensors)
+    when all are equal CPU scalars (the normal case: all parameters step
+    together), else None.
 
     Capture then reads one step counter for all parameters: the optimizer's
     per-parameter scalar arithmetic (bias corrections) is recorded against
     one symbolic value instead of hundreds, which is most of the capture
-    time of Adam on large models. The fingerprint includes this value's
-    presence, so a graph that shares it only runs while the counters agree.
+    time of Adam on large models. The fingerprint includes whether the
+    counters agree, so a graph that shares one only runs while they do.
     """
-    if optimizer is None:
-        return None
     value = None
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            step = optimizer.state.get(p, {}).get("step")
-            if step is None:
-                continue
-            if not isinstance(step, torch.Tensor) or step.device.type != "cpu" or step.numel() != 1:
-                return None
-            v = step.item()
-            if value is None:
-                value = v
-            elif v != value:
-                return None
+    for step in steps:
+        if not isinstance(step, torch.Tensor) or step.device.type != "cpu" or step.numel() != 1:
+            return None
+        v = step.item()
+        if value is None:
+            value = v
+        elif v != value:
+            return None
     return value
+
+
+def step_counters(optimizer: torch.optim.Optimizer | None) -> list:
+    """Every parameter's ``state["step"]`` the optimizer itself holds."""
+    if optimizer is None:
+        return []
+    return [st["step"] for group in optimizer.param_groups for p in group["params"] if (st := optimizer.state.get(p)) and "step" in st]

@@ -23,7 +23,7 @@ import contextlib
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.fx as fx
@@ -32,6 +32,7 @@ import torch.utils._pytree as pytree
 from .. import compat
 from ..errors import CaptureError, CaptureWarning
 from ..graph import (
+    META_GRAD_OF,
     META_PHASE,
     META_SLOT,
     META_SOURCE,
@@ -40,6 +41,7 @@ from ..graph import (
     Slot,
     StepGraph,
     StepSignature,
+    TensorSpec,
     output_values,
 )
 from ..graph.signature import hyperparam_tensor
@@ -73,18 +75,25 @@ def _keystr(path) -> str:
     return pytree.keystr(path) if path else "<root>"
 
 
-def collect_inputs(model: torch.nn.Module, optimizer, args: tuple, kwargs: dict) -> StepInputs:
+def collect_inputs(model: torch.nn.Module, optimizer, args: tuple, kwargs: dict, held: Mapping | None = None) -> StepInputs:
     """Enumerate every input of the step: params, buffers, existing grads,
-    optimizer state, learning rates and batch tensors, in that order."""
+    optimizer state, learning rates and batch tensors, in that order.
+
+    ``held`` describes state the user's objects no longer hold because a
+    rank keeps it in pieces (ZeRO): ``(Role.PARAM, name, None)`` and
+    ``(Role.OPTIMIZER_STATE, name, key)`` map to the whole tensor's
+    :class:`TensorSpec`; those inputs are described by the spec instead of
+    read from the module or optimizer."""
     check_optimizer(optimizer)
+    held = held or {}
     slots: list[Slot] = []
-    values: list[torch.Tensor] = []
+    values: list = []
 
     named_params = list(model.named_parameters())
     param_names = {id(p): name for name, p in named_params}
     for name, p in named_params:
         slots.append(Slot(Role.PARAM, name))
-        values.append(p)
+        values.append(held.get((Role.PARAM, name, None), p))
     for name, b in model.named_buffers():
         slots.append(Slot(Role.BUFFER, name))
         values.append(b)
@@ -106,9 +115,14 @@ def collect_inputs(model: torch.nn.Module, optimizer, args: tuple, kwargs: dict)
                     )
                 names.append(name)
             group_params.append(names)
+        held_state: dict[str, dict] = collections.defaultdict(dict)
+        for (role, name, key), spec in held.items():
+            if role is Role.OPTIMIZER_STATE:
+                held_state[name][key] = spec
         for g, names in enumerate(group_params):
             for name, p in zip(names, optimizer.param_groups[g]["params"]):
-                for key, value in sorted(state_tensors(optimizer, p, f"state[{name}]").items()):
+                state = held_state.get(name) or state_tensors(optimizer, p, f"state[{name}]")
+                for key, value in sorted(state.items()):
                     slots.append(Slot(Role.OPTIMIZER_STATE, name, key=key))
                     values.append(value)
         for g, group in enumerate(optimizer.param_groups):
@@ -122,7 +136,8 @@ def collect_inputs(model: torch.nn.Module, optimizer, args: tuple, kwargs: dict)
         if isinstance(leaf, torch.Tensor):
             slots.append(Slot(Role.BATCH, _batch_name(path)))
             values.append(leaf)
-    shared = shared_step_count(optimizer) is not None
+    steps = [v for slot, v in zip(slots, values) if slot.role is Role.OPTIMIZER_STATE and slot.key == "step"]
+    shared = bool(steps) and shared_step_count(steps) is not None
     return StepInputs(slots, values, param_names, group_params, batch_spec, batch_leaves, shared)
 
 
@@ -145,15 +160,28 @@ class _Recorder:
 
 
 @contextlib.contextmanager
-def _phase_hooks(optimizer):
+def _phase_hooks(optimizer, leaves: dict[str, torch.Tensor]):
     """Annotate nodes made inside ``torch.autograd.backward``/``grad`` as
-    backward and inside ``optimizer.step`` as optimizer."""
+    backward and inside ``optimizer.step`` as optimizer.
+
+    After each ``backward``, every parameter's ``.grad`` is re-pointed at an
+    ``aten.alias`` of itself annotated ``grad_of=<param>``: the marker that
+    tells later passes which value is the gradient the step accumulated
+    (ZeRO reduces it right there, as DDP reduces in backward hooks)."""
     real_backward, real_grad = torch.autograd.backward, torch.autograd.grad
 
-    def wrap(fn):
+    def wrap(fn, marks_grads):
         def wrapper(*a, **k):
-            with compat.annotate_nodes({"phase": Phase.BACKWARD.value, "source": user_frame_of_caller()}):
-                return fn(*a, **k)
+            source = user_frame_of_caller()
+            with compat.annotate_nodes({"phase": Phase.BACKWARD.value, "source": source}):
+                result = fn(*a, **k)
+                if marks_grads:
+                    with torch.no_grad():
+                        for name, leaf in leaves.items():
+                            if leaf.grad is not None:
+                                with compat.annotate_nodes({"grad_of": name}):
+                                    leaf.grad = torch.ops.aten.alias.default(leaf.grad)
+            return result
 
         return wrapper
 
@@ -170,7 +198,7 @@ def _phase_hooks(optimizer):
             stack.pop().__exit__(None, None, None)
 
         handles = [optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post)]
-    torch.autograd.backward, torch.autograd.grad = wrap(real_backward), wrap(real_grad)
+    torch.autograd.backward, torch.autograd.grad = wrap(real_backward, True), wrap(real_grad, False)
     try:
         yield
     finally:
@@ -279,7 +307,7 @@ def _make_traced_fn(fn, model, optimizer, inputs: StepInputs, rec: _Recorder):
             optimizer, inputs.group_params, leaves, lrs, states
         ):
             shared = frozenset(id(v) for (_, key), v in states.items() if key == "step") if inputs.shared_step else frozenset()
-            with compat.annotate_nodes({"phase": Phase.FORWARD.value}), _phase_hooks(optimizer), _TraceGuard(shared):
+            with compat.annotate_nodes({"phase": Phase.FORWARD.value}), _phase_hooks(optimizer, leaves), _TraceGuard(shared):
                 result = fn(model, optimizer, *args, **kwargs)
             out_buffers = [model.get_buffer(n) for n in buffer_names]
             out_states = []
@@ -349,7 +377,7 @@ def capture_step(
     rec = _Recorder()
     traced = _make_traced_fn(fn, model, optimizer, inputs, rec)
     fake_mode = compat.make_fake_mode()
-    fake_args = tuple(fake_mode.from_tensor(v.detach()) for v in inputs.values)
+    fake_args = tuple(_fake_input(fake_mode, v) for v in inputs.values)
 
     with _CAPTURE_LOCK, _preserved_rng():
         try:
@@ -398,6 +426,13 @@ def capture_step(
     return graph
 
 
+def _fake_input(fake_mode, value):
+    if isinstance(value, TensorSpec):
+        with fake_mode:
+            return torch.empty(value.shape, dtype=value.dtype, device=value.device)
+    return fake_mode.from_tensor(value.detach())
+
+
 @contextlib.contextmanager
 def _preserved_rng():
     """Tracing must not move the user's RNG streams."""
@@ -430,6 +465,8 @@ def annotate_step_graph(graph: StepGraph) -> None:
         node.meta[compat.NODE_ANNOTATIONS] = notes
         node.meta[META_PHASE] = phase
         node.meta[META_SOURCE] = notes.get("source")
+        if "grad_of" in notes:
+            node.meta[META_GRAD_OF] = notes["grad_of"]
     label_params(graph)
     gm.recompile()
 

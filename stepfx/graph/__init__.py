@@ -3,8 +3,9 @@
 Shared by capture (which produces step graphs), passes (which rewrite them)
 and the runtime (which binds and runs them). Imports nothing else of stepfx.
 """
-from .signature import STATE_ROLES, Role, Slot, StepSignature
+from .signature import STATE_ROLES, Role, Slot, StepSignature, Storage, TensorSpec
 from .step_graph import (
+    META_GRAD_OF,
     META_PARAM,
     META_PHASE,
     META_SLOT,
@@ -21,6 +22,8 @@ from .verify import verify_step_graph
 __all__ = [
     "Role",
     "Slot",
+    "Storage",
+    "TensorSpec",
     "StepSignature",
     "STATE_ROLES",
     "Phase",
@@ -29,6 +32,7 @@ __all__ = [
     "META_PHASE",
     "META_SLOT",
     "META_SOURCE",
+    "META_GRAD_OF",
     "placeholders",
     "output_node",
     "output_values",

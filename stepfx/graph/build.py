@@ -10,12 +10,13 @@
 """
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from .. import compat
 from .signature import Role
-from .step_graph import META_PARAM, META_PHASE, META_SLOT, META_SOURCE, Phase, StepGraph
+from .step_graph import META_GRAD_OF, META_PARAM, META_PHASE, META_SLOT, META_SOURCE, Phase, StepGraph
 
 __all__ = [
     "clone_step_graph",
@@ -64,6 +65,8 @@ def placeholder_name(slot) -> str:
         Role.BATCH: "in_",
     }.get(slot.role, "x_")
     text = slot.name + (f"_{slot.key}" if slot.key else "") + (f"_{slot.group}" if slot.group is not None else "")
+    if slot.piece is not None:
+        text += "_piece"
     cleaned = "".join(c if c.isalnum() else "_" for c in text)
     while "__" in cleaned:
         cleaned = cleaned.replace("__", "_")
@@ -91,12 +94,14 @@ def adopt_annotations(gm: fx.GraphModule, slots) -> None:
         notes = node.meta.get(compat.NODE_ANNOTATIONS) or {}
         node.meta[META_PHASE] = Phase(notes.get("phase", Phase.FORWARD.value))
         node.meta[META_SOURCE] = notes.get("source")
+        if "grad_of" in notes:
+            node.meta[META_GRAD_OF] = notes["grad_of"]
 
 
 def copy_node_meta(src: fx.Node, dst: fx.Node, *, phase: Phase | None = None) -> None:
     """Give a node a pass inserts the phase, source and annotations of the
     node it stands for (``val`` is the pass's job: it knows the new value)."""
-    for key in (META_PHASE, META_SOURCE, META_PARAM, compat.NODE_ANNOTATIONS, "stack_trace"):
+    for key in (META_PHASE, META_SOURCE, META_PARAM, compat.NODE_ANNOTATIONS):
         if key in src.meta:
             dst.meta[key] = src.meta[key]
     if phase is not None:
@@ -106,7 +111,8 @@ def copy_node_meta(src: fx.Node, dst: fx.Node, *, phase: Phase | None = None) ->
 def label_params(graph: StepGraph) -> None:
     """Set ``meta["param"]`` on nodes that belong to exactly one parameter.
 
-    - placeholders of a parameter, its gradient or its optimizer state;
+    - placeholders of a parameter, its gradient or its optimizer state, and
+      the nodes marked as its gradient after a backward (``grad_of``);
     - forward/backward nodes all of whose tensor inputs belong to the same
       parameter (its views, casts, transposes);
     - optimizer nodes whose parameter-owned inputs all belong to one
@@ -119,6 +125,11 @@ def label_params(graph: StepGraph) -> None:
     owned_roles = (Role.PARAM, Role.GRAD, Role.OPTIMIZER_STATE)
     for node in gm.graph.nodes:
         node.meta.pop(META_PARAM, None)
+        if META_GRAD_OF in node.meta:
+            # a parameter's gradient right after backward belongs to it
+            # (SGD's first step builds its momentum from nothing else)
+            node.meta[META_PARAM] = node.meta[META_GRAD_OF]
+            continue
         if node.op == "placeholder":
             slot = node.meta.get(META_SLOT)
             if slot is not None and slot.role in owned_roles:
@@ -126,7 +137,9 @@ def label_params(graph: StepGraph) -> None:
             continue
         if node.op != "call_function":
             continue
-        inputs = list(node.all_input_nodes)
+        # symbolic scalars (the learning rate, a shared step counter) belong
+        # to no parameter even when computed from one parameter's state
+        inputs = [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
         labels = {a.meta.get(META_PARAM) for a in inputs}
         if node.meta.get(META_PHASE) is Phase.OPTIMIZER:
             owned = labels - {None}

@@ -180,3 +180,15 @@ def functional_variant(op) -> "torch._ops.OpOverload | None":
                         found = candidate
                         break
     return found
+
+
+def has_side_effect(node: fx.Node) -> bool:
+    """Nodes dead-code elimination must keep even when nothing reads them:
+    inputs/outputs, in-place writes, random draws (removing an unread
+    dropout mask would shift every later draw of the RNG stream) and
+    collectives (every rank must issue the same sequence)."""
+    if node.op in ("placeholder", "output"):
+        return True
+    if node.op != "call_function":
+        return False
+    return is_mutating(node) or is_random(node) or is_collective(node)

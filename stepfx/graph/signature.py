@@ -22,7 +22,7 @@ from typing import Any
 
 from torch.utils._pytree import TreeSpec
 
-__all__ = ["Role", "Slot", "StepSignature", "STATE_ROLES"]
+__all__ = ["Role", "Storage", "Slot", "StepSignature", "STATE_ROLES", "TensorSpec", "hyperparam_tensor"]
 
 
 class Role(str, enum.Enum):
@@ -40,8 +40,18 @@ class Role(str, enum.Enum):
         return self.value
 
 
-# Roles whose values persist across steps and are owned by the executor.
+# Roles whose values persist across steps.
 STATE_ROLES = frozenset({Role.PARAM, Role.BUFFER, Role.GRAD, Role.OPTIMIZER_STATE})
+
+
+class Storage(str, enum.Enum):
+    """Where a state slot's value lives between steps."""
+
+    USER = "user"  # in the user's module / optimizer (read before, written after each step)
+    RANK = "rank"  # held by this rank's executor (shards, and state the user's objects no longer hold)
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass(frozen=True)
@@ -53,26 +63,35 @@ class Slot:
     style names for HYPERPARAM, the pytree path (``"[0]['x']"``) for BATCH
     and USER_OUTPUT. ``key`` distinguishes several optimizer states of one
     parameter; ``group`` is the optimizer param-group index for HYPERPARAM.
+    ``storage`` says who holds the value between steps; ``piece`` is the
+    flat element range ``[start, stop)`` of the named tensor that this slot
+    holds when the tensor is sharded (ZeRO), None when it holds all of it.
     """
 
     role: Role
     name: str
     key: str | None = None
     group: int | None = None
+    storage: Storage = Storage.USER
+    piece: tuple[int, int] | None = None
 
     @property
-    def ident(self) -> tuple[Role, str, str | None, int | None]:
-        return (self.role, self.name, self.key, self.group)
+    def ident(self) -> tuple:
+        return (self.role, self.name, self.key, self.group, self.storage, self.piece)
 
     def describe(self) -> str:
-        """Short human form: ``param fc1.weight``, ``optimizer_state fc1.weight[exp_avg]``."""
+        """Short human form: ``param fc1.weight``, ``optimizer_state fc1.weight[exp_avg]``,
+        ``param fc1.weight{0:64} (rank)``."""
         text = f"{self.role} {self.name}"
         if self.key is not None:
             text += f"[{self.key}]"
+        if self.piece is not None:
+            text += f"{{{self.piece[0]}:{self.piece[1]}}}"
         if self.group is not None:
             text += f" (group {self.group})"
+        if self.storage is not Storage.USER:
+            text += f" ({self.storage})"
         return text
-
 
 @dataclass(frozen=True)
 class StepSignature:
@@ -138,3 +157,17 @@ def hyperparam_tensor(value) -> "torch.Tensor":
     if isinstance(value, torch.Tensor):
         return value.detach().to(device="cpu", dtype=torch.float64).reshape(())
     return torch.tensor(float(value), dtype=torch.float64)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape, dtype and device of a tensor that is not at hand (held in
+    pieces by a rank, say): capture makes a fake tensor from it."""
+
+    shape: tuple[int, ...]
+    dtype: "torch.dtype"
+    device: "torch.device"
+
+    @classmethod
+    def of(cls, t) -> "TensorSpec":
+        return cls(tuple(t.shape), t.dtype, t.device)

@@ -9,7 +9,10 @@ Node metadata stepfx maintains (besides fx's own ``val`` fake value and
   optimizer update);
 - ``meta["source"]``: ``"file.py:123"`` of the user's code that produced the
   node, where known (used in error messages);
-- ``meta["slot"]``: the :class:`~stepfx.graph.signature.Slot` of a placeholder.
+- ``meta["slot"]``: the :class:`~stepfx.graph.signature.Slot` of a placeholder;
+- ``meta["grad_of"]``: on the node holding a parameter's accumulated
+  gradient right after a ``backward`` (the last such node of a parameter is
+  the gradient the optimizer uses).
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ __all__ = [
     "META_PARAM",
     "META_SOURCE",
     "META_SLOT",
+    "META_GRAD_OF",
     "placeholders",
     "output_node",
     "output_values",
@@ -36,6 +40,7 @@ META_PHASE = "phase"
 META_PARAM = "param"
 META_SOURCE = "source"
 META_SLOT = "slot"
+META_GRAD_OF = "grad_of"
 
 
 class Phase(str, enum.Enum):

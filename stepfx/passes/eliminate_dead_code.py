@@ -12,22 +12,14 @@ import torch.fx as fx
 
 from ..graph import StepGraph
 from ..graph.build import clone_step_graph
-from ..graph.ops import is_collective, is_mutating, is_random
+from ..graph.ops import has_side_effect
 from .manager import PassOptions, PassResult
 
-__all__ = ["eliminate_dead_code", "has_effect"]
-
-
-def has_effect(node: fx.Node) -> bool:
-    if node.op in ("placeholder", "output"):
-        return True
-    if node.op != "call_function":
-        return False
-    return is_mutating(node) or is_random(node) or is_collective(node)
+__all__ = ["eliminate_dead_code"]
 
 
 def _dead(node: fx.Node) -> bool:
-    return node.op in ("call_function", "get_attr") and not node.users and not has_effect(node)
+    return node.op in ("call_function", "get_attr") and not node.users and not has_side_effect(node)
 
 
 def eliminate_dead_code(graph: StepGraph, options: PassOptions) -> PassResult:
@@ -35,7 +27,7 @@ def eliminate_dead_code(graph: StepGraph, options: PassOptions) -> PassResult:
         return PassResult(graph, False)
     graph = clone_step_graph(graph)
     before = len(graph.gm.graph.nodes)
-    graph.gm.graph.eliminate_dead_code(is_impure_node=has_effect)
+    graph.gm.graph.eliminate_dead_code(is_impure_node=has_side_effect)
     graph.gm.recompile()
     removed = before - len(graph.gm.graph.nodes)
     return PassResult(graph, removed > 0, f"removed {removed} unused nodes")

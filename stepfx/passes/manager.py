@@ -39,6 +39,7 @@ class PassOptions:
     world_size: int = 1
     rank: int = 0
     device_type: str = "cpu"
+    group_name: str | None = None  # stepfx's data-parallel process group
     extra: dict = field(default_factory=dict)
 
 

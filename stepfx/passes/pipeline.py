@@ -7,9 +7,21 @@ from .eliminate_dead_code import eliminate_dead_code
 from .functionalize_graph import functionalize_graph
 from .manager import PipelineEntry
 from .prune_unchanged_outputs import prune_unchanged_outputs
+from .plan_zero_layout import plan_zero_layout, zero_settings
+from .reduce_gradients import reduce_gradients
 from .remove_aliases import remove_aliases
+from .shard_optimizer_update import shard_optimizer_update
+from .shard_parameters import shard_parameters
 
 __all__ = ["PIPELINE", "pass_names"]
+
+
+def _data_parallel(options) -> bool:
+    return options.world_size > 1 or zero_settings(options)[0] > 0
+
+
+def _stage_at_least(stage: int):
+    return lambda options: zero_settings(options)[0] >= stage
 
 PIPELINE: tuple[PipelineEntry, ...] = (
     PipelineEntry(
@@ -35,7 +47,31 @@ PIPELINE: tuple[PipelineEntry, ...] = (
     PipelineEntry(
         "eliminate_dead_code",
         eliminate_dead_code,
-        "last: the passes above leave unused nodes behind",
+        "after the cleanups: they leave unused nodes behind; ZeRO needs the real set of updated parameters",
+    ),
+    PipelineEntry(
+        "plan_zero_layout",
+        plan_zero_layout,
+        "before any ZeRO rewrite: buckets and pieces are decided once, from parameters and config",
+        applies=_data_parallel,
+    ),
+    PipelineEntry(
+        "reduce_gradients",
+        reduce_gradients,
+        "whole-gradient buckets (stage 0/1) are averaged before anything reads them",
+        applies=_data_parallel,
+    ),
+    PipelineEntry(
+        "shard_optimizer_update",
+        shard_optimizer_update,
+        "stage >= 1: after reduction, the update shrinks to this rank's pieces",
+        applies=_stage_at_least(1),
+    ),
+    PipelineEntry(
+        "shard_parameters",
+        shard_parameters,
+        "stage 3, after shard_optimizer_update: its piece cuts become the parameters at rest",
+        applies=_stage_at_least(3),
     ),
 )
 

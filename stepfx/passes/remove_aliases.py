@@ -15,7 +15,9 @@ Before / after::
 from __future__ import annotations
 
 from ..errors import PassError
-from ..graph import StepGraph
+import torch.fx as fx
+
+from ..graph import META_GRAD_OF, StepGraph
 from ..graph.build import clone_step_graph
 from ..graph.ops import ALIAS_OPS
 from .manager import PassOptions, PassResult
@@ -32,7 +34,11 @@ def remove_aliases(graph: StepGraph, options: PassOptions) -> PassResult:
     removed = 0
     for node in list(graph.gm.graph.nodes):
         if node.op == "call_function" and node.target in ALIAS_OPS:
-            node.replace_all_uses_with(node.args[0])
+            source = node.args[0]
+            # a gradient marker moves to the value it marks
+            if META_GRAD_OF in node.meta and isinstance(source, fx.Node):
+                source.meta[META_GRAD_OF] = node.meta[META_GRAD_OF]
+            node.replace_all_uses_with(source)
             graph.gm.graph.erase_node(node)
             removed += 1
     graph.gm.recompile()

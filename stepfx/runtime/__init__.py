@@ -1,8 +1,22 @@
-"""Running compiled plans: bind state, run graphs, write results back.
+"""Running compiled plans: bind state, run graphs, write results back,
+and keep data-parallel ranks in step.
 
 The runtime runs plans; it never traces (no imports of stepfx.capture).
 """
-from .binding import ModuleBinding
+from .binding import ModuleBinding, RankStore
+from .distributed import DataParallel, RankMismatchError, collective_fingerprint, data_parallel, preflight
 from .executor import LocalExecutor
+from .zero_state import gather_sharded_params, gather_sharded_state
 
-__all__ = ["ModuleBinding", "LocalExecutor"]
+__all__ = [
+    "ModuleBinding",
+    "RankStore",
+    "LocalExecutor",
+    "DataParallel",
+    "RankMismatchError",
+    "data_parallel",
+    "collective_fingerprint",
+    "preflight",
+    "gather_sharded_params",
+    "gather_sharded_state",
+]

@@ -1,15 +1,24 @@
-"""Bind a step graph's slots to the user's live objects.
+"""Bind a step graph's slots to where their values live.
 
-While nothing is sharded, the user's ``nn.Module`` and optimizer *are* the
-persistent state: inputs are read from them before each run and outputs are
-written back after it, so ``model.state_dict()``, ``model.eval()`` and lr
-schedulers keep working unchanged.
+Slots with storage "user" live in the user's ``nn.Module`` and optimizer:
+inputs are read from them before each run and outputs written back after
+it, so ``model.state_dict()``, ``model.eval()`` and lr schedulers keep
+working unchanged. Write-back keeps object identity: a parameter's new
+value is installed with ``param.data = new`` (the optimizer keys its state
+by the Parameter object, and users hold references to it); buffers
+likewise; optimizer states are dict entries.
 
-Write-back keeps object identity: a parameter's new value is installed with
-``param.data = new`` (the optimizer keys its state by the Parameter object,
-and users hold references to it); buffers likewise; optimizer states are
-dict entries. Nothing is written until the whole graph has run, so a failed
-step leaves the model and optimizer as they were.
+Slots with storage "rank" live in the :class:`RankStore` (ZeRO pieces, and
+optimizer state the rank keeps instead of the user's optimizer). The first
+read of such a slot takes its value from the user's object (the piece of a
+parameter or of an optimizer state); once the step has run, the user's
+copies are released (the optimizer's state entries dropped; the module's
+parameters, under ZeRO-3, emptied — any use of them then fails loudly
+instead of computing with stale values; ``step.sync_model()`` gathers them
+back).
+
+Nothing is written anywhere until the whole graph has run, so a failed
+step leaves the model, the optimizer and the rank's store as they were.
 """
 from __future__ import annotations
 
@@ -18,19 +27,52 @@ from typing import Any, Callable
 import torch
 import torch.utils._pytree as pytree
 
-from ..graph import Role, StepSignature
+from ..graph import Role, StepSignature, Storage
+from ..graph.layout import LAYOUT_KEY, Sharding
 from ..graph.signature import hyperparam_tensor
 
-__all__ = ["ModuleBinding"]
+__all__ = ["ModuleBinding", "RankStore"]
+
+
+class RankStore:
+    """Tensors this rank holds between steps, by slot identity, and what
+    they stand for: ``held`` maps ``(role, name, key)`` of every tensor the
+    user's objects no longer hold to its whole :class:`TensorSpec` (or, for
+    whole scalars such as step counters, to the tensor itself), which is how
+    later captures describe them."""
+
+    def __init__(self):
+        self.tensors: dict[tuple, torch.Tensor] = {}
+        self.held: dict[tuple, Any] = {}
+
+    def __contains__(self, ident) -> bool:
+        return ident in self.tensors
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+def _owner(model: torch.nn.Module, name: str):
+    module_path, _, attr = name.rpartition(".")
+    module = model.get_submodule(module_path) if module_path else model
+    return module, attr
 
 
 class ModuleBinding:
-    """Reads graph inputs from and writes outputs to a module + optimizer."""
+    """Reads graph inputs from, and writes outputs to, the user's module and
+    optimizer and this rank's store."""
 
-    def __init__(self, signature: StepSignature, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None):
+    def __init__(
+        self,
+        signature: StepSignature,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        store: RankStore | None = None,
+    ):
         self.signature = signature
         self.model = model
         self.optimizer = optimizer
+        self.store = store if store is not None else RankStore()
         params = dict(model.named_parameters())
         self._params = params
         self._readers: list[Callable[[], Any] | None] = []
@@ -44,10 +86,38 @@ class ModuleBinding:
         # a gradient that existed before the step and is not returned was
         # cleared by the step (zero_grad(set_to_none=True))
         self._grads_cleared = [params[s.name] for s in signature.inputs if s.role is Role.GRAD and s.name not in grads_out]
+        layout = signature.extra.get(LAYOUT_KEY)
+        sharded = [(b, p) for b, p in layout.params() if b.sharding is not Sharding.NONE] if layout else []
+        # the rank keeps all optimizer state of these; under ZeRO-3 their values too
+        self._state_owned = [params[p.name] for _, p in sharded]
+        self._params_owned = [params[p.name] for b, p in sharded if b.sharding is Sharding.PARAMETERS]
+        self._whole_scalars = {(s.role, s.name, s.key): s.ident for s in (*signature.inputs, *signature.outputs) if s.storage is Storage.RANK and s.piece is None}
 
     # -- inputs ---------------------------------------------------------------
+    def _user_tensor(self, slot, params) -> Callable[[], torch.Tensor]:
+        if slot.role is Role.PARAM:
+            p = params[slot.name]
+            return lambda: p
+        if slot.role is Role.OPTIMIZER_STATE:
+            p, opt, key = params[slot.name], self.optimizer, slot.key
+            return lambda: opt.state[p][key]
+        raise ValueError(f"cannot bind {slot.describe()}")
+
     def _reader(self, slot, params):
         role = slot.role
+        if slot.storage is Storage.RANK:
+            source = self._user_tensor(slot, params)
+            store, ident, piece = self.store, slot.ident, slot.piece
+
+            def read_rank():
+                value = store.tensors.get(ident)
+                if value is None:
+                    whole = source().detach()
+                    value = whole.reshape(-1)[piece[0] : piece[1]].clone() if piece is not None else whole.clone()
+                    store.tensors[ident] = value
+                return value
+
+            return read_rank
         if role is Role.PARAM:
             p = params[slot.name]
             return lambda: p
@@ -77,6 +147,13 @@ class ModuleBinding:
     # -- outputs --------------------------------------------------------------
     def _writer(self, slot, params):
         role = slot.role
+        if slot.storage is Storage.RANK:
+            store, ident = self.store, slot.ident
+
+            def write_rank(v):
+                store.tensors[ident] = v
+
+            return write_rank
         if role is Role.PARAM:
             p = params[slot.name]
 
@@ -126,7 +203,22 @@ class ModuleBinding:
                 writer(value)
         for p in self._grads_cleared:
             p.grad = None
+        self._release_user_copies()
         return self.user_result(user_leaves)
+
+    def _release_user_copies(self) -> None:
+        """The rank now holds these; the user's objects must not keep stale
+        copies (and the memory is the point of ZeRO)."""
+        opt = self.optimizer
+        if opt is not None:
+            for p in self._state_owned:
+                opt.state.pop(p, None)
+        for p in self._params_owned:
+            if p.numel() > 0:
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        for key, ident in self._whole_scalars.items():
+            if ident in self.store.tensors:
+                self.store.held[key] = self.store.tensors[ident]
 
     def user_result(self, slot_leaves: list) -> Any:
         sig = self.signature
@@ -135,9 +227,3 @@ class ModuleBinding:
         it = iter(slot_leaves)
         leaves = [next(it) if from_slot else const for from_slot, const in zip(sig.user_output_from_slot, sig.user_output_constants)]
         return pytree.tree_unflatten(leaves, sig.user_output_spec)
-
-
-def _owner(model: torch.nn.Module, name: str):
-    module_path, _, attr = name.rpartition(".")
-    module = model.get_submodule(module_path) if module_path else model
-    return module, attr

@@ -15,7 +15,13 @@ stepfx step equals the eager step.
 Both runners raise `RankError` (or its subclass `RankTimeout`) naming each
 failing rank with its exception, remote traceback and output.
 """
-from stepfx.testing.equivalence import EquivalenceReport, assert_step_equivalent, compare_tensors
+from stepfx.testing.equivalence import (
+    EquivalenceReport,
+    assert_data_parallel_equivalent,
+    assert_step_equivalent,
+    compare_tensors,
+    data_parallel_reference,
+)
 from stepfx.testing.errors import RankError, RankFailure, RankTimeout
 from stepfx.testing.ranks import (
     RankPool,
@@ -28,6 +34,8 @@ from stepfx.testing.threaded import run_threaded
 
 __all__ = [
     "assert_step_equivalent",
+    "assert_data_parallel_equivalent",
+    "data_parallel_reference",
     "EquivalenceReport",
     "compare_tensors",
     "RankError",

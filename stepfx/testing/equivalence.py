@@ -20,7 +20,13 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-__all__ = ["assert_step_equivalent", "EquivalenceReport", "compare_tensors"]
+__all__ = [
+    "assert_step_equivalent",
+    "assert_data_parallel_equivalent",
+    "data_parallel_reference",
+    "EquivalenceReport",
+    "compare_tensors",
+]
 
 
 @dataclass
@@ -32,6 +38,7 @@ class EquivalenceReport:
     output_rel: list[float] = field(default_factory=list)
     state_abs: list[float] = field(default_factory=list)  # per step
     state_rel: list[float] = field(default_factory=list)
+    explains: list[str] = field(default_factory=list)  # per rank, data-parallel runs
 
     @property
     def bitwise(self) -> bool:
@@ -47,8 +54,14 @@ class EquivalenceReport:
         )
 
 
-def compare_tensors(what: str, actual: torch.Tensor, expected: torch.Tensor, rtol: float, atol: float) -> tuple[float, float]:
-    """Max abs and rel difference; AssertionError naming ``what`` when out of tolerance."""
+def compare_tensors(
+    what: str, actual: torch.Tensor, expected: torch.Tensor, rtol: float, atol: float, *, normwise: bool = False
+) -> tuple[float, float]:
+    """Max abs and rel difference; AssertionError naming ``what`` when out of
+    tolerance. Elementwise: ``|a - b| <= atol + rtol * |b|`` for every
+    element. ``normwise``: ``max|a - b| <= atol + rtol * max|b|`` — the
+    relative error of the tensor as a whole, which elements near zero do not
+    dominate."""
     if actual.shape != expected.shape or actual.dtype != expected.dtype:
         raise AssertionError(
             f"{what}: shape/dtype {tuple(actual.shape)}/{actual.dtype} != expected {tuple(expected.shape)}/{expected.dtype}"
@@ -63,6 +76,15 @@ def compare_tensors(what: str, actual: torch.Tensor, expected: torch.Tensor, rto
     a, b = a[finite], b[finite]
     diff = (a - b).abs()
     abs_max = diff.max().item() if diff.numel() else 0.0
+    if normwise:
+        scale = b.abs().max().item() if b.numel() else 0.0
+        rel_max = abs_max / scale if scale > 0 else (0.0 if abs_max == 0 else math.inf)
+        if abs_max > atol + rtol * scale:
+            raise AssertionError(
+                f"{what}: max abs diff {abs_max:.3g} exceeds atol={atol:g} + rtol={rtol:g} x max|expected| {scale:.3g} "
+                f"(normwise rel diff {rel_max:.3g})"
+            )
+        return abs_max, rel_max
     rel = diff / b.abs().clamp_min(torch.finfo(torch.float32).tiny)
     rel_max = rel.max().item() if rel.numel() else 0.0
     bad = diff > atol + rtol * b.abs()
@@ -98,10 +120,13 @@ def _optimizer_states(model: torch.nn.Module, optimizer) -> dict[str, torch.Tens
     return out
 
 
-def _compare_states(step, model, ref_model, opt, ref_opt, rtol, atol) -> tuple[float, float]:
-    actual = {f"{k}": v for k, v in model.state_dict().items()}
+def _compare_states(step, compiled, ref_model, ref_opt, rtol, atol) -> tuple[float, float]:
+    # through the step's accessors: under ZeRO the ranks hold the state
+    actual = dict(compiled.model_state_dict())
+    for name, state in compiled.optimizer_state().items():
+        for key, value in state.items():
+            actual[f"optimizer state {name}[{key}]"] = value
     expected = {f"{k}": v for k, v in ref_model.state_dict().items()}
-    actual.update(_optimizer_states(model, opt))
     expected.update(_optimizer_states(ref_model, ref_opt))
     if set(actual) != set(expected):
         missing = sorted(set(expected) ^ set(actual))
@@ -178,11 +203,177 @@ def assert_step_equivalent(
             worst_abs, worst_rel = max(worst_abs, da), max(worst_rel, dr)
         report.output_abs.append(worst_abs)
         report.output_rel.append(worst_rel)
-        sa, sr = _compare_states(i, model, ref_model, opt, ref_opt, rtol, atol)
+        sa, sr = _compare_states(i, compiled, ref_model, ref_opt, rtol, atol)
         report.state_abs.append(sa)
         report.state_rel.append(sr)
         if sched is not None:
             sched.step()
             ref_sched.step()
         report.steps += 1
+    return report
+
+
+# -- data parallelism ------------------------------------------------------------
+
+
+def _rank_seed(seed: int, step: int, rank: int, world: int) -> int:
+    return seed + 1 + step * world + rank
+
+
+class _GradientStash:
+    """Stands in for the optimizer while the reference replays one rank's
+    step: ``step()`` records the gradients instead of updating."""
+
+    def __init__(self, optimizer):
+        self._optimizer = optimizer
+        self.param_groups = optimizer.param_groups
+        self.state = optimizer.state
+        self.grads: list = []
+
+    def step(self, closure=None):
+        self.grads = [[None if p.grad is None else p.grad.detach().clone() for p in g["params"]] for g in self.param_groups]
+
+    def zero_grad(self, set_to_none: bool = True):
+        for g in self.param_groups:
+            for p in g["params"]:
+                p.grad = None
+
+
+def data_parallel_reference(step_fn, make_model, make_optimizer, batches_per_rank, *, seed: int = 0, make_scheduler=None):
+    """The single-process step that data parallelism must equal: every step,
+    each rank's batch runs through ``step_fn`` (gradients kept, no update),
+    the gradients are averaged over ranks (summed in rank order, divided by
+    N), and the real optimizer updates once. Returns (per-step per-rank
+    outputs, model, optimizer)."""
+    world = len(batches_per_rank)
+    torch.manual_seed(seed)
+    model = make_model()
+    opt = make_optimizer(model)
+    sched = make_scheduler(opt) if make_scheduler else None
+    stash = _GradientStash(opt)
+    outputs = []
+    for i in range(len(batches_per_rank[0])):
+        per_rank, grads = [], []
+        for r in range(world):
+            args, kwargs = _as_args(batches_per_rank[r][i])
+            torch.manual_seed(_rank_seed(seed, i, r, world))
+            per_rank.append(step_fn(model, stash, *_clone(args), **_clone(kwargs)))
+            grads.append(stash.grads)
+        for gi, group in enumerate(opt.param_groups):
+            for pi, p in enumerate(group["params"]):
+                got = [g[gi][pi] for g in grads if g and g[gi][pi] is not None]
+                if got:
+                    total = got[0].clone()
+                    for more in got[1:]:
+                        total += more
+                    p.grad = total / world
+        opt.step()
+        opt.zero_grad()
+        if sched is not None:
+            sched.step()
+        outputs.append(per_rank)
+    return outputs, model, opt
+
+
+def _dp_worker(step_fn, make_model, make_optimizer, batches_per_rank, config, seed, make_scheduler):
+    import torch.distributed as dist
+
+    import stepfx
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(seed)
+    model = make_model()
+    opt = make_optimizer(model)
+    sched = make_scheduler(opt) if make_scheduler else None
+    compiled = stepfx.parallelize(config)(step_fn)
+    outs = []
+    for i, batch in enumerate(batches_per_rank[rank]):
+        args, kwargs = _as_args(batch)
+        torch.manual_seed(_rank_seed(seed, i, rank, world))
+        out = compiled(model, opt, *_clone(args), **_clone(kwargs))
+        outs.append(pytree.tree_map(lambda x: x.detach().cpu() if isinstance(x, torch.Tensor) else x, out))
+        if sched is not None:
+            sched.step()
+    state = {k: v.detach().cpu() for k, v in compiled.model_state_dict().items()}
+    opt_state = {n: {k: v.detach().cpu() for k, v in s.items()} for n, s in compiled.optimizer_state().items()}
+    explain = compiled.explain()
+    return outs, state, opt_state, explain
+
+
+def assert_data_parallel_equivalent(
+    pool,
+    step_fn: Callable,
+    make_model: Callable[[], torch.nn.Module],
+    make_optimizer: Callable,
+    batches_per_rank: Sequence[Sequence[Any]],
+    *,
+    config: Any = None,
+    rtol: float = 1e-6,
+    atol: float = 1e-7,
+    exact: bool = False,
+    seed: int = 0,
+    make_scheduler: Callable | None = None,
+    timeout: float | None = None,
+    normwise: bool = True,
+) -> EquivalenceReport:
+    """Run ``step_fn`` with stepfx on every rank of ``pool`` (a RankPool;
+    rank r gets ``batches_per_rank[r]``) and check it against
+    :func:`data_parallel_reference`: each rank's outputs at every step, and
+    the final model and optimizer state each rank reports (gathered from
+    pieces under ZeRO). ``step_fn``, ``make_model``, ``make_optimizer`` and
+    ``make_scheduler`` must be picklable (module-level functions).
+    Comparisons are normwise by default (see :func:`compare_tensors`):
+    with more than two ranks the all-reduce sums in another order than the
+    reference, and elements near zero would otherwise dominate.
+
+    Returns the measured differences; the per-rank ``explain()`` texts are in
+    ``report.explains``."""
+    if exact:
+        rtol = atol = 0.0
+    results = pool.run(
+        _dp_worker, step_fn, make_model, make_optimizer, batches_per_rank, config, seed, make_scheduler, timeout=timeout
+    )
+    # the pool's ranks compute with one intra-op thread (CPU); so does the
+    # reference, so that matmuls block and round alike
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ref_outputs, ref_model, ref_opt = data_parallel_reference(
+            step_fn, make_model, make_optimizer, batches_per_rank, seed=seed, make_scheduler=make_scheduler
+        )
+    finally:
+        torch.set_num_threads(threads)
+    report = EquivalenceReport()
+    report.explains = [r[3] for r in results]
+    for i, per_rank in enumerate(ref_outputs):
+        worst_abs = worst_rel = 0.0
+        for rank, expected in enumerate(per_rank):
+            got = results[rank][0][i]
+            for j, (a, b) in enumerate(zip(pytree.tree_leaves(got), pytree.tree_leaves(expected))):
+                if isinstance(b, torch.Tensor):
+                    da, dr = compare_tensors(f"step {i}, rank {rank}: output leaf {j}", a, b, rtol, atol, normwise=normwise)
+                    worst_abs, worst_rel = max(worst_abs, da), max(worst_rel, dr)
+        report.output_abs.append(worst_abs)
+        report.output_rel.append(worst_rel)
+        report.steps += 1
+    expected = {k: v for k, v in ref_model.state_dict().items()}
+    names = {id(p): n for n, p in ref_model.named_parameters()}
+    expected_opt = {names[id(p)]: {k: v for k, v in s.items() if isinstance(v, torch.Tensor)} for p, s in ref_opt.state.items()}
+    worst_abs = worst_rel = 0.0
+    for rank, (_, state, opt_state, _) in enumerate(results):
+        if set(state) != set(expected):
+            raise AssertionError(f"rank {rank}: model state keys differ: {sorted(set(state) ^ set(expected))[:5]}")
+        for key, value in expected.items():
+            da, dr = compare_tensors(f"final, rank {rank}: {key}", state[key], value, rtol, atol, normwise=normwise)
+            worst_abs, worst_rel = max(worst_abs, da), max(worst_rel, dr)
+        if set(opt_state) != set(expected_opt):
+            raise AssertionError(f"rank {rank}: optimizer state entries differ: {sorted(set(opt_state) ^ set(expected_opt))[:5]}")
+        for name, keys in expected_opt.items():
+            for key, value in keys.items():
+                da, dr = compare_tensors(
+                    f"final, rank {rank}: optimizer state {name}[{key}]", opt_state[name][key], value, rtol, atol, normwise=normwise
+                )
+                worst_abs, worst_rel = max(worst_abs, da), max(worst_rel, dr)
+    report.state_abs.append(worst_abs)
+    report.state_rel.append(worst_rel)
     return report

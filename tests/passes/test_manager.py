@@ -31,7 +31,8 @@ def _quiet(graph, options):
 
 def test_pipeline_order_and_reasons_are_declared():
     names = pass_names()
-    assert names[0] == "functionalize_graph" and names[-1] == "eliminate_dead_code"
+    assert names[0] == "functionalize_graph"
+    assert names.index("eliminate_dead_code") < names.index("plan_zero_layout") < names.index("shard_parameters")
     assert len(set(names)) == len(names)
     assert all(e.reason and len(e.reason) > 20 for e in PIPELINE)
 
@@ -93,5 +94,5 @@ def test_dumps_are_numbered_python_files_with_provenance(tmp_path):
     for f in files:
         text = (tmp_path / f).read_text()
         assert text.startswith(f"# {f[:-3]}: ")
-        assert "took" in text.splitlines()[0]
+        assert "took" in text.splitlines()[0] or "skipped (not applicable)" in text.splitlines()[0]
         compile(text, f, "exec")

@@ -1,0 +1,102 @@
+"""plan_zero_layout: decide buckets and each rank's pieces (no graph change).
+
+Requires: a functional graph without alias ops whose parameter gradients
+carry ``grad_of`` markers (capture puts them after every backward).
+
+Ensures: ``signature.extra["zero_layout"]`` holds a :class:`ZeroLayout`:
+every parameter that has a gradient and an optimizer update, in the
+model's parameter order, grouped into buckets of at most
+``zero_optimization.reduce_bucket_size`` elements (one dtype and device per
+bucket; parameters start at multiples of ``layout.ALIGN`` elements), each
+marked with what it shards for the configured stage. At
+stage 3, parameters smaller than ``param_persistence_threshold`` stay whole
+(buckets with sharding "none"), as DeepSpeed keeps them.
+
+The layout depends only on the parameters and the config, never on the
+graph's op order, so every captured variant of a step agrees on it and the
+state a rank holds carries over between variants.
+
+Before / after: the graph is unchanged; ``explain()`` shows the buckets.
+"""
+from __future__ import annotations
+
+from ..errors import CaptureError
+from ..graph import META_GRAD_OF, Role, StepGraph
+from ..graph.layout import LAYOUT_KEY, Bucket, BucketParam, Sharding, ZeroLayout, align
+from .manager import PassOptions, PassResult
+
+__all__ = ["plan_zero_layout", "zero_settings"]
+
+_STAGE_SHARDING = {0: Sharding.NONE, 1: Sharding.OPTIMIZER, 2: Sharding.GRADIENTS, 3: Sharding.PARAMETERS}
+
+
+def zero_settings(options: PassOptions) -> tuple[int, int, int]:
+    """(stage, bucket size in elements, persistence threshold) from the config."""
+    zero = getattr(options.config, "zero_optimization", None)
+    if zero is None:
+        return 0, 500_000_000, 0
+    bucket = zero.reduce_bucket_size if isinstance(zero.reduce_bucket_size, int) else 500_000_000
+    persist = zero.param_persistence_threshold if isinstance(zero.param_persistence_threshold, int) else 100_000
+    return int(zero.stage) if isinstance(zero.stage, int) else 0, max(1, bucket), persist
+
+
+def plan_zero_layout(graph: StepGraph, options: PassOptions) -> PassResult:
+    stage, bucket_size, persist = zero_settings(options)
+    sig = graph.signature
+    if stage >= 2:
+        kept = [s.describe() for s in sig.inputs if s.role is Role.GRAD] + [s.describe() for s in sig.outputs if s.role is Role.GRAD]
+        if kept:
+            raise CaptureError(
+                f"ZeRO stage {stage} shards gradients, but the step keeps whole gradients across calls ({kept[0]}, ...)",
+                hint="end the step with optimizer.zero_grad() (and start it without .grad set), or use stage 0/1",
+            )
+
+    graded = {n.meta[META_GRAD_OF] for n in graph.gm.graph.nodes if META_GRAD_OF in n.meta}
+    updated = {s.name for s in sig.outputs if s.role is Role.PARAM}
+    params = []
+    for node in graph.gm.graph.nodes:
+        slot = node.meta.get("slot") if node.op == "placeholder" else None
+        if slot is not None and slot.role is Role.PARAM and slot.name in graded and slot.name in updated:
+            params.append((slot.name, node.meta["val"]))
+
+    buckets: list[Bucket] = []
+    current: list[BucketParam] = []
+    key = None
+    mode = None
+    offset = 0
+
+    def close():
+        nonlocal current, offset
+        if current:
+            buckets.append(Bucket(len(buckets), tuple(current), mode, options.world_size, str(key[0]), key[1]))
+        current, offset = [], 0
+
+    for name, val in params:
+        numel = val.numel()
+        this_mode = _STAGE_SHARDING[stage]
+        if (stage == 3 and numel < persist) or val.dim() == 0:
+            # small (and 0-d) parameters stay whole: sharding them saves
+            # nothing and a 0-d piece is not worth a collective
+            this_mode = Sharding.NONE
+        this_key = (val.dtype, str(val.device))
+        if current and (this_key != key or this_mode != mode or offset + numel > bucket_size):
+            close()
+        key, mode = this_key, this_mode
+        current.append(BucketParam(name, tuple(val.shape), offset))
+        offset = align(offset + numel)
+    close()
+
+    layout = ZeroLayout(stage, options.world_size, options.rank, tuple(buckets))
+    extra = dict(sig.extra)
+    extra[LAYOUT_KEY] = layout
+    new_sig = sig.__class__(
+        inputs=sig.inputs,
+        outputs=sig.outputs,
+        user_output_spec=sig.user_output_spec,
+        user_output_constants=sig.user_output_constants,
+        user_output_from_slot=sig.user_output_from_slot,
+        extra=extra,
+    )
+    sharded = sum(1 for b in buckets if b.sharding is not Sharding.NONE)
+    summary = f"stage {stage}: {len(params)} parameters in {len(buckets)} buckets ({sharded} sharded over {options.world_size} ranks)"
+    return PassResult(graph.replace(signature=new_sig), True, summary)

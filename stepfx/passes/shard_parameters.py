@@ -1,0 +1,170 @@
+"""shard_parameters: ZeRO-3 — parameters live as pieces; whole values exist
+only while forward or backward needs them.
+
+Requires: ``shard_optimizer_update`` ran (the optimizer already works on
+pieces, cut from the whole parameter by nodes marked ``zero_piece_of``).
+
+Ensures, for every bucket sharding "parameters", on rank r:
+
+- the whole-parameter inputs are replaced by rank r's pieces (slots with
+  storage "rank" and a piece range); the optimizer reads the piece directly;
+- before the first forward use of any of the bucket's parameters, the
+  bucket's pieces are packed and all-gathered, and forward reads views of
+  the gathered buffer; after its last forward use nothing refers to it, so
+  the runtime frees it;
+- before the first backward use, the bucket is gathered again and
+  backward reads views of that copy; forward values that are pure
+  functions of a parameter (its transpose, a cast) and that backward reads
+  are recomputed from the second gather instead of being kept alive.
+
+Before / after (one bucket, rank 0 of 2)::
+
+    t = aten.t(p_fc_weight)            ->   bucket = aten.cat([p_fc_weight_piece, pad])
+                                            all_gather = _c10d_functional.all_gather_into_tensor(bucket, 2, '0')
+                                            wait = _c10d_functional.wait_tensor(all_gather)
+                                            unpack = aten.view(aten.slice(wait, 0, 0, 128), [16, 8])
+                                            t = aten.t(unpack)
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from ..errors import CaptureError
+from ..graph import META_PARAM, META_PHASE, META_SOURCE, Phase, Role, Slot, StepGraph, Storage
+from ..graph.build import bind_placeholders, clone_step_graph
+from ..graph.layout import LAYOUT_KEY, Bucket, Sharding
+from ..graph.ops import has_side_effect
+from .collectives import all_gather, fake_like, pack_flat, unpack_view
+from .manager import PassOptions, PassResult
+from .shard_optimizer_update import META_PIECE_OF
+
+__all__ = ["shard_parameters"]
+
+
+def shard_parameters(graph: StepGraph, options: PassOptions) -> PassResult:
+    layout = graph.signature.extra.get(LAYOUT_KEY)
+    buckets = [b for b in (layout.buckets if layout else ()) if b.sharding is Sharding.PARAMETERS]
+    if not buckets:
+        return PassResult(graph, False)
+    graph = clone_step_graph(graph)
+    g = graph.gm.graph
+    sig = graph.signature
+    rank, n = options.rank, options.world_size
+    placeholders = {node.meta["slot"].ident: node for node in g.nodes if node.op == "placeholder"}
+    inputs = list(sig.inputs)
+    replaced: list[tuple[str, fx.Node]] = []
+
+    for bucket in buckets:
+        whole = {p.name: placeholders[Slot(Role.PARAM, p.name).ident] for p in bucket.params}
+        pieces: dict[str, fx.Node] = {}
+        for p in bucket.params:
+            a, b, _ = bucket.piece(p, rank)
+            old = whole[p.name]
+            old_slot = old.meta["slot"]
+            if b > a:
+                slot = Slot(Role.PARAM, p.name, storage=Storage.RANK, piece=(a, b))
+                with g.inserting_before(old.next):
+                    ph = g.placeholder(f"{old.name}_piece")
+                ph.meta.update(slot=slot, val=fake_like(old.meta["val"], (b - a,)))
+                pieces[p.name] = ph
+                inputs[inputs.index(old_slot)] = slot
+            else:
+                inputs.remove(old_slot)
+        _rewire_bucket(g, bucket, whole, pieces, n, options.group_name, rank)
+        replaced.extend(whole.items())
+
+    g.eliminate_dead_code(is_impure_node=has_side_effect)
+    for name, old in replaced:
+        if old.users:
+            user = next(iter(old.users))
+            raise CaptureError(
+                f"under ZeRO-3, {name} is read where stepfx does not gather it ({user.target})",
+                source=user.meta.get(META_SOURCE),
+                hint="parameters may be read in forward, backward and by the optimizer only",
+            )
+        g.erase_node(old)
+
+    bind_placeholders(graph.gm, inputs)
+    graph = graph.replace(signature=sig.with_inputs(tuple(inputs)))
+    graph.gm.recompile()
+    total = sum(len(b.params) for b in buckets)
+    return PassResult(graph, True, f"{total} parameters in {len(buckets)} buckets held as pieces; gathered before forward and again before backward")
+
+
+def _rewire_bucket(g: fx.Graph, bucket: Bucket, whole: dict, pieces: dict, n: int, group_name: str, rank: int) -> None:
+    order = {node: i for i, node in enumerate(g.nodes)}
+    example = next(iter(whole.values())).meta["val"]
+    names = {node: name for name, node in whole.items()}
+
+    # 1. the optimizer's piece cuts become the piece inputs
+    for name, old in whole.items():
+        for user in list(old.users):
+            for cut in _piece_cuts(user, name):
+                cut.replace_all_uses_with(pieces[name])
+
+    # 2. forward reads a gathered copy
+    fwd_users = [(u, name) for name, old in whole.items() for u in old.users if u.meta.get(META_PHASE) is Phase.FORWARD]
+    if fwd_users:
+        first = min((u for u, _ in fwd_users), key=order.__getitem__)
+        views = _gather_before(g, first, bucket, pieces, example, n, group_name, Phase.FORWARD, rank)
+        for user, name in fwd_users:
+            user.replace_input_with(whole[name], views[name])
+
+    # 3. backward reads a second gathered copy; forward values that are pure
+    # functions of a parameter are recomputed from it
+    bwd_reads: list[tuple[fx.Node, fx.Node]] = []  # (backward user, what it reads)
+    for node in list(g.nodes):
+        if node.meta.get(META_PHASE) is not Phase.BACKWARD or node.op != "call_function":
+            continue
+        for arg in node.all_input_nodes:
+            if arg in names or (arg.meta.get(META_PHASE) is Phase.FORWARD and arg.meta.get(META_PARAM) in whole and arg.op == "call_function"):
+                bwd_reads.append((node, arg))
+    if not bwd_reads:
+        return
+    first = min((u for u, _ in bwd_reads), key=order.__getitem__)
+    views = _gather_before(g, first, bucket, pieces, example, n, group_name, Phase.BACKWARD, rank)
+    memo: dict[fx.Node, fx.Node] = {}
+
+    def recompute(value: fx.Node) -> fx.Node:
+        if value in names:
+            return views[names[value]]
+        if value in memo:
+            return memo[value]
+        args = tuple(recompute(a) if _derived(a, whole, names) else a for a in value.args)
+        kwargs = {k: (recompute(v) if _derived(v, whole, names) else v) for k, v in value.kwargs.items()}
+        with g.inserting_before(first):
+            node = g.create_node("call_function", value.target, args, kwargs, name=value.name)
+        node.meta.update(value.meta)
+        node.meta[META_PHASE] = Phase.BACKWARD
+        memo[value] = node
+        return node
+
+    for user, arg in bwd_reads:
+        user.replace_input_with(arg, recompute(arg))
+
+
+def _derived(value, whole, names) -> bool:
+    return isinstance(value, fx.Node) and (
+        value in names or (value.op == "call_function" and value.meta.get(META_PARAM) in whole and value.meta.get(META_PHASE) is Phase.FORWARD)
+    )
+
+
+def _piece_cuts(user: fx.Node, name: str) -> list[fx.Node]:
+    """The node(s) marked as cutting ``name``'s piece, at or below ``user``."""
+    if user.meta.get(META_PIECE_OF) == name:
+        return [user]
+    return [u for u in user.users if u.meta.get(META_PIECE_OF) == name]
+
+
+def _gather_before(g, first: fx.Node, bucket: Bucket, pieces: dict, example, n: int, group_name: str, phase: Phase, rank: int) -> dict[str, fx.Node]:
+    parts = [(pieces[p.name], at) for p, _, _, at in bucket.shard_parts(rank)]
+    meta = dict(like=first, phase=phase)
+    with g.inserting_before(first):
+        shard = pack_flat(g, parts, bucket.shard, example, **meta)
+        full = all_gather(g, shard, n, group_name, **meta)[1] if n > 1 else shard
+        views = {}
+        for p in bucket.params:
+            view = unpack_view(g, full, p.offset, p.shape, **meta)
+            view.meta[META_PARAM] = p.name
+            views[p.name] = view
+    return views

@@ -1,0 +1,148 @@
+"""Functions that run on each rank of the test pool (module level, so the
+rank processes can import them)."""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+import stepfx
+from tests.steps import lm_step, tiny_gpt, token_batches
+
+
+def gpt_with_frozen_embedding():
+    model = tiny_gpt()
+    model.pos.weight.requires_grad_(False)
+    return model
+
+
+def two_groups(model):
+    decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() >= 2]
+    other = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0, "lr": 3e-3}], lr=1e-2)
+
+
+def held_bytes(stage: int) -> dict:
+    torch.manual_seed(0)
+    model = tiny_gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = stepfx.parallelize({"zero_optimization": {"stage": stage, "reduce_bucket_size": 500, "stage3_param_persistence_threshold": 0}})(lm_step)
+    rank = dist.get_rank()
+    for (batch,) in token_batches(2, seed=rank):
+        step(model, opt, batch)
+    store = step._store
+    from stepfx.graph import Role
+
+    state = sum(t.numel() for k, t in store.tensors.items() if k[0] is Role.OPTIMIZER_STATE and k[5] is not None)
+    params_held = sum(t.numel() for k, t in store.tensors.items() if k[0] is Role.PARAM)
+    module_params = sum(p.numel() for p in model.parameters())
+    full_params = sum(p.numel() for p in tiny_gpt().parameters())
+    layout = step.plan.graph.signature.extra["zero_layout"]
+    return {
+        "state_elements": state,
+        "param_elements": params_held if stage == 3 else module_params,
+        "module_param_elements": module_params,
+        "slack": sum(b.padded - sum(p.numel for p in b.params) for b in layout.buckets),
+        "full": {"state_elements": 2 * full_params, "param_elements": full_params},
+    }
+
+
+def _outcome(fn) -> dict:
+    start = time.time()
+    try:
+        fn()
+        return {"error": None, "message": "", "seconds": time.time() - start}
+    except Exception as exc:  # the test inspects what each rank raised
+        return {"error": type(exc).__name__, "message": str(exc), "seconds": time.time() - start}
+
+
+def mismatched_batches() -> dict:
+    rank = dist.get_rank()
+    model = tiny_gpt()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = stepfx.parallelize({"zero_optimization": {"stage": 2}})(lm_step)
+    batch = torch.randint(0, 64, (2 + rank, 9))
+    return _outcome(lambda: step(model, opt, batch))
+
+
+def mismatched_models() -> dict:
+    rank = dist.get_rank()
+    from stepfx.testing.models import GPT, gpt_config
+
+    model = GPT(gpt_config("tiny", n_layers=2 + rank))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = stepfx.parallelize({"zero_optimization": {"stage": 1}})(lm_step)
+    return _outcome(lambda: step(model, opt, torch.randint(0, 64, (2, 9))))
+
+
+def _branchy_step(model, optimizer, idx):
+    loss = lm_step(model, optimizer, idx) if dist.get_rank() == 0 else None
+    if loss is None:
+        logits = model(idx[:, :-1])
+        if logits.sum() > 0:  # tensor-dependent control flow on rank 1 only
+            logits = logits * 2
+        loss = logits.mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return loss
+
+
+def one_rank_fails_capture() -> dict:
+    model = tiny_gpt()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = stepfx.parallelize({"zero_optimization": {"stage": 0}})(_branchy_step)
+    return _outcome(lambda: step(model, opt, torch.randint(0, 64, (2, 9))))
+
+
+def one_rank_fails_mid_step() -> dict:
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = tiny_gpt()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = stepfx.parallelize({"zero_optimization": {"stage": 2, "reduce_bucket_size": 500}})(lm_step)
+    good = torch.randint(0, 64, (2, 9))
+    step(model, opt, good)
+    step(model, opt, good)
+    before = [p.detach().clone() for p in model.parameters()]
+    bad = good.clone()
+    if rank == 1:
+        bad[0, 0] = 10_000  # out of vocabulary: fails inside the graph, on rank 1 only
+    result = _outcome(lambda: step(model, opt, bad))
+    result["params_unchanged"] = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    return result
+
+
+class MLPFactory:
+    """A picklable model factory with parameters (hypothesis draws them)."""
+
+    def __init__(self, sizes):
+        self.sizes = tuple(sizes)
+
+    def __call__(self):
+        from stepfx.testing.models import MLP
+
+        return MLP(self.sizes)
+
+
+class OptimizerFactory:
+    def __init__(self, kind: str):
+        self.kind = kind
+
+    def __call__(self, model):
+        ps = model.parameters()
+        return {
+            "sgd": lambda: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.1),
+            "sgd_plain": lambda: torch.optim.SGD(ps, lr=0.05),
+            "adam": lambda: torch.optim.Adam(ps, lr=1e-2, amsgrad=True),
+            "adamw": lambda: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+        }[self.kind]()
+
+
+def mlp_rank_batches(world, steps, d_in, classes, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        [(torch.randn(3, d_in, generator=g), torch.randint(0, classes, (3,), generator=g)) for _ in range(steps)]
+        for _ in range(world)
+    ]

@@ -1,0 +1,169 @@
+"""The ZeRO passes on real captured graphs, one process (mesh facts as data:
+world size and rank come in PassOptions; no collective runs here)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import stepfx
+from stepfx.config import load_config
+from stepfx.errors import CaptureError
+from stepfx.graph import Role, Storage, verify_step_graph
+from stepfx.graph.layout import ALIGN, LAYOUT_KEY, Bucket, BucketParam, Sharding, align
+from stepfx.passes import PIPELINE, PassManager, PassOptions
+from tests.steps import lm_step, tiny_gpt, token_batches
+
+c10d = torch.ops._c10d_functional
+
+
+def _compile(stage, rank=0, world=2, bucket=500, persist=0, step=lm_step, warm=True):
+    from stepfx.capture import capture_step
+
+    torch.manual_seed(0)
+    model = tiny_gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    (batch,) = token_batches(1)[0]
+    if warm:
+        lm_step(model, opt, batch)
+    graph = capture_step(step, model, opt, (batch,), {})
+    config = load_config({"zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "stage3_param_persistence_threshold": persist}})
+    records = PassManager(PIPELINE).run(graph, PassOptions(config=config, world_size=world, rank=rank, group_name="test"))
+    return records, model
+
+
+def _targets(graph):
+    return [n.target for n in graph.gm.graph.nodes if n.op == "call_function"]
+
+
+@given(numels=st.lists(st.integers(1, 300), min_size=1, max_size=6), world=st.integers(1, 5))
+@settings(max_examples=60, deadline=None)
+def test_pieces_partition_every_parameter_exactly_once(numels, world):
+    params, offset = [], 0
+    for i, n in enumerate(numels):
+        params.append(BucketParam(f"p{i}", (n,), offset))
+        offset = align(offset + n)
+    bucket = Bucket(0, tuple(params), Sharding.GRADIENTS, world, "torch.float32", "cpu")
+    assert bucket.padded % (world * ALIGN) == 0 and bucket.padded - bucket.numel < world * ALIGN
+    for p in params:
+        covered = []
+        for r in range(world):
+            a, b, in_shard = bucket.piece(p, r)
+            if b > a:
+                assert 0 <= in_shard and in_shard + (b - a) <= bucket.shard
+                assert p.offset + a == r * bucket.shard + in_shard  # same element, two coordinates
+                # aligned: SIMD kernels round each element of a piece as in the whole tensor
+                assert a % ALIGN == 0 and (b == p.numel or b % ALIGN == 0)
+                covered.append((a, b))
+        assert sorted(covered)[0][0] == 0 and sorted(covered)[-1][1] == p.numel
+        assert sum(b - a for a, b in covered) == p.numel
+
+
+def test_layout_follows_bucket_size_and_persistence_threshold():
+    records, model = _compile(3, bucket=500, persist=100)
+    layout = records[-1].graph.signature.extra[LAYOUT_KEY]
+    assert all(b.numel <= 500 + ALIGN * len(b.params) or len(b.params) == 1 for b in layout.buckets)
+    for b in layout.buckets:
+        for p in b.params:
+            numel = dict(model.named_parameters())[p.name].numel()
+            assert (b.sharding is Sharding.NONE) == (numel < 100)
+    assert [p.name for _, p in layout.params()] == [n for n, _ in model.named_parameters()]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_each_stage_emits_its_collectives(stage):
+    records, _ = _compile(stage)
+    graph = records[-1].graph
+    assert verify_step_graph(graph) == []
+    t = _targets(graph)
+    assert (c10d.all_reduce.default in t) == (stage in (0, 1))
+    assert (c10d.reduce_scatter_tensor.default in t) == (stage in (2, 3))
+    assert (c10d.all_gather_into_tensor.default in t) == (stage >= 1)
+    assert t.count(c10d.wait_tensor.default) == sum(t.count(op) for op in (c10d.all_reduce.default, c10d.reduce_scatter_tensor.default, c10d.all_gather_into_tensor.default))
+
+
+def test_stage_3_gathers_before_forward_and_again_before_backward():
+    records, model = _compile(3)
+    graph = records[-1].graph
+    layout = graph.signature.extra[LAYOUT_KEY]
+    gathers = [n for n in graph.gm.graph.nodes if n.target is c10d.all_gather_into_tensor.default]
+    forward = [n for n in gathers if str(n.meta["phase"]) == "forward"]
+    backward = [n for n in gathers if str(n.meta["phase"]) == "backward"]
+    assert len(forward) == len(layout.buckets)
+    # again before backward, for buckets backward reads (a Linear's bias is not read there)
+    assert 0 < len(backward) < len(layout.buckets)
+    params = [s for s in graph.signature.inputs if s.role is Role.PARAM]
+    assert params and all(s.storage is Storage.RANK and s.piece is not None for s in params)
+    total = sum(p.numel() for p in model.parameters())
+    held = sum(s.piece[1] - s.piece[0] for s in params)
+    # 1/N of the parameters, up to padding and alignment gaps
+    slack = sum(b.padded - sum(p.numel for p in b.params) for b in layout.buckets)
+    assert abs(held - total / 2) <= slack
+
+
+def test_ranks_hold_complementary_pieces():
+    held = []
+    for rank in (0, 1):
+        records, _ = _compile(2, rank=rank)
+        sig = records[-1].graph.signature
+        held.append({(s.name, s.key, s.piece) for s in sig.inputs if s.role is Role.OPTIMIZER_STATE and s.piece})
+    assert held[0] and held[1] and not (held[0] & held[1])
+
+
+def test_stage_2_refuses_gradient_clipping_in_the_step():
+    def clipped(model, optimizer, idx):
+        logits = model(idx[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), idx[:, 1:].reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    with pytest.raises(CaptureError, match="reads the gradient of .* outside the optimizer") as info:
+        _compile(2, step=clipped)
+    assert "clip_grad_norm_" in info.value.source and "gradient_clipping" in str(info.value)
+    # stage 1 keeps whole averaged gradients: clipping in the step is fine there
+    _compile(1, step=clipped)
+
+
+def test_stage_2_needs_the_step_to_zero_its_gradients():
+    def keeps_grads(model, optimizer, idx):
+        logits = model(idx[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), idx[:, 1:].reshape(-1))
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    with pytest.raises(CaptureError, match="keeps whole gradients across calls"):
+        _compile(2, step=keeps_grads)
+
+
+def test_single_process_stages_equal_eager_bitwise():
+    for stage in (1, 2, 3):
+        cfg = {"zero_optimization": {"stage": stage, "reduce_bucket_size": 300, "stage3_param_persistence_threshold": 0}}
+        report = stepfx.testing.assert_step_equivalent(
+            lm_step, tiny_gpt, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), token_batches(3), config=cfg, exact=True
+        )
+        assert report.bitwise
+
+
+def test_zero_3_module_params_are_released_and_sync_model_restores_them():
+    torch.manual_seed(0)
+    model = tiny_gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = stepfx.parallelize({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})(lm_step)
+    for (batch,) in token_batches(2):
+        step(model, opt, batch)
+    assert all(p.numel() == 0 for p in model.parameters())
+    assert not opt.state  # the rank holds the optimizer state
+    with pytest.raises(RuntimeError):
+        model(batch)  # loud, not stale
+    state = step.model_state_dict()
+    step.sync_model()
+    assert all(torch.equal(p, state[n]) for n, p in model.named_parameters())
+    model(batch)
+    (batch2,) = token_batches(1, seed=9)[0]
+    step(model, opt, batch2)  # training continues from the rank's pieces
+    assert all(p.numel() == 0 for p in model.parameters())

@@ -1,0 +1,39 @@
+"""Property: for generated models x optimizers x stages x bucket sizes (with
+parameter sizes that do not divide by the world size), ZeRO on 2 real ranks
+equals the averaged-gradient reference bitwise."""
+from __future__ import annotations
+
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from stepfx.testing.equivalence import assert_data_parallel_equivalent
+from tests import dp_workers as W
+from tests.steps import ce_step
+
+
+# each example runs 2 ranks for a few seconds: no shrinking (a failure is
+# reported as drawn rather than after minutes of minimising)
+@settings(
+    max_examples=15,
+    deadline=None,
+    phases=[Phase.explicit, Phase.reuse, Phase.generate],
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(
+    widths=st.lists(st.integers(1, 13), min_size=1, max_size=3),
+    d_in=st.integers(1, 7),
+    classes=st.integers(2, 5),
+    stage=st.sampled_from([0, 1, 2, 3]),
+    bucket=st.sampled_from([1, 7, 40, 10_000]),
+    optimizer=st.sampled_from(["sgd", "sgd_plain", "adam", "adamw"]),
+    steps=st.integers(2, 3),
+    seed=st.integers(0, 1000),
+)
+def test_generated_zero_runs_equal_the_reference(rank_pool, widths, d_in, classes, stage, bucket, optimizer, steps, seed):
+    sizes = (d_in, *widths, classes)
+    make_model = W.MLPFactory(sizes)
+    make_opt = W.OptimizerFactory(optimizer)
+    batches = W.mlp_rank_batches(2, steps, d_in, classes, seed)
+    config = {"zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "stage3_param_persistence_threshold": 0}}
+    report = assert_data_parallel_equivalent(rank_pool(2), ce_step, make_model, make_opt, batches, config=config, exact=True, seed=seed)
+    assert report.bitwise and report.steps == steps

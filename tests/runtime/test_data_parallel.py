@@ -1,0 +1,123 @@
+"""ZeRO stages 0-3 on real ranks (gloo, through the persistent rank pool)
+against the single-process reference whose gradient is the mean of the
+ranks' gradients.
+
+Tolerances, and why:
+- 2 ranks: bitwise. The all-reduce adds two values (commutative, exact
+  order), /2 is exact, and the sharded update is the same elementwise math.
+- 4 ranks: the all-reduce sums in ring order, the reference in rank order,
+  so the averaged gradient can differ in its last bit. SGD passes that on
+  unchanged: 1e-6 relative (normwise; measured 2.7e-7). Adam divides by
+  sqrt(v): on elements whose gradient is ~0 a last-bit difference becomes
+  an O(lr) difference in the update, so losses are checked to 1e-6 and
+  state to 5e-3 normwise after 5 steps at lr 1e-2 (measured 1.5e-3).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stepfx.testing.equivalence import assert_data_parallel_equivalent
+from tests import dp_workers as W
+from tests.steps import adam, adamw, dp_batches, hf_gpt2, hf_llama, hf_step, lm_step, sgd, tiny_gpt
+
+
+def _cfg(stage, bucket=500, persist=0, **extra):
+    return {"zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "stage3_param_persistence_threshold": persist, **extra}}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("opt", [sgd, adamw], ids=["sgd", "adamw"])
+def test_stages_two_ranks_bitwise(rank_pool, stage, opt):
+    report = assert_data_parallel_equivalent(rank_pool(2), lm_step, tiny_gpt, opt, dp_batches(2), config=_cfg(stage), exact=True)
+    assert report.bitwise and report.steps == 3
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_stages_four_ranks_sgd(rank_pool, stage):
+    report = assert_data_parallel_equivalent(rank_pool(4), lm_step, tiny_gpt, sgd, dp_batches(4, steps=4), config=_cfg(stage), rtol=1e-6, atol=0)
+    assert max(report.state_rel) <= 1e-6
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_stages_four_ranks_adamw(rank_pool, stage):
+    report = assert_data_parallel_equivalent(
+        rank_pool(4), lm_step, tiny_gpt, adamw, dp_batches(4, steps=5), config=_cfg(stage), rtol=5e-3, atol=0
+    )
+    assert max(report.output_rel) <= 1e-6
+
+
+@pytest.mark.parametrize("make_model", [hf_gpt2, hf_llama], ids=["gpt2", "llama"])
+def test_hugging_face_models_at_stage_3(rank_pool, make_model):
+    report = assert_data_parallel_equivalent(
+        rank_pool(2), hf_step, make_model, adamw, dp_batches(2), config=_cfg(3, bucket=2000), exact=True
+    )
+    assert report.bitwise
+
+
+def test_frozen_params_and_param_groups_at_stage_3(rank_pool):
+    report = assert_data_parallel_equivalent(
+        rank_pool(2), lm_step, W.gpt_with_frozen_embedding, W.two_groups, dp_batches(2), config=_cfg(3), exact=True
+    )
+    assert report.bitwise
+
+
+def test_persistent_params_stay_whole(rank_pool):
+    # with the default threshold (1e5 elements) nothing of the tiny GPT is sharded at stage 3
+    report = assert_data_parallel_equivalent(
+        rank_pool(2), lm_step, tiny_gpt, adam, dp_batches(2), config=_cfg(3, persist=100_000), exact=True
+    )
+    assert "sharding none" in report.explains[0] and "sharding parameters" not in report.explains[0]
+
+
+def test_explain_shows_collectives_memory_and_communication(rank_pool):
+    report = assert_data_parallel_equivalent(rank_pool(2), lm_step, tiny_gpt, adamw, dp_batches(2, steps=2), config=_cfg(3), exact=True)
+    text = report.explains[1]
+    assert "world size: 2    rank: 1" in text
+    assert "ZeRO stage 3 over 2 ranks" in text
+    assert "_c10d_functional.all_gather_into_tensor" in text and "_c10d_functional.reduce_scatter_tensor" in text
+    assert "param at rest" in text and "optimizer_state at rest" in text and "peak during the step" in text
+    assert "all_gather" in text and "reduce_scatter" in text and "sent (ring)" in text
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_rank_state_matches_the_zero_formula(rank_pool, stage):
+    held = rank_pool(2).run(W.held_bytes, stage)
+    full = held[0]["full"]
+    for rank, h in enumerate(held):
+        # optimizer state: exactly the rank's pieces — 1/N of it up to
+        # padding and alignment gaps ("slack", per state tensor)
+        assert abs(h["state_elements"] - full["state_elements"] / 2) <= 2 * h["slack"]
+        if stage == 3:
+            assert abs(h["param_elements"] - full["param_elements"] / 2) <= h["slack"]
+            assert h["module_param_elements"] == 0  # the module's copies are released
+        else:
+            assert h["param_elements"] == full["param_elements"]  # whole, in the user's module
+    assert sum(h["state_elements"] for h in held) == full["state_elements"]
+
+
+def test_preflight_catches_different_batch_shapes(rank_pool):
+    results = rank_pool(2).run(W.mismatched_batches)
+    assert all(r["error"] == "RankMismatchError" for r in results)
+    assert "batch args[0]: (2, 9)" in results[0]["message"] and "(3, 9)" in results[0]["message"]
+
+
+def test_preflight_catches_different_models(rank_pool):
+    results = rank_pool(2).run(W.mismatched_models)
+    assert all(r["error"] == "RankMismatchError" for r in results)
+    assert "rank 1 has" in results[0]["message"]
+
+
+def test_a_rank_failing_to_compile_stops_every_rank(rank_pool):
+    results = rank_pool(2).run(W.one_rank_fails_capture)
+    assert results[1]["error"] == "CaptureError"
+    assert results[0]["error"] == "RankMismatchError" and "rank 1: CaptureError" in results[0]["message"]
+
+
+def test_a_rank_failing_mid_step_stops_every_rank_quickly(rank_pool):
+    results = rank_pool(2).run(W.one_rank_fails_mid_step, timeout=60)
+    assert [r["error"] for r in results] == ["ExecutionError", "ExecutionError"]
+    assert "rank 1" in results[1]["message"]
+    assert all(r["seconds"] < 20 for r in results), results
+    # the failing step changed nothing
+    assert all(r["params_unchanged"] for r in results)
