@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) examples/demo_gpt.py
+	$(PY) -m torch.distributed.run --standalone --nproc_per_node 2 examples/demo_gpt.py
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -117,10 +117,12 @@ def explain_plan(step, plan) -> str:
 
     model = step._model
     if model is not None:
-        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
-        count = sum(1 for _ in model.parameters())
-        lines.append(f"parameters: {trainable + frozen:,} ({trainable:,} trainable, {frozen:,} frozen) in {count} tensors")
+        # shapes as captured: under ZeRO-3 the module's own tensors are empty between steps
+        shapes = {n.meta["slot"].name: n.meta["val"].numel() for n in plan.captured.gm.graph.nodes
+                  if n.op == "placeholder" and n.meta["slot"].role is Role.PARAM}
+        trainable = sum(shapes.get(n, 0) for n, p in model.named_parameters() if p.requires_grad)
+        frozen = sum(shapes.get(n, 0) for n, p in model.named_parameters() if not p.requires_grad)
+        lines.append(f"parameters: {trainable + frozen:,} ({trainable:,} trainable, {frozen:,} frozen) in {len(shapes)} tensors")
         lines.append("")
 
     not_applied = tuple(getattr(cfg, "not_applied", ()))

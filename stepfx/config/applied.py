@@ -14,6 +14,17 @@ from __future__ import annotations
 
 APPLIED: frozenset[str] = frozenset({
     "stepfx.*",  # stepfx's own options
+    # ZeRO (passes/plan_zero_layout, reduce_gradients, shard_*, schedule_collectives)
+    "zero_optimization.stage",
+    "zero_optimization.reduce_bucket_size",  # the bucket size of every collective
+    "zero_optimization.prefetch_bucket_size",  # how far ahead stage-3 gathers run
+    "zero_optimization.param_persistence_threshold",  # stage-3 parameters kept whole
+    "zero_optimization.overlap_comm",  # false: collectives are waited for at once
+    "zero_optimization.reduce_scatter",  # false: stage 2/3 all-reduce, then keep the shard
+    # stepfx's buckets are always contiguous and always all-gathered; these
+    # DeepSpeed switches choose between equivalent ways of moving the same bytes
+    "zero_optimization.contiguous_gradients",
+    "zero_optimization.allgather_partitions",
 })
 
 

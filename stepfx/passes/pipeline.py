@@ -10,6 +10,7 @@ from .prune_unchanged_outputs import prune_unchanged_outputs
 from .plan_zero_layout import plan_zero_layout, zero_settings
 from .reduce_gradients import reduce_gradients
 from .remove_aliases import remove_aliases
+from .schedule_collectives import schedule_collectives
 from .shard_optimizer_update import shard_optimizer_update
 from .shard_parameters import shard_parameters
 
@@ -18,6 +19,11 @@ __all__ = ["PIPELINE", "pass_names"]
 
 def _data_parallel(options) -> bool:
     return options.world_size > 1 or zero_settings(options)[0] > 0
+
+
+def _overlap(options) -> bool:
+    zero = getattr(options.config, "zero_optimization", None)
+    return getattr(zero, "overlap_comm", None) is not False
 
 
 def _stage_at_least(stage: int):
@@ -72,6 +78,12 @@ PIPELINE: tuple[PipelineEntry, ...] = (
         shard_parameters,
         "stage 3, after shard_optimizer_update: its piece cuts become the parameters at rest",
         applies=_stage_at_least(3),
+    ),
+    PipelineEntry(
+        "schedule_collectives",
+        schedule_collectives,
+        "after every collective exists: prefetch gathers, wait as late as readers allow (CUDA only)",
+        applies=lambda options: _data_parallel(options) and options.device_type == "cuda" and _overlap(options),
     ),
 )
 

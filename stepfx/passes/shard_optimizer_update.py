@@ -43,7 +43,7 @@ from ..graph import META_PARAM, META_PHASE, META_SOURCE, Phase, Role, Slot, Step
 from ..graph.build import bind_placeholders, clone_step_graph
 from ..graph.layout import LAYOUT_KEY, Bucket, BucketParam, Sharding
 from ..graph.ops import has_side_effect
-from .collectives import all_gather, fake_like, flat_slice, make_node, pack_flat, reduce_scatter_avg, unpack_view
+from .collectives import all_gather, all_reduce_avg, fake_like, flat_slice, make_node, pack_flat, reduce_scatter_avg, unpack_view
 from .manager import PassOptions, PassResult
 from .reduce_gradients import final_gradients
 
@@ -94,7 +94,7 @@ def shard_optimizer_update(graph: StepGraph, options: PassOptions) -> PassResult
             continue
         grad_shard = None
         if bucket.sharding in (Sharding.GRADIENTS, Sharding.PARAMETERS):
-            grad_shard = _scatter_gradients(g, bucket, grads, order, n, options.group_name)
+            grad_shard = _scatter_gradients(g, bucket, grads, order, n, options.group_name, rank, _reduce_scatter(options))
         new_pieces: list[tuple[BucketParam, fx.Node | None]] = []
         for p in bucket.params:
             a, b, in_shard = bucket.piece(p, rank)
@@ -132,7 +132,7 @@ def shard_optimizer_update(graph: StepGraph, options: PassOptions) -> PassResult
     return PassResult(graph, True, f"optimizer updates rank {rank}'s pieces only ({', '.join(kinds)}); {gathered} buckets re-gathered")
 
 
-def _scatter_gradients(g, bucket: Bucket, grads, order, n, group_name) -> fx.Node:
+def _scatter_gradients(g, bucket: Bucket, grads, order, n, group_name, rank, use_reduce_scatter) -> fx.Node:
     bucket_grads = [grads[p.name] for p in bucket.params]
     for p, grad in zip(bucket.params, bucket_grads):
         for user in grad.users:
@@ -147,8 +147,23 @@ def _scatter_gradients(g, bucket: Bucket, grads, order, n, group_name) -> fx.Nod
     meta = dict(like=last, phase=Phase.BACKWARD)
     with g.inserting_before(last.next):
         flat = pack_flat(g, [(grad, p.offset) for grad, p in zip(bucket_grads, bucket.params)], bucket.padded, bucket_grads[0].meta["val"], **meta)
-        shard = reduce_scatter_avg(g, flat, n, group_name, **meta)[1] if n > 1 else flat
+        if n == 1:
+            shard = flat
+        elif use_reduce_scatter:
+            shard = reduce_scatter_avg(g, flat, n, group_name, **meta)[1]
+        else:
+            # DeepSpeed's "reduce_scatter": false: average the whole bucket, keep this rank's shard
+            whole = all_reduce_avg(g, flat, n, group_name, **meta)[1]
+            shard = make_node(
+                g, aten.slice.Tensor, (whole, 0, rank * bucket.shard, (rank + 1) * bucket.shard),
+                val=fake_like(whole.meta["val"], (bucket.shard,)), name="grad_shard", **meta,
+            )
     return shard
+
+
+def _reduce_scatter(options: PassOptions) -> bool:
+    zero = getattr(options.config, "zero_optimization", None)
+    return getattr(zero, "reduce_scatter", True) is not False
 
 
 def _piece_shape_ok(val, p: BucketParam) -> bool:

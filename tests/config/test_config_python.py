@@ -31,7 +31,7 @@ def test_python_config_equals_the_loaded_one():
     assert built.zero_optimization == loaded.zero_optimization and built.bf16 == loaded.bf16
     assert built.zero_optimization.overlap_comm is True
     assert built.source == "<python>" and built.not_applied == loaded.not_applied
-    assert built.not_applied == ("zero_optimization.stage", "bf16.enabled")
+    assert built.not_applied == ("bf16.enabled",)  # the ZeRO stage is applied; bf16 is not yet
 
 
 @pytest.mark.parametrize("build, raw", [
@@ -112,8 +112,9 @@ def test_frozen_and_hashable():
 
 def test_applied_paths():
     assert "stepfx.*" in APPLIED
-    assert is_applied("stepfx.cache_size") and not is_applied("zero_optimization.stage")
+    assert is_applied("stepfx.cache_size") and is_applied("zero_optimization.stage")
+    assert not is_applied("zero_optimization.max_live_parameters")
     assert is_applied("zero_optimization.offload_param.device", frozenset({"zero_optimization.offload_param.*"}))
-    config = load_config({"stepfx": {"verify": False}, "zero_optimization": {"stage": 1}})
+    config = load_config({"stepfx": {"verify": False}, "zero_optimization": {"stage": 1, "stage3_max_live_parameters": 10}})
     assert config.stepfx.verify is False
-    assert config.not_applied == ("zero_optimization.stage", )
+    assert config.not_applied == ("zero_optimization.max_live_parameters", )

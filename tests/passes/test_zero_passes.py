@@ -18,7 +18,7 @@ from tests.steps import lm_step, tiny_gpt, token_batches
 c10d = torch.ops._c10d_functional
 
 
-def _compile(stage, rank=0, world=2, bucket=500, persist=0, step=lm_step, warm=True):
+def _compile(stage, rank=0, world=2, bucket=500, persist=0, step=lm_step, warm=True, device_type="cpu"):
     from stepfx.capture import capture_step
 
     torch.manual_seed(0)
@@ -29,7 +29,8 @@ def _compile(stage, rank=0, world=2, bucket=500, persist=0, step=lm_step, warm=T
         lm_step(model, opt, batch)
     graph = capture_step(step, model, opt, (batch,), {})
     config = load_config({"zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "stage3_param_persistence_threshold": persist}})
-    records = PassManager(PIPELINE).run(graph, PassOptions(config=config, world_size=world, rank=rank, group_name="test"))
+    options = PassOptions(config=config, world_size=world, rank=rank, group_name="test", device_type=device_type)
+    records = PassManager(PIPELINE).run(graph, options)
     return records, model
 
 
@@ -167,3 +168,45 @@ def test_zero_3_module_params_are_released_and_sync_model_restores_them():
     (batch2,) = token_batches(1, seed=9)[0]
     step(model, opt, batch2)  # training continues from the rank's pieces
     assert all(p.numel() == 0 for p in model.parameters())
+
+
+def test_schedule_prefetches_gathers_and_waits_late():
+    # scheduling applies to CUDA steps; the graph is the same, so plan one as if for CUDA
+    records, _ = _compile(3, bucket=500, device_type="cuda")
+    before = next(r.graph for r in records if r.name == "shard_parameters")
+    after = records[-1].graph
+    assert records[-1].name == "schedule_collectives" and records[-1].changed
+
+    def positions(graph):
+        order = {n: i for i, n in enumerate(graph.gm.graph.nodes)}
+        gathers = [n for n in graph.gm.graph.nodes if n.target is c10d.all_gather_into_tensor.default and str(n.meta["phase"]) == "forward"]
+        waits = [next(u for u in n.users if u.target is c10d.wait_tensor.default) for n in gathers]
+        return order, gathers, waits
+
+    order, gathers, waits = positions(before)
+    # before scheduling every gather is waited for right away, nothing in flight
+    assert all(order[w] == order[g] + 1 for g, w in zip(gathers, waits))
+    order, gathers, waits = positions(after)
+    # after: bucket k+1 is requested before bucket k's forward runs
+    assert all(order[gathers[k + 1]] < order[waits[k + 1]] for k in range(len(gathers) - 1))
+    assert sum(order[gathers[k + 1]] < min(order[u] for u in waits[k].users) for k in range(len(gathers) - 1)) >= len(gathers) - 1
+    # reduce-scatters: issued in backward, waited for only where the optimizer needs them
+    for rs in [n for n in after.gm.graph.nodes if n.target is c10d.reduce_scatter_tensor.default]:
+        wait = next(u for u in rs.users if u.target is c10d.wait_tensor.default)
+        assert str(rs.meta["phase"]) == "backward"
+        assert order[wait] - order[rs] > 1
+        first_reader = min(order[u] for u in wait.users)
+        assert first_reader == order[wait] + 1
+
+
+def test_schedule_only_reorders():
+    plain, _ = _compile(3, bucket=500)
+    scheduled, _ = _compile(3, bucket=500, device_type="cuda")
+    assert plain[-1].skipped and plain[-1].graph.count_ops() == scheduled[-1].graph.count_ops()
+    key = lambda g: sorted(str(n.target) for n in g.gm.graph.nodes if n.op == "call_function")
+    assert key(plain[-1].graph) == key(scheduled[-1].graph)
+
+
+def test_cpu_steps_are_not_scheduled():
+    records, _ = _compile(3, bucket=500)
+    assert next(r for r in records if r.name == "schedule_collectives").skipped == "not applicable"

@@ -121,3 +121,11 @@ def test_a_rank_failing_mid_step_stops_every_rank_quickly(rank_pool):
     assert all(r["seconds"] < 20 for r in results), results
     # the failing step changed nothing
     assert all(r["params_unchanged"] for r in results)
+
+
+def test_reduce_scatter_false_averages_whole_buckets(rank_pool):
+    report = assert_data_parallel_equivalent(
+        rank_pool(2), lm_step, tiny_gpt, adamw, dp_batches(2), config=_cfg(2, reduce_scatter=False), exact=True
+    )
+    assert report.bitwise
+    assert "all_reduce" in report.explains[0] and "reduce_scatter " not in report.explains[0]
