@@ -105,8 +105,14 @@ def _as_args(batch) -> tuple[tuple, dict]:
     return (batch,), {}
 
 
-def _clone(tree):
-    return pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tree)
+def _clone(tree, device=None):
+    return pytree.tree_map(lambda x: x.to(device or x.device, copy=True) if isinstance(x, torch.Tensor) else x, tree)
+
+
+def _device_of(model: torch.nn.Module):
+    for t in model.parameters():
+        return t.device
+    return None
 
 
 def _optimizer_states(model: torch.nn.Module, optimizer) -> dict[str, torch.Tensor]:
@@ -183,10 +189,11 @@ def assert_step_equivalent(
     report = EquivalenceReport()
     for i, batch in enumerate(batches):
         args, kwargs = _as_args(batch)
+        device = _device_of(model)
         torch.manual_seed(seed + 1 + i)
-        out = compiled(model, opt, *_clone(args), **_clone(kwargs))
+        out = compiled(model, opt, *_clone(args, device), **_clone(kwargs, device))
         torch.manual_seed(seed + 1 + i)
-        ref_out = step_fn(ref_model, ref_opt, *_clone(args), **_clone(kwargs))
+        ref_out = step_fn(ref_model, ref_opt, *_clone(args, device), **_clone(kwargs, device))
         leaves, spec = pytree.tree_flatten(out)
         ref_leaves, ref_spec = pytree.tree_flatten(ref_out)
         if spec != ref_spec:
@@ -254,10 +261,11 @@ def data_parallel_reference(step_fn, make_model, make_optimizer, batches_per_ran
     outputs = []
     for i in range(len(batches_per_rank[0])):
         per_rank, grads = [], []
+        device = _device_of(model)
         for r in range(world):
             args, kwargs = _as_args(batches_per_rank[r][i])
             torch.manual_seed(_rank_seed(seed, i, r, world))
-            per_rank.append(step_fn(model, stash, *_clone(args), **_clone(kwargs)))
+            per_rank.append(step_fn(model, stash, *_clone(args, device), **_clone(kwargs, device)))
             grads.append(stash.grads)
         for gi, group in enumerate(opt.param_groups):
             for pi, p in enumerate(group["params"]):
@@ -287,10 +295,11 @@ def _dp_worker(step_fn, make_model, make_optimizer, batches_per_rank, config, se
     sched = make_scheduler(opt) if make_scheduler else None
     compiled = stepfx.parallelize(config)(step_fn)
     outs = []
+    device = _device_of(model)
     for i, batch in enumerate(batches_per_rank[rank]):
         args, kwargs = _as_args(batch)
         torch.manual_seed(_rank_seed(seed, i, rank, world))
-        out = compiled(model, opt, *_clone(args), **_clone(kwargs))
+        out = compiled(model, opt, *_clone(args, device), **_clone(kwargs, device))
         outs.append(pytree.tree_map(lambda x: x.detach().cpu() if isinstance(x, torch.Tensor) else x, out))
         if sched is not None:
             sched.step()
