@@ -152,7 +152,9 @@ class ParallelStep:
         captured = capture_step(self.fn, model, optimizer, args, kwargs, inputs=inputs)
         capture_seconds = time.perf_counter() - start
         first = PassRecord(0, "capture", captured, True, capture_seconds, f"{captured.count_ops()} ops captured")
-        device_type = _device_type(inputs.values)
+        # the model's own device (under ZeRO-3 its tensors are empty but keep
+        # their device); the learning rate and step counters are CPU scalars
+        device_type = _device_type(list(model.parameters()) + list(model.buffers()) + inputs.values)
         manager = PassManager(PIPELINE, disable=options.disable, verify=options.verify, dump_dir=None)
         pass_options = PassOptions(
             config=self.config, world_size=dp.world_size, rank=dp.rank, device_type=device_type, group_name=dp.group_name

@@ -130,3 +130,13 @@ def dp_batches(world, steps=3, kind="tokens", seed=7, **kw):
     """Per-rank batch lists: rank r's i-th batch differs from every other."""
     make = {"tokens": token_batches, "mlp": mlp_batches}[kind]
     return [make(steps, seed=seed + 1000 * r, **kw) for r in range(world)]
+
+
+def adamw_single_tensor(model):
+    """AdamW as stepfx traces it: the single-tensor algorithm (eager CUDA
+    defaults to the foreach kernels, which round differently)."""
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+
+
+def sgd_single_tensor(model):
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3, foreach=False)
