@@ -111,7 +111,7 @@ def test_explain_shows_passes_roles_bytes_and_the_graph():
     param_line = next(line for line in text.splitlines() if line.strip().startswith("param "))
     assert f"{n_params:,}" in param_line and format_bytes(n_params * 4) in param_line
     assert "optimizer_state" in text and "hyperparam" in text and "batch" in text
-    assert "def step(self, p_net_0_weight" in text
+    assert "def step(\n    self,\n    p_net_0_weight," in text and "# param net.0.weight" in text
     assert "# forward" in text and "# backward" in text and "# optimizer" in text
 
 

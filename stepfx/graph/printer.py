@@ -139,11 +139,15 @@ def format_graph(graph: StepGraph, *, header: str = "", name: str = "step") -> s
     lines.append("aten = torch.ops.aten")
     lines.append("")
     params = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    lines.append(f"def {name}(self, " + ", ".join(p.name for p in params) + "):")
+    lines.append(f"def {name}(")
+    lines.append("    self,")
     for p in params:
         slot = p.meta.get(META_SLOT)
+        stmt = f"    {p.name},"
         if slot is not None:
-            lines.append(f"    # {p.name}: {slot.describe()}")
+            stmt = stmt.ljust(_COMMENT_COLUMN) + f"  # {slot.describe()}"
+        lines.append(stmt)
+    lines.append("):")
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
