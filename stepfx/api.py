@@ -23,7 +23,7 @@ import torch.utils._pytree as pytree
 
 from .capture import capture_step, collect_inputs
 from .capture.fingerprint import describe_change, fingerprint
-from .config import Config, load_config
+from .config import AUTO, Config, load_config, resolve_zero_auto
 from .errors import ExecutionError
 from .graph import Role, StepGraph, TensorSpec
 from .graph.layout import LAYOUT_KEY, Sharding
@@ -98,6 +98,7 @@ class ParallelStep:
             )
         self._calls += 1
         if self._dp is None:
+            self.config = _resolve_model_sizes(self.config, model)
             self._dp = data_parallel(_device_type(list(model.parameters()) + list(model.buffers())))
         elif self._dp.active and self._dp.group is None:
             raise ExecutionError(f"{self.__name__}: an earlier step failed and aborted stepfx's data-parallel group; restart the job")
@@ -252,6 +253,30 @@ class ParallelStep:
         if layout is None or not any(b.sharding is Sharding.PARAMETERS for b in layout.buckets):
             return {}
         return gather_sharded_params(layout, self._store, self._dp)
+
+
+def _hidden_size(model: torch.nn.Module) -> int | None:
+    """The model's hidden size, as HF's DeepSpeed integration reads it
+    (``config.hidden_size``, or the largest of ``config.hidden_sizes``);
+    for other modules, the most common input width of its Linear layers."""
+    cfg = getattr(model, "config", None)
+    if getattr(cfg, "hidden_size", None):
+        return int(cfg.hidden_size)
+    if getattr(cfg, "hidden_sizes", None):
+        return int(max(cfg.hidden_sizes))
+    widths = collections.Counter(m.in_features for m in model.modules() if isinstance(m, torch.nn.Linear))
+    return widths.most_common(1)[0][0] if widths else None
+
+
+def _resolve_model_sizes(config: Config, model: torch.nn.Module) -> Config:
+    """ZeRO's "auto" bucket sizes come from the model (HF's rules)."""
+    zero = config.zero_optimization
+    keys = ("stage", "reduce_bucket_size", "prefetch_bucket_size", "param_persistence_threshold")
+    if not any(getattr(zero, k) is AUTO for k in keys):
+        return config
+    resolved = resolve_zero_auto(config, hidden_size=_hidden_size(model))
+    log.info("stepfx: resolved ZeRO 'auto' values from the model: %s", {k: getattr(resolved.zero_optimization, k) for k in keys})
+    return resolved
 
 
 def _held_specs(captured: StepGraph, final: StepGraph) -> dict:

@@ -164,3 +164,35 @@ def test_disabled_pass_still_runs_correctly():
         exact=True,
     )
     assert report.bitwise
+
+
+def test_zero_auto_values_come_from_the_model(caplog):
+    from stepfx.testing.models import GPT, gpt_config
+
+    model = GPT(gpt_config("tiny"))  # d_model 32: HF's rules give 32**2, 0.9*32**2, 10*32
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cfg = {"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+                                 "stage3_param_persistence_threshold": "auto"}}
+    step = stepfx.parallelize(cfg)(lm_step_for_api)
+    with caplog.at_level(logging.INFO, logger="stepfx"):
+        step(model, opt, torch.randint(0, 64, (2, 9)))
+    zero = step.config.zero_optimization
+    assert (zero.reduce_bucket_size, zero.prefetch_bucket_size, zero.param_persistence_threshold) == (1024, 921, 320)
+    assert any("resolved ZeRO 'auto' values" in r.message for r in caplog.records)
+
+
+def test_zero_stage_auto_is_an_error_naming_the_key():
+    model = MLP((8, 16, 4))
+    step = stepfx.parallelize({"zero_optimization": {"stage": "auto"}})(ce_step)
+    with pytest.raises(stepfx.ConfigError, match="zero_optimization.stage"):
+        step(model, torch.optim.SGD(model.parameters(), lr=0.1), *mlp_batches(1)[0])
+
+
+def lm_step_for_api(model, optimizer, idx):
+    from stepfx.testing.models import lm_loss
+
+    loss = lm_loss(model(idx[:, :-1]), idx[:, 1:])
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss

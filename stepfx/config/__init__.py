@@ -14,7 +14,7 @@ Which block is read strictly and which leniently, and why: ``rules.py``
 (each block, with its DeepSpeed source). Keys stepfx acts on: ``applied.py``.
 """
 from .applied import APPLIED
-from .auto import resolve_auto
+from .auto import resolve_auto, resolve_zero_auto
 from .batch import resolve_batch_sizes
 from .blocks import OptimizerConfig, SchedulerConfig, StepfxOptions
 from .config import Config
@@ -27,5 +27,5 @@ from .zero import OffloadConfig, ZeroConfig
 __all__ = [
     "AUTO", "APPLIED", "BF16Config", "Config", "ConfigError", "ConfigWarning", "FP16Config", "OffloadConfig",
     "OptimizerConfig", "SchedulerConfig", "StepfxOptions", "ZeroConfig", "load_config", "resolve_auto",
-    "resolve_batch_sizes",
+    "resolve_batch_sizes", "resolve_zero_auto",
 ]

@@ -140,3 +140,29 @@ def _resolve_zero(zero: ZeroConfig, fill, missing: list[str], *, hidden_size: in
         nvme = nvme_arg if block.nvme_path is AUTO else block.nvme_path
         changes[slot] = dataclasses.replace(block, device=device, nvme_path=nvme)
     return dataclasses.replace(zero, **changes)
+
+
+def resolve_zero_auto(config: Config, *, hidden_size: int | None) -> Config:
+    """Fill only the ``zero_optimization`` AUTO values — the bucket sizes HF
+    derives from the model's hidden size, the offload devices and the
+    16-bit-save flag (HF/accelerate defaults) — leaving the rest of the
+    config as it is. What stepfx does on a step's first call, when it knows
+    the model. A ZeRO AUTO value without a source (the stage) is a
+    ConfigError naming the key."""
+    missing: list[str] = []
+
+    def fill(value: Any, given: Any, key: str, argument: str) -> Any:
+        if value is not AUTO:
+            return value
+        if given is None:
+            missing.append(f"{key} (set it in the config)")
+            return value
+        return given
+
+    offload = {"offload_optimizer": ("none", None), "offload_param": ("none", None)}
+    zero = _resolve_zero(config.zero_optimization, fill, missing, hidden_size=hidden_size, zero_stage=None,
+                         offload=offload, gather_16bit=False)
+    if missing:
+        raise ConfigError(missing[0].split(" ")[0], "'auto' values that cannot be resolved: " + "; ".join(missing),
+                          value=AUTO, expected="a value")
+    return dataclasses.replace(config, zero_optimization=zero)

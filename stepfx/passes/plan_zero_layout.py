@@ -20,7 +20,7 @@ Before / after: the graph is unchanged; ``explain()`` shows the buckets.
 """
 from __future__ import annotations
 
-from ..errors import CaptureError
+from ..errors import CaptureError, PassError
 from ..graph import META_GRAD_OF, Role, StepGraph
 from ..graph.layout import LAYOUT_KEY, Bucket, BucketParam, Sharding, ZeroLayout, align
 from .manager import PassOptions, PassResult
@@ -31,13 +31,16 @@ _STAGE_SHARDING = {0: Sharding.NONE, 1: Sharding.OPTIMIZER, 2: Sharding.GRADIENT
 
 
 def zero_settings(options: PassOptions) -> tuple[int, int, int]:
-    """(stage, bucket size in elements, persistence threshold) from the config."""
+    """(stage, bucket size in elements, persistence threshold) from the
+    config; "auto" values must have been resolved (the public face does it
+    from the model on the first call)."""
     zero = getattr(options.config, "zero_optimization", None)
     if zero is None:
         return 0, 500_000_000, 0
-    bucket = zero.reduce_bucket_size if isinstance(zero.reduce_bucket_size, int) else 500_000_000
-    persist = zero.param_persistence_threshold if isinstance(zero.param_persistence_threshold, int) else 100_000
-    return int(zero.stage) if isinstance(zero.stage, int) else 0, max(1, bucket), persist
+    for key in ("stage", "reduce_bucket_size", "param_persistence_threshold"):
+        if not isinstance(getattr(zero, key), int):
+            raise PassError(f"zero_optimization.{key} is {getattr(zero, key)!r}; 'auto' must be resolved before the passes run")
+    return zero.stage, max(1, zero.reduce_bucket_size), zero.param_persistence_threshold
 
 
 def plan_zero_layout(graph: StepGraph, options: PassOptions) -> PassResult:

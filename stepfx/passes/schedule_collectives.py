@@ -49,9 +49,12 @@ c10d = torch.ops._c10d_functional
 
 
 def _prefetch_limit(options: PassOptions) -> int:
+    """Elements a prefetch may keep in flight: ``stage3_prefetch_bucket_size``,
+    and no more than ``stage3_max_live_parameters`` leaves room for."""
     zero = getattr(options.config, "zero_optimization", None)
     size = getattr(zero, "prefetch_bucket_size", 50_000_000)
-    return size if isinstance(size, int) else 50_000_000
+    live = getattr(zero, "max_live_parameters", 1_000_000_000)
+    return min(size if isinstance(size, int) else 50_000_000, live if isinstance(live, int) else 1_000_000_000)
 
 
 def schedule_collectives(graph: StepGraph, options: PassOptions) -> PassResult:
