@@ -61,15 +61,7 @@ def resolve_auto(config: Config, *, hidden_size: int | None = None, world_size: 
         raise ConfigError("mixed_precision", f"got {mixed_precision!r}; expected 'no', 'fp16' or 'bf16'",
                           value=mixed_precision, expected="'no', 'fp16' or 'bf16'")
     missing: list[str] = []
-
-    def fill(value: Any, given: Any, key: str, argument: str) -> Any:
-        if value is not AUTO:
-            return value
-        if given is None:
-            missing.append(f"{key} (pass {argument}=...)")
-            return value
-        return given
-
+    fill = _filler(missing, "pass {argument}=...")
     offload = {"offload_optimizer": (offload_optimizer_device, offload_optimizer_nvme_path),
                "offload_param": (offload_param_device, offload_param_nvme_path)}
     zero = _resolve_zero(config.zero_optimization, fill, missing, hidden_size=hidden_size, zero_stage=zero_stage,
@@ -111,6 +103,22 @@ def resolve_auto(config: Config, *, hidden_size: int | None = None, world_size: 
                                scheduler=scheduler)
 
 
+def _filler(missing: list[str], hint: str):
+    """``fill(value, given, key, argument)``: ``given`` replaces an AUTO
+    ``value``; an AUTO with nothing given is recorded in ``missing`` with
+    ``hint`` (formatted with ``argument``)."""
+
+    def fill(value: Any, given: Any, key: str, argument: str) -> Any:
+        if value is not AUTO:
+            return value
+        if given is None:
+            missing.append(f"{key} ({hint.format(argument=argument)})")
+            return value
+        return given
+
+    return fill
+
+
 def _resolve_zero(zero: ZeroConfig, fill, missing: list[str], *, hidden_size: int | None, zero_stage: int | None,
                   offload: dict[str, tuple[str, str | None]], gather_16bit: bool) -> ZeroConfig:
     defaults = {f.name: default_of(f) for f in dataclasses.fields(ZeroConfig) if f.name in _HIDDEN_KEYS}
@@ -150,15 +158,7 @@ def resolve_zero_auto(config: Config, *, hidden_size: int | None) -> Config:
     the model. A ZeRO AUTO value without a source (the stage) is a
     ConfigError naming the key."""
     missing: list[str] = []
-
-    def fill(value: Any, given: Any, key: str, argument: str) -> Any:
-        if value is not AUTO:
-            return value
-        if given is None:
-            missing.append(f"{key} (set it in the config)")
-            return value
-        return given
-
+    fill = _filler(missing, "set it in the config")
     offload = {"offload_optimizer": ("none", None), "offload_param": ("none", None)}
     zero = _resolve_zero(config.zero_optimization, fill, missing, hidden_size=hidden_size, zero_stage=None,
                          offload=offload, gather_16bit=False)

@@ -20,6 +20,8 @@ Before / after: the graph is unchanged; ``explain()`` shows the buckets.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from ..errors import CaptureError, PassError
 from ..graph import META_GRAD_OF, Role, StepGraph
 from ..graph.layout import LAYOUT_KEY, Bucket, BucketParam, Sharding, ZeroLayout, align
@@ -90,16 +92,7 @@ def plan_zero_layout(graph: StepGraph, options: PassOptions) -> PassResult:
     close()
 
     layout = ZeroLayout(stage, options.world_size, options.rank, tuple(buckets))
-    extra = dict(sig.extra)
-    extra[LAYOUT_KEY] = layout
-    new_sig = sig.__class__(
-        inputs=sig.inputs,
-        outputs=sig.outputs,
-        user_output_spec=sig.user_output_spec,
-        user_output_constants=sig.user_output_constants,
-        user_output_from_slot=sig.user_output_from_slot,
-        extra=extra,
-    )
+    new_sig = dataclasses.replace(sig, extra={**sig.extra, LAYOUT_KEY: layout})
     sharded = sum(1 for b in buckets if b.sharding is not Sharding.NONE)
     summary = f"stage {stage}: {len(params)} parameters in {len(buckets)} buckets ({sharded} sharded over {options.world_size} ranks)"
     return PassResult(graph.replace(signature=new_sig), True, summary)

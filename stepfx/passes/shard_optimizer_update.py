@@ -181,7 +181,7 @@ def _shard_update(
     sig = graph.signature
     states = [s for s in sig.inputs if s.role is Role.OPTIMIZER_STATE and s.name == p.name]
     param_out_i = out_index.get(Slot(Role.PARAM, p.name).ident)
-    chain = _update_chain(g, p, param, out_values, out_slots)
+    chain = _update_chain(g, p)
 
     if length == 0:
         # nothing of p lives on this rank: no state, no update here (stages
@@ -286,18 +286,17 @@ def _shard_update(
     return new_piece
 
 
-def _update_chain(g, p: BucketParam, param, out_values, out_slots) -> dict[fx.Node, fx.Node]:
+def _update_chain(g, p: BucketParam) -> dict[fx.Node, fx.Node | None]:
     """The optimizer-phase nodes of p's update that carry p's shape, in
     graph order (keys; values filled in as they are rewritten)."""
-    chain: dict[fx.Node, fx.Node] = {}
-    for node in g.nodes:
-        if node.op != "call_function" or node.meta.get(META_PHASE) is not Phase.OPTIMIZER:
-            continue
-        if node.meta.get(META_PARAM) != p.name:
-            continue
-        if _piece_shape_ok(node.meta.get("val"), p):
-            chain[node] = None  # type: ignore[assignment]
-    return {k: v for k, v in chain.items()}
+    return {
+        node: None
+        for node in g.nodes
+        if node.op == "call_function"
+        and node.meta.get(META_PHASE) is Phase.OPTIMIZER
+        and node.meta.get(META_PARAM) == p.name
+        and _piece_shape_ok(node.meta.get("val"), p)
+    }
 
 
 def _drop_outputs(out_values, out_slots, out_index, predicate):
