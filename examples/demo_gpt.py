@@ -80,7 +80,7 @@ def main() -> None:
             f.write(text)
         print()
         print(text.split("final step graph")[0].rstrip())
-        print(f"\n(full per-rank graph in dumps/demo_explain_rank0.txt)")
+        print("\n(full per-rank graph in dumps/demo_explain_rank0.txt)")
         print(f"loss {first:.3f} -> {loss.item():.3f} in {STEPS} steps, {time.time() - start:.1f} s")
 
 

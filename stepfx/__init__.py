@@ -4,7 +4,7 @@ Decorate an ordinary training step with ``@stepfx.parallelize(config)``;
 stepfx captures forward, backward and optimizer update as one graph,
 rewrites it with passes and runs it.
 """
-from . import testing
+from . import testing  # noqa: F401  (stepfx.testing is public)
 from .api import ParallelStep, parallelize
 from .config import Config, ConfigError, load_config
 from .errors import CaptureError, CaptureWarning, ExecutionError, PassError, StepfxError

@@ -20,6 +20,7 @@ import enum
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import torch
 from torch.utils._pytree import TreeSpec
 
 __all__ = ["Role", "Storage", "Slot", "StepSignature", "STATE_ROLES", "TensorSpec", "hyperparam_tensor"]
@@ -152,8 +153,6 @@ def hyperparam_tensor(value) -> "torch.Tensor":
     """How a HYPERPARAM slot is fed: a float64 CPU scalar, so the
     optimizer's Python arithmetic on it (captured as symbolic floats) runs
     in double precision exactly as eager PyTorch's does."""
-    import torch
-
     if isinstance(value, torch.Tensor):
         return value.detach().to(device="cpu", dtype=torch.float64).reshape(())
     return torch.tensor(float(value), dtype=torch.float64)

@@ -36,7 +36,7 @@ import torch.fx as fx
 
 from .. import compat
 from ..errors import PassError
-from ..graph import StepGraph, output_node, output_values
+from ..graph import StepGraph, output_values
 from ..graph.build import adopt_annotations, clone_step_graph, copy_node_meta, flatten_codegen, label_params
 from ..graph.ops import ALIAS_OPS, UNDECLARED_MUTATIONS, functional_variant, is_view, mutated_arg_indices
 from .manager import PassOptions, PassResult

@@ -15,7 +15,6 @@ Tolerances, and why:
 from __future__ import annotations
 
 import pytest
-import torch
 
 from stepfx.testing.equivalence import assert_data_parallel_equivalent
 from tests import dp_workers as W
