@@ -19,6 +19,7 @@ APPLIED: frozenset[str] = frozenset({
     "zero_optimization.reduce_bucket_size",  # the bucket size of every collective
     "zero_optimization.prefetch_bucket_size",  # how far ahead stage-3 gathers run
     "zero_optimization.max_live_parameters",  # also bounds prefetch (a single larger bucket still gathers whole)
+    "zero_optimization.max_reuse_distance",  # keep a forward gather for backward when reused this soon
     "zero_optimization.param_persistence_threshold",  # stage-3 parameters kept whole
     "zero_optimization.overlap_comm",  # false: collectives are waited for at once
     "zero_optimization.reduce_scatter",  # false: stage 2/3 all-reduce, then keep the shard

@@ -15,7 +15,11 @@ Ensures, for every bucket sharding "parameters", on rank r:
 - before the first backward use, the bucket is gathered again and
   backward reads views of that copy; forward values that are pure
   functions of a parameter (its transpose, a cast) and that backward reads
-  are recomputed from the second gather instead of being kept alive.
+  are recomputed from the second gather instead of being kept alive —
+  unless the bucket is reused soon (``stage3_max_reuse_distance``, as in
+  DeepSpeed: when the parameters other buckets touch between this bucket's
+  last forward use and its first backward use add up to no more than that
+  many elements, the forward copy is kept for backward instead).
 
 Before / after (one bucket, rank 0 of 2)::
 
@@ -54,6 +58,7 @@ def shard_parameters(graph: StepGraph, options: PassOptions) -> PassResult:
     inputs = list(sig.inputs)
     replaced: list[tuple[str, fx.Node]] = []
 
+    reuse = _reused_buckets(g, buckets, placeholders, _max_reuse_distance(options))
     for bucket in buckets:
         whole = {p.name: placeholders[Slot(Role.PARAM, p.name).ident] for p in bucket.params}
         pieces: dict[str, fx.Node] = {}
@@ -70,7 +75,7 @@ def shard_parameters(graph: StepGraph, options: PassOptions) -> PassResult:
                 inputs[inputs.index(old_slot)] = slot
             else:
                 inputs.remove(old_slot)
-        _rewire_bucket(g, bucket, whole, pieces, n, options.group_name, rank)
+        _rewire_bucket(g, bucket, whole, pieces, n, options.group_name, rank, bucket.index in reuse)
         replaced.extend(whole.items())
 
     g.eliminate_dead_code(is_impure_node=has_side_effect)
@@ -88,10 +93,54 @@ def shard_parameters(graph: StepGraph, options: PassOptions) -> PassResult:
     graph = graph.replace(signature=sig.with_inputs(tuple(inputs)))
     graph.gm.recompile()
     total = sum(len(b.params) for b in buckets)
-    return PassResult(graph, True, f"{total} parameters in {len(buckets)} buckets held as pieces; gathered before forward and again before backward")
+    return PassResult(
+        graph, True,
+        f"{total} parameters in {len(buckets)} buckets held as pieces; gathered before forward, "
+        f"{len(buckets) - len(reuse)} buckets again before backward ({len(reuse)} kept: reused within max_reuse_distance)",
+    )
 
 
-def _rewire_bucket(g: fx.Graph, bucket: Bucket, whole: dict, pieces: dict, n: int, group_name: str, rank: int) -> None:
+def _max_reuse_distance(options: PassOptions) -> int:
+    zero = getattr(options.config, "zero_optimization", None)
+    value = getattr(zero, "max_reuse_distance", 1_000_000_000)
+    return value if isinstance(value, int) else 1_000_000_000
+
+
+def _reused_buckets(g: fx.Graph, buckets, placeholders, limit: int) -> set[int]:
+    """Buckets whose forward copy backward may keep: the elements of other
+    buckets' parameters read between this bucket's last forward read and
+    its first backward read total at most ``limit``."""
+    order = {node: i for i, node in enumerate(g.nodes)}
+    owner = {}
+    for b in buckets:
+        for p in b.params:
+            owner[p.name] = b
+    reads: dict[int, list[tuple[int, Phase]]] = {b.index: [] for b in buckets}
+    for node in g.nodes:
+        if node.op != "call_function":
+            continue
+        for arg in node.all_input_nodes:
+            name = arg.meta.get(META_PARAM)
+            derived = arg.op == "placeholder" or (arg.op == "call_function" and arg.meta.get(META_PHASE) is Phase.FORWARD)
+            if name in owner and derived and node.meta.get(META_PHASE) in (Phase.FORWARD, Phase.BACKWARD):
+                reads[owner[name].index].append((order[node], node.meta[META_PHASE]))
+    reuse = set()
+    for b in buckets:
+        fwd = [pos for pos, phase in reads[b.index] if phase is Phase.FORWARD]
+        bwd = [pos for pos, phase in reads[b.index] if phase is Phase.BACKWARD]
+        if not fwd or not bwd:
+            continue
+        lo, hi = max(fwd), min(bwd)
+        between = sum(
+            other.numel for other in buckets
+            if other is not b and any(lo < pos < hi for pos, _ in reads[other.index])
+        )
+        if between <= limit:
+            reuse.add(b.index)
+    return reuse
+
+
+def _rewire_bucket(g: fx.Graph, bucket: Bucket, whole: dict, pieces: dict, n: int, group_name: str, rank: int, reuse: bool) -> None:
     order = {node: i for i, node in enumerate(g.nodes)}
     example = next(iter(whole.values())).meta["val"]
     names = {node: name for name, node in whole.items()}
@@ -102,13 +151,16 @@ def _rewire_bucket(g: fx.Graph, bucket: Bucket, whole: dict, pieces: dict, n: in
             for cut in _piece_cuts(user, name):
                 cut.replace_all_uses_with(pieces[name])
 
-    # 2. forward reads a gathered copy
-    fwd_users = [(u, name) for name, old in whole.items() for u in old.users if u.meta.get(META_PHASE) is Phase.FORWARD]
+    # 2. forward reads a gathered copy (and backward too, when it is reused soon)
+    phases = (Phase.FORWARD, Phase.BACKWARD) if reuse else (Phase.FORWARD,)
+    fwd_users = [(u, name) for name, old in whole.items() for u in old.users if u.meta.get(META_PHASE) in phases]
     if fwd_users:
         first = min((u for u, _ in fwd_users), key=order.__getitem__)
         views = _gather_before(g, first, bucket, pieces, example, n, group_name, Phase.FORWARD, rank)
         for user, name in fwd_users:
             user.replace_input_with(whole[name], views[name])
+    if reuse:
+        return
 
     # 3. backward reads a second gathered copy; forward values that are pure
     # functions of a parameter are recomputed from it

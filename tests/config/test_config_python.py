@@ -113,8 +113,8 @@ def test_frozen_and_hashable():
 def test_applied_paths():
     assert "stepfx.*" in APPLIED
     assert is_applied("stepfx.cache_size") and is_applied("zero_optimization.stage")
-    assert not is_applied("zero_optimization.max_reuse_distance")
+    assert not is_applied("zero_optimization.allgather_bucket_size")
     assert is_applied("zero_optimization.offload_param.device", frozenset({"zero_optimization.offload_param.*"}))
-    config = load_config({"stepfx": {"verify": False}, "zero_optimization": {"stage": 1, "stage3_max_reuse_distance": 10}})
+    config = load_config({"stepfx": {"verify": False}, "zero_optimization": {"stage": 1, "allgather_bucket_size": 10}})
     assert config.stepfx.verify is False
-    assert config.not_applied == ("zero_optimization.max_reuse_distance", )
+    assert config.not_applied == ("zero_optimization.allgather_bucket_size", )

@@ -18,7 +18,7 @@ from tests.steps import lm_step, tiny_gpt, token_batches
 c10d = torch.ops._c10d_functional
 
 
-def _compile(stage, rank=0, world=2, bucket=500, persist=0, step=lm_step, warm=True, device_type="cpu"):
+def _compile(stage, rank=0, world=2, bucket=500, persist=0, step=lm_step, warm=True, device_type="cpu", reuse=0):
     from stepfx.capture import capture_step
 
     torch.manual_seed(0)
@@ -28,7 +28,9 @@ def _compile(stage, rank=0, world=2, bucket=500, persist=0, step=lm_step, warm=T
     if warm:
         lm_step(model, opt, batch)
     graph = capture_step(step, model, opt, (batch,), {})
-    config = load_config({"zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "stage3_param_persistence_threshold": persist}})
+    config = load_config({"zero_optimization": {
+        "stage": stage, "reduce_bucket_size": bucket, "stage3_param_persistence_threshold": persist, "stage3_max_reuse_distance": reuse,
+    }})
     options = PassOptions(config=config, world_size=world, rank=rank, group_name="test", device_type=device_type)
     records = PassManager(PIPELINE).run(graph, options)
     return records, model
@@ -210,3 +212,15 @@ def test_schedule_only_reorders():
 def test_cpu_steps_are_not_scheduled():
     records, _ = _compile(3, bucket=500)
     assert next(r for r in records if r.name == "schedule_collectives").skipped == "not applicable"
+
+
+def test_buckets_reused_soon_are_not_gathered_again():
+    gathers = lambda g: [n for n in g.gm.graph.nodes if n.target is c10d.all_gather_into_tensor.default and str(n.meta["phase"]) == "backward"]
+    regather = gathers(_compile(3, reuse=0)[0][-1].graph)
+    # the last blocks' parameters are read again a few hundred elements later: keep them
+    some = _compile(3, reuse=3000)[0]
+    kept = gathers(some[-1].graph)
+    assert 0 < len(kept) < len(regather)
+    assert "kept: reused within max_reuse_distance" in next(r.summary for r in some if r.name == "shard_parameters")
+    everything = gathers(_compile(3, reuse=10**9)[0][-1].graph)
+    assert everything == []  # DeepSpeed's default keeps every gather of a small model

@@ -21,8 +21,12 @@ from tests import dp_workers as W
 from tests.steps import adam, adamw, dp_batches, hf_gpt2, hf_llama, hf_step, lm_step, sgd, tiny_gpt
 
 
-def _cfg(stage, bucket=500, persist=0, **extra):
-    return {"zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "stage3_param_persistence_threshold": persist, **extra}}
+def _cfg(stage, bucket=500, persist=0, reuse=0, **extra):
+    # reuse=0: re-gather every bucket for backward (the most collectives)
+    return {"zero_optimization": {
+        "stage": stage, "reduce_bucket_size": bucket, "stage3_param_persistence_threshold": persist,
+        "stage3_max_reuse_distance": reuse, **extra,
+    }}
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -128,3 +132,8 @@ def test_reduce_scatter_false_averages_whole_buckets(rank_pool):
     )
     assert report.bitwise
     assert "all_reduce" in report.explains[0] and "reduce_scatter " not in report.explains[0]
+
+
+def test_stage_3_keeping_forward_gathers_for_backward(rank_pool):
+    report = assert_data_parallel_equivalent(rank_pool(2), lm_step, tiny_gpt, adamw, dp_batches(2), config=_cfg(3, reuse=10**9), exact=True)
+    assert report.bitwise and "0 buckets again before backward" in report.explains[0]
