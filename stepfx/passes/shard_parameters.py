@@ -59,6 +59,7 @@ def shard_parameters(graph: StepGraph, options: PassOptions) -> PassResult:
     replaced: list[tuple[str, fx.Node]] = []
 
     reuse = _reused_buckets(g, buckets, placeholders, _max_reuse_distance(options))
+    regathered = 0
     for bucket in buckets:
         whole = {p.name: placeholders[Slot(Role.PARAM, p.name).ident] for p in bucket.params}
         pieces: dict[str, fx.Node] = {}
@@ -75,7 +76,7 @@ def shard_parameters(graph: StepGraph, options: PassOptions) -> PassResult:
                 inputs[inputs.index(old_slot)] = slot
             else:
                 inputs.remove(old_slot)
-        _rewire_bucket(g, bucket, whole, pieces, n, options.group_name, rank, bucket.index in reuse)
+        regathered += _rewire_bucket(g, bucket, whole, pieces, n, options.group_name, rank, bucket.index in reuse)
         replaced.extend(whole.items())
 
     g.eliminate_dead_code(is_impure_node=has_side_effect)
@@ -96,7 +97,7 @@ def shard_parameters(graph: StepGraph, options: PassOptions) -> PassResult:
     return PassResult(
         graph, True,
         f"{total} parameters in {len(buckets)} buckets held as pieces; gathered before forward, "
-        f"{len(buckets) - len(reuse)} buckets again before backward ({len(reuse)} kept: reused within max_reuse_distance)",
+        f"{regathered} buckets again before backward ({len(reuse)} kept: reused within max_reuse_distance)",
     )
 
 
@@ -140,7 +141,8 @@ def _reused_buckets(g: fx.Graph, buckets, placeholders, limit: int) -> set[int]:
     return reuse
 
 
-def _rewire_bucket(g: fx.Graph, bucket: Bucket, whole: dict, pieces: dict, n: int, group_name: str, rank: int, reuse: bool) -> None:
+def _rewire_bucket(g: fx.Graph, bucket: Bucket, whole: dict, pieces: dict, n: int, group_name: str, rank: int, reuse: bool) -> bool:
+    """Rewire one bucket; True when backward gathers it again."""
     order = {node: i for i, node in enumerate(g.nodes)}
     example = next(iter(whole.values())).meta["val"]
     names = {node: name for name, node in whole.items()}
@@ -160,7 +162,7 @@ def _rewire_bucket(g: fx.Graph, bucket: Bucket, whole: dict, pieces: dict, n: in
         for user, name in fwd_users:
             user.replace_input_with(whole[name], views[name])
     if reuse:
-        return
+        return False
 
     # 3. backward reads a second gathered copy; forward values that are pure
     # functions of a parameter are recomputed from it
@@ -172,7 +174,7 @@ def _rewire_bucket(g: fx.Graph, bucket: Bucket, whole: dict, pieces: dict, n: in
             if arg in names or (arg.meta.get(META_PHASE) is Phase.FORWARD and arg.meta.get(META_PARAM) in whole and arg.op == "call_function"):
                 bwd_reads.append((node, arg))
     if not bwd_reads:
-        return
+        return False
     first = min((u for u, _ in bwd_reads), key=order.__getitem__)
     views = _gather_before(g, first, bucket, pieces, example, n, group_name, Phase.BACKWARD, rank)
     memo: dict[fx.Node, fx.Node] = {}
@@ -193,6 +195,7 @@ def _rewire_bucket(g: fx.Graph, bucket: Bucket, whole: dict, pieces: dict, n: in
 
     for user, arg in bwd_reads:
         user.replace_input_with(arg, recompute(arg))
+    return True
 
 
 def _derived(value, whole, names) -> bool:
