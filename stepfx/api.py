@@ -11,6 +11,7 @@ eviction is logged with the reason.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import logging
 import os
@@ -21,11 +22,11 @@ from typing import Any, Callable
 import torch
 import torch.utils._pytree as pytree
 
-from .capture import capture_step, collect_inputs
+from .capture import CaptureOptions, capture_step, collect_inputs
 from .capture.fingerprint import describe_change, fingerprint
-from .config import AUTO, Config, load_config, resolve_zero_auto
-from .errors import ExecutionError
-from .graph import Role, StepGraph, TensorSpec
+from .config import AUTO, Config, ConfigError, load_config, resolve_batch_sizes, resolve_zero_auto
+from .errors import ExecutionError, StepfxError
+from .graph import Role, StepGraph, Storage, TensorSpec
 from .graph.layout import LAYOUT_KEY, Sharding
 from .passes import PIPELINE, PassManager, PassOptions, PassRecord, dump_records
 from .runtime import (
@@ -85,6 +86,9 @@ class ParallelStep:
         self._optimizer: torch.optim.Optimizer | None = None
         self._dp: DataParallel | None = None
         self._store = RankStore()  # what this rank holds for the user's objects (ZeRO)
+        self._micro_steps = 0  # calls so far (gradient accumulation counts micro-steps)
+        self._scale_probe: tuple | None = None  # (host copy, ready event) of the loss scaler's counters
+        self._scale_seen = (0, 0)  # (skipped steps, overflows at the minimum scale) already reported
 
     # -- calling --------------------------------------------------------------
     def __call__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *args, **kwargs) -> Any:
@@ -98,18 +102,23 @@ class ParallelStep:
             )
         self._calls += 1
         if self._dp is None:
-            self.config = _resolve_model_sizes(self.config, model)
+            self.config = _resolve_precision(_resolve_model_sizes(self.config, model))
             self._dp = data_parallel(_device_type(list(model.parameters()) + list(model.buffers())))
+            self.config = _resolve_batch_sizes(self.config, self._dp.world_size)
         elif self._dp.active and self._dp.group is None:
             raise ExecutionError(f"{self.__name__}: an earlier step failed and aborted stepfx's data-parallel group; restart the job")
-        key = fingerprint(model, optimizer, args, kwargs, held=self._store.held)
+        options = self._capture_options()
+        key = fingerprint(model, optimizer, args, kwargs, held=self._store.held) + (("capture options", options),)
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._compile(key, model, optimizer, args, kwargs)
+            plan = self._compile(key, model, optimizer, args, kwargs, options)
         else:
             self._plans.move_to_end(key)
         batch = [x for x in pytree.tree_leaves((tuple(args), dict(kwargs))) if isinstance(x, torch.Tensor)]
+        self._check_loss_scale()
         result = plan.executor.run(batch)
+        self._micro_steps += 1
+        self._probe_loss_scale()
         if plan.runs == 0:
             self._store.held.update({k: v for k, v in plan.held.items() if k not in self._store.held})
         plan.runs += 1
@@ -117,14 +126,14 @@ class ParallelStep:
         self._model, self._optimizer = model, optimizer
         return result
 
-    def _compile(self, key, model, optimizer, args, kwargs) -> Plan:
+    def _compile(self, key, model, optimizer, args, kwargs, options: CaptureOptions) -> Plan:
         if self._last is not None:
             log.info("stepfx: re-capturing %s (call %d): %s", self.__name__, self._calls, describe_change(self._last.key, key))
         dp = self._dp
         error: BaseException | None = None
         plan = None
         try:
-            plan = self._build_plan(key, model, optimizer, args, kwargs)
+            plan = self._build_plan(key, model, optimizer, args, kwargs, options)
         except Exception as exc:  # every rank learns of it in the pre-flight
             error = exc
         preflight(dp, collective_fingerprint(plan.graph) if plan else None, error)
@@ -145,12 +154,12 @@ class ParallelStep:
             dump_records(plan.records, os.path.join(self.dump_dir, f"variant{len(self._plans) - 1:02d}_call{self._calls}{suffix}"))
         return plan
 
-    def _build_plan(self, key, model, optimizer, args, kwargs) -> Plan:
+    def _build_plan(self, key, model, optimizer, args, kwargs, capture: CaptureOptions) -> Plan:
         options = self.config.stepfx
         dp = self._dp
         start = time.perf_counter()
-        inputs = collect_inputs(model, optimizer, args, kwargs, held=self._store.held)
-        captured = capture_step(self.fn, model, optimizer, args, kwargs, inputs=inputs)
+        inputs = collect_inputs(model, optimizer, args, kwargs, held=self._store.held, options=capture)
+        captured = capture_step(self.fn, model, optimizer, args, kwargs, inputs=inputs, options=capture)
         capture_seconds = time.perf_counter() - start
         first = PassRecord(0, "capture", captured, True, capture_seconds, f"{captured.count_ops()} ops captured")
         # the model's own device (under ZeRO-3 its tensors are empty but keep
@@ -168,6 +177,68 @@ class ParallelStep:
         plan = Plan(key, records, executor, capture_seconds, passes_seconds, self._calls, device_type)
         plan.held = _held_specs(captured, final)
         return plan
+
+    def _capture_options(self) -> CaptureOptions:
+        """What the config asks of this call's capture (gradient accumulation:
+        every k-th call updates, the others only accumulate)."""
+        cfg = self.config
+        fp16 = cfg.fp16.enabled is True
+        compute = torch.float16 if fp16 else torch.bfloat16 if cfg.bf16.enabled is True else None
+        k = cfg.gradient_accumulation_steps if isinstance(cfg.gradient_accumulation_steps, int) else 1
+        return CaptureOptions(
+            compute_dtype=compute,
+            cast_inputs=fp16 and bool(cfg.fp16.auto_cast),
+            loss_scale=fp16,
+            grad_accumulation=k,
+            accumulate_only=k > 1 and self._micro_steps % k != k - 1,
+        )
+
+    # -- fp16 loss scaling: observed without a host sync per step -----------------
+    def _probe_loss_scale(self) -> None:
+        """Start copying the loss scaler's counters to the host (non-blocking);
+        the next call looks at them (``_check_loss_scale``)."""
+        counters = [self._store.tensors.get((Role.RUNTIME_STATE, n, None, None, Storage.RANK, None)) for n in ("skipped_steps", "overflows_at_min_scale")]
+        if any(c is None for c in counters):
+            return
+        device = counters[0].device
+        stacked = torch.stack(counters)
+        if device.type == "cuda":
+            host = torch.empty(2, dtype=stacked.dtype, pin_memory=True)
+            host.copy_(stacked, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host, event = stacked.clone(), None
+        self._scale_probe = (host, event)
+
+    def _check_loss_scale(self) -> None:
+        if self._scale_probe is None:
+            return
+        host, event = self._scale_probe
+        if event is not None and not event.query():
+            return  # not there yet: look again next call
+        self._scale_probe = None
+        skipped, at_min = (int(v) for v in host.tolist())
+        if skipped > self._scale_seen[0]:
+            log.warning("stepfx: %s skipped %d step(s) on fp16 gradient overflow (%d in all)", self.__name__, skipped - self._scale_seen[0], skipped)
+        self._scale_seen = (skipped, at_min)
+        if at_min:
+            raise StepfxError(
+                f"{self.__name__}: the fp16 loss scale is at fp16.min_loss_scale and gradients still overflow "
+                "(DeepSpeed stops here too); lower the learning rate, use bf16, or lower min_loss_scale"
+            )
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The current fp16 loss scale (reads the device: a sync)."""
+        t = self._store.tensors.get((Role.RUNTIME_STATE, "loss_scale", None, None, Storage.RANK, None))
+        return None if t is None else float(t.item())
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped so far because gradients overflowed (reads the device)."""
+        t = self._store.tensors.get((Role.RUNTIME_STATE, "skipped_steps", None, None, Storage.RANK, None))
+        return 0 if t is None else int(t.item())
 
     # -- inspection -----------------------------------------------------------
     @property
@@ -266,6 +337,30 @@ def _hidden_size(model: torch.nn.Module) -> int | None:
         return int(max(cfg.hidden_sizes))
     widths = collections.Counter(m.in_features for m in model.modules() if isinstance(m, torch.nn.Linear))
     return widths.most_common(1)[0][0] if widths else None
+
+
+def _resolve_precision(config: Config) -> Config:
+    """fp16/bf16 "enabled": "auto" take HF's default (off) — HF fills them
+    from its training arguments, which stepfx does not have."""
+    changes = {}
+    for name in ("fp16", "bf16"):
+        block = getattr(config, name)
+        if block.enabled is AUTO:
+            changes[name] = dataclasses.replace(block, enabled=False)
+            log.info("stepfx: %s.enabled is 'auto'; off (pass true to enable)", name)
+    if config.fp16.enabled is True and config.bf16.enabled is True:
+        raise ConfigError("bf16.enabled", "fp16 and bf16 cannot both be enabled", value=True, expected="one of them")
+    return dataclasses.replace(config, **changes) if changes else config
+
+
+def _resolve_batch_sizes(config: Config, world_size: int) -> Config:
+    """DeepSpeed's batch-size rules, when the config gives a batch size:
+    the missing number is derived (gradient accumulation steps included) and
+    train = micro x accumulation x ranks is checked, with DeepSpeed's errors."""
+    if not any(isinstance(v, int) for v in (config.train_batch_size, config.train_micro_batch_size_per_gpu)):
+        return config
+    train, micro, gas = resolve_batch_sizes(config, world_size)
+    return dataclasses.replace(config, train_batch_size=train, train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=gas)
 
 
 def _resolve_model_sizes(config: Config, model: torch.nn.Module) -> Config:

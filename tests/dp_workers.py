@@ -27,7 +27,7 @@ def held_bytes(stage: int) -> dict:
     torch.manual_seed(0)
     model = tiny_gpt()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    step = stepfx.parallelize({"zero_optimization": {"stage": stage, "reduce_bucket_size": 500, "stage3_param_persistence_threshold": 0}})(lm_step)
+    step = stepfx.parallelize({"gradient_clipping": 0, "zero_optimization": {"stage": stage, "reduce_bucket_size": 500, "stage3_param_persistence_threshold": 0}})(lm_step)
     rank = dist.get_rank()
     for (batch,) in token_batches(2, seed=rank):
         step(model, opt, batch)
@@ -61,7 +61,7 @@ def mismatched_batches() -> dict:
     rank = dist.get_rank()
     model = tiny_gpt()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    step = stepfx.parallelize({"zero_optimization": {"stage": 2}})(lm_step)
+    step = stepfx.parallelize({"gradient_clipping": 0, "zero_optimization": {"stage": 2}})(lm_step)
     batch = torch.randint(0, 64, (2 + rank, 9))
     return _outcome(lambda: step(model, opt, batch))
 
@@ -72,7 +72,7 @@ def mismatched_models() -> dict:
 
     model = GPT(gpt_config("tiny", n_layers=2 + rank))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    step = stepfx.parallelize({"zero_optimization": {"stage": 1}})(lm_step)
+    step = stepfx.parallelize({"gradient_clipping": 0, "zero_optimization": {"stage": 1}})(lm_step)
     return _outcome(lambda: step(model, opt, torch.randint(0, 64, (2, 9))))
 
 
@@ -92,7 +92,7 @@ def _branchy_step(model, optimizer, idx):
 def one_rank_fails_capture() -> dict:
     model = tiny_gpt()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    step = stepfx.parallelize({"zero_optimization": {"stage": 0}})(_branchy_step)
+    step = stepfx.parallelize({"gradient_clipping": 0, "zero_optimization": {"stage": 0}})(_branchy_step)
     return _outcome(lambda: step(model, opt, torch.randint(0, 64, (2, 9))))
 
 
@@ -101,7 +101,7 @@ def one_rank_fails_mid_step() -> dict:
     torch.manual_seed(0)
     model = tiny_gpt()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    step = stepfx.parallelize({"zero_optimization": {"stage": 2, "reduce_bucket_size": 500}})(lm_step)
+    step = stepfx.parallelize({"gradient_clipping": 0, "zero_optimization": {"stage": 2, "reduce_bucket_size": 500}})(lm_step)
     good = torch.randint(0, 64, (2, 9))
     step(model, opt, good)
     step(model, opt, good)
@@ -146,3 +146,63 @@ def mlp_rank_batches(world, steps, d_in, classes, seed):
         [(torch.randn(3, d_in, generator=g), torch.randint(0, classes, (3,), generator=g)) for _ in range(steps)]
         for _ in range(world)
     ]
+
+
+def accumulate(stage: int, k: int) -> dict:
+    """k micro-batches with gradient accumulation under ZeRO against the data-
+    parallel reference step on the k-times batch (fp32)."""
+    from stepfx.testing.equivalence import compare_tensors, data_parallel_reference
+    from tests.steps import sgd
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batches = [token_batches(2 * k, seed=7 + 1000 * r) for r in range(world)]
+    torch.manual_seed(0)
+    model = tiny_gpt()
+    opt = sgd(model)
+    cfg = {"gradient_accumulation_steps": k, "gradient_clipping": 0, "zero_optimization": {
+        "stage": stage, "reduce_bucket_size": 500, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0}}
+    step = stepfx.parallelize(cfg)(lm_step)
+    for (batch,) in batches[rank]:
+        step(model, opt, batch)
+    state = step.model_state_dict()
+    merged = [[(torch.cat([b[0] for b in bs[i * k : (i + 1) * k]]),) for i in range(2)] for bs in batches]
+    torch.set_num_threads(1)
+    _, ref, _ = data_parallel_reference(lm_step, tiny_gpt, sgd, merged)
+    worst = 0.0
+    for name, value in ref.state_dict().items():
+        worst = max(worst, compare_tensors(name, state[name], value, 2e-6, 1e-8, normwise=True)[1])
+    return {"max_rel": worst}
+
+
+def fp16_overflow_on_one_rank(stage: int) -> dict:
+    import torch.nn.functional as F
+
+    from stepfx.testing.models import MLP
+
+    def step_fn(model, optimizer, x, y, blowup):
+        loss = F.cross_entropy(model(x).float(), y) * blowup
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = MLP((8, 64, 64, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    cfg = {"fp16": {"enabled": True, "auto_cast": True, "initial_scale_power": 8, "hysteresis": 1}, "gradient_clipping": 0,
+           "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000, "stage3_param_persistence_threshold": 0}}
+    step = stepfx.parallelize(cfg)(step_fn)
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(4, 8, generator=g), torch.randint(0, 4, (4,), generator=g)
+    for _ in range(2):
+        step(model, opt, x, y, torch.tensor(1.0))
+    before = {n: v.clone() for n, v in step.model_state_dict().items()}
+    scale = step.loss_scale
+    step(model, opt, x, y, torch.tensor(1e30 if rank == 1 else 1.0))
+    after = step.model_state_dict()
+    return {
+        "skipped": step.skipped_steps,
+        "scale_halved": step.loss_scale == scale / 2,
+        "unchanged": all(torch.equal(before[n], after[n]) for n in before),
+    }

@@ -140,3 +140,16 @@ def adamw_single_tensor(model):
 
 def sgd_single_tensor(model):
     return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3, foreach=False)
+
+
+def lm_step_bf16_reference(model, optimizer, idx):
+    """lm_step as DeepSpeed's bf16 mode runs it (picklable for rank processes)."""
+    from stepfx.testing.equivalence import mixed_precision_reference
+
+    return mixed_precision_reference(lm_step, torch.bfloat16)(model, optimizer, idx)
+
+
+def hf_step_bf16_reference(model, optimizer, input_ids):
+    from stepfx.testing.equivalence import mixed_precision_reference
+
+    return mixed_precision_reference(hf_step, torch.bfloat16)(model, optimizer, input_ids)

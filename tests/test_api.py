@@ -171,7 +171,7 @@ def test_zero_auto_values_come_from_the_model(caplog):
 
     model = GPT(gpt_config("tiny"))  # d_model 32: HF's rules give 32**2, 0.9*32**2, 10*32
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    cfg = {"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+    cfg = {"gradient_clipping": 0, "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
                                  "stage3_param_persistence_threshold": "auto"}}
     step = stepfx.parallelize(cfg)(lm_step_for_api)
     with caplog.at_level(logging.INFO, logger="stepfx"):
@@ -183,7 +183,7 @@ def test_zero_auto_values_come_from_the_model(caplog):
 
 def test_zero_stage_auto_is_an_error_naming_the_key():
     model = MLP((8, 16, 4))
-    step = stepfx.parallelize({"zero_optimization": {"stage": "auto"}})(ce_step)
+    step = stepfx.parallelize({"gradient_clipping": 0, "zero_optimization": {"stage": "auto"}})(ce_step)
     with pytest.raises(stepfx.ConfigError, match="zero_optimization.stage"):
         step(model, torch.optim.SGD(model.parameters(), lr=0.1), *mlp_batches(1)[0])
 

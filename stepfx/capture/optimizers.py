@@ -31,11 +31,23 @@ SUPPORTED_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.AdamW,
 )
 
-# Per-group hyperparameters passed to the graph as inputs every call.
-GRAPH_INPUT_HYPERPARAMS = ("lr",)
+# Per-group hyperparameters passed to the graph as inputs every call (so
+# schedulers may change them without re-capture): the learning rate, and
+# Adam's betas (DeepSpeed's OneCycle cycles the first one). SGD's momentum
+# stays baked in: SGD branches on ``momentum != 0``.
+GRAPH_INPUT_HYPERPARAMS = ("lr", "betas")
 
 # Group keys that are not hyperparameters of the update rule.
 _NOT_HYPERPARAMS = frozenset({"params", "param_names", "initial_lr", *GRAPH_INPUT_HYPERPARAMS})
+
+
+def hyperparam_inputs(group: dict) -> list[tuple[str, object]]:
+    """(slot name, value) of the group's hyperparameters that are graph inputs."""
+    out = [("lr", group["lr"])]
+    betas = group.get("betas")
+    if isinstance(betas, (tuple, list)) and len(betas) == 2:
+        out += [("beta1", betas[0]), ("beta2", betas[1])]
+    return out
 
 # Options that select an implementation, not the math. stepfx traces the
 # reference single-tensor implementation (its own codegen fuses the update),

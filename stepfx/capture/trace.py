@@ -43,7 +43,7 @@ from ..graph import (
 from ..graph.signature import hyperparam_tensor
 from ..graph.build import bind_placeholders, flatten_codegen, label_params
 from .checks import check_mutations, warn_python_only_reads
-from .optimizers import check_optimizer, shared_step_count, state_tensors, trace_overrides
+from .optimizers import check_optimizer, hyperparam_inputs, shared_step_count, state_tensors, trace_overrides
 from .source import innermost_user_frame, user_frame_from_traceback, user_frame_of_caller
 
 __all__ = ["StepInputs", "collect_inputs", "capture_step"]
@@ -51,6 +51,34 @@ __all__ = ["StepInputs", "collect_inputs", "capture_step"]
 # make_fx, fx's node-meta annotations and the backward wrapper are process
 # globals: two threads capturing at once (threaded ranks) would mix them.
 _CAPTURE_LOCK = threading.Lock()
+
+
+@dataclass(frozen=True)
+class CaptureOptions:
+    """How the step is to be captured (what the config asks for).
+
+    - ``compute_dtype``: forward and backward run on copies of the fp32
+      parameters cast to this dtype (bf16/fp16); autograd carries the
+      gradients back through the casts, so the optimizer sees fp32 masters
+      and fp32 gradients.
+    - ``loss_scale``: ``loss.backward()`` back-propagates ``loss * scale``,
+      the scale being a runtime-state input (fp16 dynamic loss scaling).
+    - ``grad_accumulation``: the loss is divided by it before backward
+      (gradients accumulate as the mean over micro-batches), and the user's
+      ``zero_grad`` calls are no-ops — stepfx clears the gradients after an
+      update.
+    - ``accumulate_only``: a micro-step without update: ``optimizer.step()``
+      is a no-op too and the accumulated gradients are outputs.
+    """
+
+    compute_dtype: torch.dtype | None = None
+    cast_inputs: bool = False  # floating-point batch tensors are cast to compute_dtype (fp16 "auto_cast")
+    loss_scale: bool = False
+    grad_accumulation: int = 1
+    accumulate_only: bool = False
+
+
+LOSS_SCALE = "loss_scale"  # the RUNTIME_STATE slot capture multiplies the loss by
 
 
 @dataclass
@@ -70,7 +98,14 @@ def _keystr(path) -> str:
     return pytree.keystr(path) if path else "<root>"
 
 
-def collect_inputs(model: torch.nn.Module, optimizer, args: tuple, kwargs: dict, held: Mapping | None = None) -> StepInputs:
+def collect_inputs(
+    model: torch.nn.Module,
+    optimizer,
+    args: tuple,
+    kwargs: dict,
+    held: Mapping | None = None,
+    options: CaptureOptions = CaptureOptions(),
+) -> StepInputs:
     """Enumerate every input of the step: params, buffers, existing grads,
     optimizer state, learning rates and batch tensors, in that order.
 
@@ -93,9 +128,10 @@ def collect_inputs(model: torch.nn.Module, optimizer, args: tuple, kwargs: dict,
         slots.append(Slot(Role.BUFFER, name))
         values.append(b)
     for name, p in named_params:
-        if p.grad is not None:
+        grad = held.get((Role.GRAD, name, None), p.grad)
+        if grad is not None:
             slots.append(Slot(Role.GRAD, name))
-            values.append(p.grad)
+            values.append(grad)
 
     group_params: list[list[str]] = []
     if optimizer is not None:
@@ -114,15 +150,22 @@ def collect_inputs(model: torch.nn.Module, optimizer, args: tuple, kwargs: dict,
         for (role, name, key), spec in held.items():
             if role is Role.OPTIMIZER_STATE:
                 held_state[name][key] = spec
-        for g, names in enumerate(group_params):
+        # a micro-step without update reads no optimizer state or hyperparameter
+        for g, names in enumerate(group_params if not options.accumulate_only else ()):
             for name, p in zip(names, optimizer.param_groups[g]["params"]):
                 state = held_state.get(name) or state_tensors(optimizer, p, f"state[{name}]")
                 for key, value in sorted(state.items()):
                     slots.append(Slot(Role.OPTIMIZER_STATE, name, key=key))
                     values.append(value)
-        for g, group in enumerate(optimizer.param_groups):
-            slots.append(Slot(Role.HYPERPARAM, "lr", group=g))
-            values.append(hyperparam_tensor(group["lr"]))
+        for g, group in enumerate(optimizer.param_groups if not options.accumulate_only else ()):
+            for name, value in hyperparam_inputs(group):
+                slots.append(Slot(Role.HYPERPARAM, name, group=g))
+                values.append(hyperparam_tensor(value))
+
+    if options.loss_scale:
+        device = named_params[0][1].device if named_params else torch.device("cpu")
+        slots.append(Slot(Role.RUNTIME_STATE, LOSS_SCALE))
+        values.append(held.get((Role.RUNTIME_STATE, LOSS_SCALE, None), TensorSpec((), torch.float32, device)))
 
     leaves_with_path, batch_spec = pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))
     batch_leaves = []
@@ -155,9 +198,10 @@ class _Recorder:
 
 
 @contextlib.contextmanager
-def _phase_hooks(optimizer, leaves: dict[str, torch.Tensor]):
+def _phase_hooks(optimizer, leaves: dict[str, torch.Tensor], loss_factor=None):
     """Annotate nodes made inside ``torch.autograd.backward``/``grad`` as
-    backward and inside ``optimizer.step`` as optimizer.
+    backward and inside ``optimizer.step`` as optimizer. ``loss_factor``
+    (a tensor or number) multiplies a scalar loss before backward.
 
     After each ``backward``, every parameter's ``.grad`` is re-pointed at an
     ``aten.alias`` of itself annotated ``grad_of=<param>``: the marker that
@@ -169,6 +213,9 @@ def _phase_hooks(optimizer, leaves: dict[str, torch.Tensor]):
         def wrapper(*a, **k):
             source = user_frame_of_caller()
             with compat.annotate_nodes({"phase": Phase.BACKWARD.value, "source": source}):
+                if loss_factor is not None and a and isinstance(a[0], torch.Tensor) and a[0].numel() == 1:
+                    # loss scaling / accumulation: back-propagate loss * factor
+                    a = (a[0] * loss_factor,) + a[1:]
                 result = fn(*a, **k)
                 if marks_grads:
                     with torch.no_grad():
@@ -205,8 +252,11 @@ def _phase_hooks(optimizer, leaves: dict[str, torch.Tensor]):
 
 
 @contextlib.contextmanager
-def _swapped_optimizer(optimizer, group_params, leaves, lrs, states):
-    """Point the optimizer at traced parameters, learning rates and state."""
+def _swapped_optimizer(optimizer, group_params, leaves, hyper, states):
+    """Point the optimizer at traced parameters, hyperparameters and state.
+    Hyperparameters that are graph inputs become symbolic floats
+    (``.item()`` of the traced input), so the optimizer's Python arithmetic
+    on them is recorded in the graph."""
     if optimizer is None:
         yield
         return
@@ -219,7 +269,10 @@ def _swapped_optimizer(optimizer, group_params, leaves, lrs, states):
         for g, group in enumerate(optimizer.param_groups):
             group["params"] = [leaves[n] for n in group_params[g]]
             with compat.annotate_nodes({"phase": Phase.OPTIMIZER.value}):
-                group["lr"] = lrs[g].item()
+                if "lr" in hyper[g]:  # (none in a micro-step without update)
+                    group["lr"] = hyper[g]["lr"].item()
+                if "beta1" in hyper[g]:
+                    group["betas"] = (hyper[g]["beta1"].item(), hyper[g]["beta2"].item())
             group.update(trace_overrides(group))
         optimizer.state = new_state
         yield
@@ -278,7 +331,36 @@ class _TraceGuard(compat.dispatch_mode_base()):
         return func(*args, **kwargs)
 
 
-def _make_traced_fn(fn, model, optimizer, inputs: StepInputs, rec: _Recorder):
+@contextlib.contextmanager
+def _no_ops(model, optimizer, options: CaptureOptions):
+    """Under gradient accumulation the user's ``zero_grad`` calls (and, in a
+    micro-step without update, ``optimizer.step``) do nothing, as in
+    DeepSpeed's engine; stepfx clears gradients after an update itself."""
+    if options.grad_accumulation <= 1 and not options.accumulate_only:
+        yield
+        return
+    patched = [(model, "zero_grad")]
+    if optimizer is not None:
+        patched.append((optimizer, "zero_grad"))
+        if options.accumulate_only:
+            patched.append((optimizer, "step"))
+    had = [(obj, name, obj.__dict__.get(name, _MISSING)) for obj, name in patched]
+    for obj, name in patched:
+        setattr(obj, name, lambda *a, **k: None)
+    try:
+        yield
+    finally:
+        for obj, name, old in had:
+            if old is _MISSING:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, old)
+
+
+_MISSING = object()
+
+
+def _make_traced_fn(fn, model, optimizer, inputs: StepInputs, rec: _Recorder, options: CaptureOptions):
     slots = inputs.slots
     buffer_names = [s.name for s in slots if s.role is Role.BUFFER]
     param_req = {name: p.requires_grad for name, p in model.named_parameters()}
@@ -291,19 +373,41 @@ def _make_traced_fn(fn, model, optimizer, inputs: StepInputs, rec: _Recorder):
         for s, v in by_role[Role.GRAD]:
             leaves[s.name].grad = v
         states = {(s.name, s.key): v for s, v in by_role[Role.OPTIMIZER_STATE]}
-        lrs = [v for _, v in by_role[Role.HYPERPARAM]]
-        batch_iter = iter(v for _, v in by_role[Role.BATCH])
+        hyper: dict[int, dict[str, torch.Tensor]] = collections.defaultdict(dict)
+        for s, v in by_role[Role.HYPERPARAM]:
+            hyper[s.group][s.name] = v
+        batch_values = [v for _, v in by_role[Role.BATCH]]
+        if options.cast_inputs and options.compute_dtype is not None:
+            with compat.annotate_nodes({"phase": Phase.FORWARD.value}):
+                batch_values = [v.to(options.compute_dtype) if v.is_floating_point() else v for v in batch_values]
+        batch_iter = iter(batch_values)
         leaves_in = [next(batch_iter) if isinstance(x, torch.Tensor) else x for x in inputs.batch_leaves]
         args, kwargs = pytree.tree_unflatten(leaves_in, inputs.batch_spec)
         module_tensors = dict(leaves)
+        if options.compute_dtype is not None:
+            # the module computes with low-precision copies of the fp32 masters
+            with compat.annotate_nodes({"phase": Phase.FORWARD.value}):
+                module_tensors = {
+                    n: (t.to(options.compute_dtype) if t.is_floating_point() else t) for n, t in module_tensors.items()
+                }
         module_tensors.update({s.name: v for s, v in by_role[Role.BUFFER]})
+        factor = None
+        if options.loss_scale:
+            (factor,) = [v for s, v in by_role[Role.RUNTIME_STATE] if s.name == LOSS_SCALE]
+        if options.grad_accumulation > 1:
+            factor = (factor if factor is not None else 1.0) / options.grad_accumulation
 
         with compat.reparametrize_module(model, module_tensors), _swapped_optimizer(
-            optimizer, inputs.group_params, leaves, lrs, states
+            optimizer, inputs.group_params, leaves, hyper, states
         ):
             shared = frozenset(id(v) for (_, key), v in states.items() if key == "step") if inputs.shared_step else frozenset()
-            with compat.annotate_nodes({"phase": Phase.FORWARD.value}), _phase_hooks(optimizer, leaves), _TraceGuard(shared):
+            with compat.annotate_nodes({"phase": Phase.FORWARD.value}), _phase_hooks(optimizer, leaves, factor), _TraceGuard(
+                shared
+            ), _no_ops(model, optimizer, options):
                 result = fn(model, optimizer, *args, **kwargs)
+            if options.grad_accumulation > 1 and not options.accumulate_only:
+                for leaf in leaves.values():
+                    leaf.grad = None  # gradients are cleared after the update
             out_buffers = [model.get_buffer(n) for n in buffer_names]
             out_states = []
             if optimizer is not None:
@@ -359,6 +463,7 @@ def capture_step(
     args: tuple,
     kwargs: dict,
     inputs: StepInputs | None = None,
+    options: CaptureOptions = CaptureOptions(),
 ) -> StepGraph:
     """Trace ``fn(model, optimizer, *args, **kwargs)`` into one StepGraph.
 
@@ -368,9 +473,9 @@ def capture_step(
     the leaves of what ``fn`` returned.
     """
     if inputs is None:
-        inputs = collect_inputs(model, optimizer, args, kwargs)
+        inputs = collect_inputs(model, optimizer, args, kwargs, options=options)
     rec = _Recorder()
-    traced = _make_traced_fn(fn, model, optimizer, inputs, rec)
+    traced = _make_traced_fn(fn, model, optimizer, inputs, rec, options)
     fake_mode = compat.make_fake_mode()
     fake_args = tuple(_fake_input(fake_mode, v) for v in inputs.values)
 

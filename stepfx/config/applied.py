@@ -27,6 +27,21 @@ APPLIED: frozenset[str] = frozenset({
     # DeepSpeed switches choose between equivalent ways of moving the same bytes
     "zero_optimization.contiguous_gradients",
     "zero_optimization.allgather_partitions",
+    # precision, accumulation, clipping (capture options and the passes
+    # hold_accumulated_gradients, unscale_clip_gradients, skip_step_on_overflow)
+    "bf16.enabled",
+    "fp16.enabled",
+    "fp16.auto_cast",  # floating-point batch tensors cast to fp16
+    "fp16.loss_scale",
+    "fp16.initial_scale_power",
+    "fp16.loss_scale_window",
+    "fp16.hysteresis",
+    "fp16.consecutive_hysteresis",
+    "fp16.min_loss_scale",
+    "gradient_clipping",
+    "gradient_accumulation_steps",
+    "train_batch_size",  # checked against micro x accumulation x ranks
+    "train_micro_batch_size_per_gpu",
 })
 
 

@@ -17,6 +17,8 @@ Reading order and rules (DeepSpeed v0.19.5, ``runtime/config.py: DeepSpeedConfig
 """
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 from collections.abc import Mapping
@@ -70,6 +72,10 @@ def load_config(source: Any = None) -> Config:
     notes = Notes()
     config = _build(raw, name, notes)
     notes.emit(stacklevel=2)
+    if source is None:
+        # no config at all: run the step as written. (A DeepSpeed config
+        # without "gradient_clipping" clips at 1.0, DeepSpeed's default.)
+        config = dataclasses.replace(config, gradient_clipping=0.0)
     return config
 
 

@@ -3,9 +3,11 @@
 Shared by capture (which produces step graphs), passes (which rewrite them)
 and the runtime (which binds and runs them). Imports nothing else of stepfx.
 """
-from .signature import STATE_ROLES, Role, Slot, StepSignature, Storage, TensorSpec
+from .signature import RUNTIME_INIT_KEY, STATE_ROLES, Role, Slot, StepSignature, Storage, TensorSpec
 from .step_graph import (
     META_GRAD_OF,
+    META_GRAD_PIECE,
+    META_OVERFLOW,
     META_PARAM,
     META_PHASE,
     META_SLOT,
@@ -26,6 +28,7 @@ __all__ = [
     "TensorSpec",
     "StepSignature",
     "STATE_ROLES",
+    "RUNTIME_INIT_KEY",
     "Phase",
     "StepGraph",
     "META_PARAM",
@@ -33,6 +36,8 @@ __all__ = [
     "META_SLOT",
     "META_SOURCE",
     "META_GRAD_OF",
+    "META_GRAD_PIECE",
+    "META_OVERFLOW",
     "placeholders",
     "output_node",
     "output_values",

@@ -119,6 +119,9 @@ class ZeroLayout:
     world_size: int
     rank: int
     buckets: tuple[Bucket, ...]
+    # False for a gradient-accumulation micro-step without update: nothing
+    # is reduced or updated, only (ZeRO-3) parameters are gathered
+    updates: bool = True
 
     def bucket_of(self, name: str) -> Bucket | None:
         for b in self.buckets:

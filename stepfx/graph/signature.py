@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import TreeSpec
 
-__all__ = ["Role", "Storage", "Slot", "StepSignature", "STATE_ROLES", "TensorSpec", "hyperparam_tensor"]
+__all__ = ["Role", "Storage", "Slot", "StepSignature", "STATE_ROLES", "RUNTIME_INIT_KEY", "TensorSpec", "hyperparam_tensor"]
 
 
 class Role(str, enum.Enum):
@@ -35,6 +35,7 @@ class Role(str, enum.Enum):
     OPTIMIZER_STATE = "optimizer_state"  # exp_avg, exp_avg_sq, step, momentum_buffer, ...
     HYPERPARAM = "hyperparam"  # a per-group scalar read every step (the learning rate)
     BATCH = "batch"  # a tensor leaf of the step's positional/keyword arguments
+    RUNTIME_STATE = "runtime_state"  # stepfx's own state across steps (the fp16 loss scale and its counters)
     USER_OUTPUT = "user_output"  # a leaf of what the user's step returns
 
     def __str__(self) -> str:  # keeps f-strings and explain() readable
@@ -42,7 +43,11 @@ class Role(str, enum.Enum):
 
 
 # Roles whose values persist across steps.
-STATE_ROLES = frozenset({Role.PARAM, Role.BUFFER, Role.GRAD, Role.OPTIMIZER_STATE})
+STATE_ROLES = frozenset({Role.PARAM, Role.BUFFER, Role.GRAD, Role.OPTIMIZER_STATE, Role.RUNTIME_STATE})
+
+# StepSignature.extra key: initial values of RUNTIME_STATE slots,
+# ``{name: (python value, torch dtype)}``, made on the parameters' device.
+RUNTIME_INIT_KEY = "runtime_init"
 
 
 class Storage(str, enum.Enum):

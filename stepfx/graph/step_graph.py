@@ -12,7 +12,10 @@ Node metadata stepfx maintains (besides fx's own ``val`` fake value and
 - ``meta["slot"]``: the :class:`~stepfx.graph.signature.Slot` of a placeholder;
 - ``meta["grad_of"]``: on the node holding a parameter's accumulated
   gradient right after a ``backward`` (the last such node of a parameter is
-  the gradient the optimizer uses).
+  the gradient the optimizer uses); ``meta["grad_piece"]`` when that node
+  holds only this rank's piece of it (ZeRO);
+- ``meta["overflow_flag"]``: on the node that is True when the step's
+  gradients hold an inf or nan (fp16 loss scaling).
 """
 from __future__ import annotations
 
@@ -31,6 +34,8 @@ __all__ = [
     "META_SOURCE",
     "META_SLOT",
     "META_GRAD_OF",
+    "META_GRAD_PIECE",
+    "META_OVERFLOW",
     "placeholders",
     "output_node",
     "output_values",
@@ -41,6 +46,8 @@ META_PARAM = "param"
 META_SOURCE = "source"
 META_SLOT = "slot"
 META_GRAD_OF = "grad_of"
+META_GRAD_PIECE = "grad_piece"
+META_OVERFLOW = "overflow_flag"
 
 
 class Phase(str, enum.Enum):

@@ -23,6 +23,7 @@ __all__ = [
     "flat_slice",
     "pack_flat",
     "all_reduce_avg",
+    "all_reduce_sum",
     "reduce_scatter_avg",
     "all_gather",
     "unpack_view",
@@ -158,3 +159,10 @@ def unpack_view(g: fx.Graph, flat: fx.Node, offset: int, shape: tuple[int, ...],
 
 def getitem(g: fx.Graph, node: fx.Node, i: int, **meta) -> fx.Node:
     return make_node(g, operator.getitem, (node, i), val=node.meta["val"][i], **meta)
+
+
+def all_reduce_sum(g: fx.Graph, value: fx.Node, group_name: str, **meta) -> fx.Node:
+    """The sum over ranks of a (small) tensor."""
+    val = value.meta["val"]
+    issued = make_node(g, c10d.all_reduce.default, (value, "sum", group_name), val=fake_like(val, val.shape), name="all_reduce", **meta)
+    return _wait(g, issued, **meta)

@@ -36,7 +36,7 @@ import torch.fx as fx
 
 from .. import compat
 from ..errors import PassError
-from ..graph import StepGraph, output_values
+from ..graph import Role, StepGraph, output_values
 from ..graph.build import adopt_annotations, clone_step_graph, copy_node_meta, flatten_codegen, label_params
 from ..graph.ops import ALIAS_OPS, UNDECLARED_MUTATIONS, functional_variant, is_view, mutated_arg_indices
 from .manager import PassOptions, PassResult
@@ -243,6 +243,8 @@ def _check_state_outputs(graph: StepGraph, current: dict) -> None:
         slot = node.meta["slot"]
         i = out_index.get(slot.ident)
         if i is None:
+            if slot.role is Role.GRAD:
+                continue  # an accumulated gradient the update consumed (cleared after it)
             raise PassError(f"functionalize_graph: the step writes {slot.describe()} but returns no new value for it")
         if outs[i] is not current[node]:
             raise PassError(
@@ -288,6 +290,10 @@ def _drop_copy_epilogue(gm: fx.GraphModule, graph: StepGraph) -> int:
             continue
         slot = slot_of[dst]
         i = out_index.get(slot.ident)
+        if i is None and slot.role is Role.GRAD:
+            gm.graph.erase_node(node)  # a consumed gradient accumulator: the write is dead
+            dropped += 1
+            continue
         if i is None:
             raise PassError(f"functionalize_graph: the step writes {slot.describe()} but returns no new value for it")
         if _unalias(outs[i]) is not _unalias(src):

@@ -7,12 +7,15 @@ from .eliminate_dead_code import eliminate_dead_code
 from .functionalize_graph import functionalize_graph
 from .manager import PipelineEntry
 from .prune_unchanged_outputs import prune_unchanged_outputs
+from .hold_accumulated_gradients import accumulation_steps, hold_accumulated_gradients
 from .plan_zero_layout import plan_zero_layout, zero_settings
 from .reduce_gradients import reduce_gradients
 from .remove_aliases import remove_aliases
 from .schedule_collectives import schedule_collectives
 from .shard_optimizer_update import shard_optimizer_update
 from .shard_parameters import shard_parameters
+from .skip_step_on_overflow import skip_step_on_overflow
+from .unscale_clip_gradients import precision_settings, unscale_clip_gradients
 
 __all__ = ["PIPELINE", "pass_names"]
 
@@ -56,6 +59,12 @@ PIPELINE: tuple[PipelineEntry, ...] = (
         "after the cleanups: they leave unused nodes behind; ZeRO needs the real set of updated parameters",
     ),
     PipelineEntry(
+        "hold_accumulated_gradients",
+        hold_accumulated_gradients,
+        "before ZeRO: accumulators held by the rank are state ZeRO may keep even where it shards gradients",
+        applies=lambda options: accumulation_steps(options) > 1,
+    ),
+    PipelineEntry(
         "plan_zero_layout",
         plan_zero_layout,
         "before any ZeRO rewrite: buckets and pieces are decided once, from parameters and config",
@@ -78,6 +87,18 @@ PIPELINE: tuple[PipelineEntry, ...] = (
         shard_parameters,
         "stage 3, after shard_optimizer_update: its piece cuts become the parameters at rest",
         applies=_stage_at_least(3),
+    ),
+    PipelineEntry(
+        "unscale_clip_gradients",
+        unscale_clip_gradients,
+        "after ZeRO: the norm counts each element of the averaged gradients once, whole or as pieces",
+        applies=lambda options: any(precision_settings(options)),
+    ),
+    PipelineEntry(
+        "skip_step_on_overflow",
+        skip_step_on_overflow,
+        "after the overflow flag exists and every state update is final (pieces included)",
+        applies=lambda options: precision_settings(options)[0],
     ),
     PipelineEntry(
         "schedule_collectives",

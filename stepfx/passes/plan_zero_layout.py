@@ -4,8 +4,7 @@ Requires: a functional graph without alias ops whose parameter gradients
 carry ``grad_of`` markers (capture puts them after every backward).
 
 Ensures: ``signature.extra["zero_layout"]`` holds a :class:`ZeroLayout`:
-every parameter that has a gradient and an optimizer update, in the
-model's parameter order, grouped into buckets of at most
+every parameter that has a gradient, in the model's parameter order, grouped into buckets of at most
 ``zero_optimization.reduce_bucket_size`` elements (one dtype and device per
 bucket; parameters start at multiples of ``layout.ALIGN`` elements), each
 marked with what it shards for the configured stage. At
@@ -23,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..errors import CaptureError, PassError
-from ..graph import META_GRAD_OF, Role, StepGraph
+from ..graph import META_GRAD_OF, Role, StepGraph, Storage
 from ..graph.layout import LAYOUT_KEY, Bucket, BucketParam, Sharding, ZeroLayout, align
 from .manager import PassOptions, PassResult
 
@@ -49,7 +48,9 @@ def plan_zero_layout(graph: StepGraph, options: PassOptions) -> PassResult:
     stage, bucket_size, persist = zero_settings(options)
     sig = graph.signature
     if stage >= 2:
-        kept = [s.describe() for s in sig.inputs if s.role is Role.GRAD] + [s.describe() for s in sig.outputs if s.role is Role.GRAD]
+        # gradients the user's .grad keeps across calls; accumulators the rank
+        # holds (gradient accumulation) are fine
+        kept = [s.describe() for s in (*sig.inputs, *sig.outputs) if s.role is Role.GRAD and s.storage is Storage.USER]
         if kept:
             raise CaptureError(
                 f"ZeRO stage {stage} shards gradients, but the step keeps whole gradients across calls ({kept[0]}, ...)",
@@ -57,11 +58,11 @@ def plan_zero_layout(graph: StepGraph, options: PassOptions) -> PassResult:
             )
 
     graded = {n.meta[META_GRAD_OF] for n in graph.gm.graph.nodes if META_GRAD_OF in n.meta}
-    updated = {s.name for s in sig.outputs if s.role is Role.PARAM}
+    updates = any(s.role is Role.PARAM for s in sig.outputs)
     params = []
     for node in graph.gm.graph.nodes:
         slot = node.meta.get("slot") if node.op == "placeholder" else None
-        if slot is not None and slot.role is Role.PARAM and slot.name in graded and slot.name in updated:
+        if slot is not None and slot.role is Role.PARAM and slot.name in graded:
             params.append((slot.name, node.meta["val"]))
 
     buckets: list[Bucket] = []
@@ -91,8 +92,10 @@ def plan_zero_layout(graph: StepGraph, options: PassOptions) -> PassResult:
         offset = align(offset + numel)
     close()
 
-    layout = ZeroLayout(stage, options.world_size, options.rank, tuple(buckets))
+    layout = ZeroLayout(stage, options.world_size, options.rank, tuple(buckets), updates)
     new_sig = dataclasses.replace(sig, extra={**sig.extra, LAYOUT_KEY: layout})
     sharded = sum(1 for b in buckets if b.sharding is not Sharding.NONE)
     summary = f"stage {stage}: {len(params)} parameters in {len(buckets)} buckets ({sharded} sharded over {options.world_size} ranks)"
+    if not updates:
+        summary += "; a micro-step without update (gradients accumulate locally)"
     return PassResult(graph.replace(signature=new_sig), True, summary)

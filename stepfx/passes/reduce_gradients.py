@@ -50,7 +50,7 @@ def final_gradients(g: fx.Graph) -> dict[str, fx.Node]:
 
 def reduce_gradients(graph: StepGraph, options: PassOptions) -> PassResult:
     layout = graph.signature.extra.get(LAYOUT_KEY)
-    if layout is None:
+    if layout is None or not layout.updates:
         return PassResult(graph, False)
     buckets = [b for b in layout.buckets if b.sharding in (Sharding.NONE, Sharding.OPTIMIZER)]
     if not buckets:

@@ -39,7 +39,7 @@ import torch
 import torch.fx as fx
 
 from ..errors import CaptureError, PassError
-from ..graph import META_PARAM, META_PHASE, META_SOURCE, Phase, Role, Slot, StepGraph, Storage, output_node
+from ..graph import META_GRAD_OF, META_GRAD_PIECE, META_PARAM, META_PHASE, META_SOURCE, Phase, Role, Slot, StepGraph, Storage, output_node
 from ..graph.build import bind_placeholders, clone_step_graph
 from ..graph.layout import LAYOUT_KEY, Bucket, BucketParam, Sharding
 from ..graph.ops import has_side_effect
@@ -69,7 +69,7 @@ def _elementwise(node: fx.Node) -> bool:
 
 def shard_optimizer_update(graph: StepGraph, options: PassOptions) -> PassResult:
     layout = graph.signature.extra.get(LAYOUT_KEY)
-    if layout is None or not any(b.sharding is not Sharding.NONE for b in layout.buckets):
+    if layout is None or not layout.updates or not any(b.sharding is not Sharding.NONE for b in layout.buckets):
         return PassResult(graph, False)
     graph = clone_step_graph(graph)
     g = graph.gm.graph
@@ -185,7 +185,10 @@ def _shard_update(
 
     if length == 0:
         # nothing of p lives on this rank: no state, no update here (stages
-        # 1-2 still get the whole new p from the all-gather)
+        # 1-2 still get the whole new p from the all-gather), and no part of
+        # its gradient counts here (norms, overflow checks)
+        if grad is not None:
+            grad.meta.pop(META_GRAD_OF, None)
         for s in states:
             drop_inputs.add(s.ident)
         dropped = (Role.OPTIMIZER_STATE, Role.PARAM) if bucket.sharding is Sharding.PARAMETERS else (Role.OPTIMIZER_STATE,)
@@ -216,6 +219,11 @@ def _shard_update(
         else:
             with g.inserting_before(value.next):
                 node = flat_slice(g, value, a, b, like=value, phase=value.meta.get(META_PHASE, Phase.OPTIMIZER), param=p.name)
+        if value is grad:
+            # what this rank's update reads is now the gradient (its piece)
+            value.meta.pop(META_GRAD_OF, None)
+            node.meta[META_GRAD_OF] = p.name
+            node.meta[META_GRAD_PIECE] = True
         memo[value] = node
         return node
 

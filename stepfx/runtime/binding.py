@@ -27,7 +27,7 @@ from typing import Any, Callable
 import torch
 import torch.utils._pytree as pytree
 
-from ..graph import Role, StepSignature, Storage
+from ..graph import RUNTIME_INIT_KEY, Role, StepSignature, Storage
 from ..graph.layout import LAYOUT_KEY, Sharding
 from ..graph.signature import hyperparam_tensor
 
@@ -92,15 +92,34 @@ class ModuleBinding:
         self._state_owned = [params[p.name] for _, p in sharded]
         self._params_owned = [params[p.name] for b, p in sharded if b.sharding is Sharding.PARAMETERS]
         self._whole_scalars = {(s.role, s.name, s.key): s.ident for s in (*signature.inputs, *signature.outputs) if s.storage is Storage.RANK and s.piece is None}
+        # rank-held gradients an update consumes (read, not written back)
+        out_idents = {s.ident for s in signature.outputs}
+        self._consumed = [s for s in signature.inputs if s.storage is Storage.RANK and s.role is Role.GRAD and s.ident not in out_idents]
 
     # -- inputs ---------------------------------------------------------------
     def _user_tensor(self, slot, params) -> Callable[[], torch.Tensor]:
+        """Where a rank-held slot's first value comes from."""
         if slot.role is Role.PARAM:
             p = params[slot.name]
             return lambda: p
         if slot.role is Role.OPTIMIZER_STATE:
             p, opt, key = params[slot.name], self.optimizer, slot.key
             return lambda: opt.state[p][key]
+        if slot.role is Role.GRAD:
+            p = params[slot.name]
+
+            def user_grad():
+                if p.grad is None:
+                    raise ValueError(f"no accumulated gradient for {slot.name}: the rank holds none and .grad is None")
+                return p.grad
+
+            return user_grad
+        if slot.role is Role.RUNTIME_STATE:
+            value, dtype = self.signature.extra.get(RUNTIME_INIT_KEY, {}).get(slot.name, (None, None))
+            if value is None:
+                raise ValueError(f"no initial value for stepfx runtime state {slot.name!r}")
+            device = next(iter(params.values())).device if params else torch.device("cpu")
+            return lambda: torch.full((), value, dtype=dtype, device=device)
         raise ValueError(f"cannot bind {slot.describe()}")
 
     def _reader(self, slot, params):
@@ -132,6 +151,9 @@ class ModuleBinding:
             return lambda: opt.state[p][key]
         if role is Role.HYPERPARAM:
             group = self.optimizer.param_groups[slot.group]
+            if slot.name in ("beta1", "beta2"):
+                i = 0 if slot.name == "beta1" else 1
+                return lambda: hyperparam_tensor(group["betas"][i])
             name = slot.name
             return lambda: hyperparam_tensor(group[name])
         if role is Role.BATCH:
@@ -216,6 +238,9 @@ class ModuleBinding:
         for p in self._params_owned:
             if p.numel() > 0:
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        for slot in self._consumed:
+            self.store.tensors.pop(slot.ident, None)
+            self.store.held.pop((slot.role, slot.name, slot.key), None)
         for key, ident in self._whole_scalars.items():
             if ident in self.store.tensors:
                 self.store.held[key] = self.store.tensors[ident]

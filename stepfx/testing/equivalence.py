@@ -21,6 +21,7 @@ import torch
 import torch.utils._pytree as pytree
 
 __all__ = [
+    "mixed_precision_reference",
     "assert_step_equivalent",
     "assert_data_parallel_equivalent",
     "data_parallel_reference",
@@ -126,7 +127,7 @@ def _optimizer_states(model: torch.nn.Module, optimizer) -> dict[str, torch.Tens
     return out
 
 
-def _compare_states(step, compiled, ref_model, ref_opt, rtol, atol) -> tuple[float, float]:
+def _compare_states(step, compiled, ref_model, ref_opt, rtol, atol, normwise=False) -> tuple[float, float]:
     # through the step's accessors: under ZeRO the ranks hold the state
     actual = dict(compiled.model_state_dict())
     for name, state in compiled.optimizer_state().items():
@@ -139,9 +140,26 @@ def _compare_states(step, compiled, ref_model, ref_opt, rtol, atol) -> tuple[flo
         raise AssertionError(f"after step {step}: state entries differ: {missing[:5]}")
     worst_abs = worst_rel = 0.0
     for key in expected:
-        da, dr = compare_tensors(f"after step {step}: {key}", actual[key], expected[key], rtol, atol)
+        da, dr = compare_tensors(f"after step {step}: {key}", actual[key], expected[key], rtol, atol, normwise=normwise)
         worst_abs, worst_rel = max(worst_abs, da), max(worst_rel, dr)
     return worst_abs, worst_rel
+
+
+def mixed_precision_reference(step_fn: Callable, dtype: torch.dtype) -> Callable:
+    """The eager step DeepSpeed-style mixed precision stands for: the module
+    computes with ``dtype`` copies of its fp32 parameters (differentiable
+    casts, so gradients reach the fp32 parameters as fp32), and the
+    optimizer updates the fp32 parameters. Use it as the reference of a
+    ``bf16`` step (and of an fp16 step whose loss scale changes nothing)."""
+    from stepfx import compat
+
+    def reference(model, optimizer, *args, **kwargs):
+        casts = {n: (p.to(dtype) if p.is_floating_point() else p) for n, p in model.named_parameters()}
+        with compat.reparametrize_module(model, casts):
+            return step_fn(model, optimizer, *args, **kwargs)
+
+    reference.__name__ = f"{getattr(step_fn, '__name__', 'step')}_{str(dtype).replace('torch.', '')}_reference"
+    return reference
 
 
 def assert_step_equivalent(
@@ -156,9 +174,15 @@ def assert_step_equivalent(
     exact: bool = False,
     make_scheduler: Callable[[Any], Any] | None = None,
     seed: int = 0,
+    reference_fn: Callable | None = None,
+    normwise: bool = False,
 ) -> EquivalenceReport:
     """Run ``step_fn`` eagerly and compiled with stepfx on the same batches
     and check that outputs and state match after every step.
+
+    ``reference_fn`` (default ``step_fn``) is what runs eagerly, for
+    features the config adds to the step (clipping, mixed precision):
+    e.g. ``mixed_precision_reference(step_fn, torch.bfloat16)``.
 
     - ``make_model()`` builds the model once (after ``torch.manual_seed(seed)``);
       the reference is a deep copy, so both start identical.
@@ -193,7 +217,7 @@ def assert_step_equivalent(
         torch.manual_seed(seed + 1 + i)
         out = compiled(model, opt, *_clone(args, device), **_clone(kwargs, device))
         torch.manual_seed(seed + 1 + i)
-        ref_out = step_fn(ref_model, ref_opt, *_clone(args, device), **_clone(kwargs, device))
+        ref_out = (reference_fn or step_fn)(ref_model, ref_opt, *_clone(args, device), **_clone(kwargs, device))
         leaves, spec = pytree.tree_flatten(out)
         ref_leaves, ref_spec = pytree.tree_flatten(ref_out)
         if spec != ref_spec:
@@ -201,7 +225,7 @@ def assert_step_equivalent(
         worst_abs = worst_rel = 0.0
         for j, (a, b) in enumerate(zip(leaves, ref_leaves)):
             if isinstance(b, torch.Tensor):
-                da, dr = compare_tensors(f"step {i}: output leaf {j}", a, b, rtol, atol)
+                da, dr = compare_tensors(f"step {i}: output leaf {j}", a, b, rtol, atol, normwise=normwise)
             else:
                 da = abs(float(a) - float(b)) if isinstance(b, (int, float)) else float(a != b)
                 dr = da / max(abs(float(b)), 1e-30) if isinstance(b, (int, float)) else da
@@ -210,7 +234,7 @@ def assert_step_equivalent(
             worst_abs, worst_rel = max(worst_abs, da), max(worst_rel, dr)
         report.output_abs.append(worst_abs)
         report.output_rel.append(worst_rel)
-        sa, sr = _compare_states(i, compiled, ref_model, ref_opt, rtol, atol)
+        sa, sr = _compare_states(i, compiled, ref_model, ref_opt, rtol, atol, normwise)
         report.state_abs.append(sa)
         report.state_rel.append(sr)
         if sched is not None:
@@ -246,12 +270,15 @@ class _GradientStash:
                 p.grad = None
 
 
-def data_parallel_reference(step_fn, make_model, make_optimizer, batches_per_rank, *, seed: int = 0, make_scheduler=None):
+def data_parallel_reference(
+    step_fn, make_model, make_optimizer, batches_per_rank, *, seed: int = 0, make_scheduler=None, clip_norm: float | None = None
+):
     """The single-process step that data parallelism must equal: every step,
     each rank's batch runs through ``step_fn`` (gradients kept, no update),
     the gradients are averaged over ranks (summed in rank order, divided by
-    N), and the real optimizer updates once. Returns (per-step per-rank
-    outputs, model, optimizer)."""
+    N), clipped to ``clip_norm`` with ``torch.nn.utils.clip_grad_norm_``
+    when given, and the real optimizer updates once. Returns (per-step
+    per-rank outputs, model, optimizer)."""
     world = len(batches_per_rank)
     torch.manual_seed(seed)
     model = make_model()
@@ -275,6 +302,8 @@ def data_parallel_reference(step_fn, make_model, make_optimizer, batches_per_ran
                     for more in got[1:]:
                         total += more
                     p.grad = total / world
+        if clip_norm:
+            torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"] if p.grad is not None], clip_norm)
         opt.step()
         opt.zero_grad()
         if sched is not None:
@@ -324,6 +353,8 @@ def assert_data_parallel_equivalent(
     make_scheduler: Callable | None = None,
     timeout: float | None = None,
     normwise: bool = True,
+    reference_fn: Callable | None = None,
+    clip_norm: float | None = None,
 ) -> EquivalenceReport:
     """Run ``step_fn`` with stepfx on every rank of ``pool`` (a RankPool;
     rank r gets ``batches_per_rank[r]``) and check it against
@@ -334,6 +365,9 @@ def assert_data_parallel_equivalent(
     Comparisons are normwise by default (see :func:`compare_tensors`):
     with more than two ranks the all-reduce sums in another order than the
     reference, and elements near zero would otherwise dominate.
+    ``reference_fn`` replaces ``step_fn`` in the reference (mixed precision:
+    :func:`mixed_precision_reference`); ``clip_norm`` clips the reference's
+    averaged gradients as ``gradient_clipping`` does.
 
     Returns the measured differences; the per-rank ``explain()`` texts are in
     ``report.explains``."""
@@ -348,7 +382,8 @@ def assert_data_parallel_equivalent(
     torch.set_num_threads(1)
     try:
         ref_outputs, ref_model, ref_opt = data_parallel_reference(
-            step_fn, make_model, make_optimizer, batches_per_rank, seed=seed, make_scheduler=make_scheduler
+            reference_fn or step_fn, make_model, make_optimizer, batches_per_rank, seed=seed, make_scheduler=make_scheduler,
+            clip_norm=clip_norm,
         )
     finally:
         torch.set_num_threads(threads)

@@ -28,7 +28,7 @@ def _compile(stage, rank=0, world=2, bucket=500, persist=0, step=lm_step, warm=T
     if warm:
         lm_step(model, opt, batch)
     graph = capture_step(step, model, opt, (batch,), {})
-    config = load_config({"zero_optimization": {
+    config = load_config({"gradient_clipping": 0, "zero_optimization": {
         "stage": stage, "reduce_bucket_size": bucket, "stage3_param_persistence_threshold": persist, "stage3_max_reuse_distance": reuse,
     }})
     options = PassOptions(config=config, world_size=world, rank=rank, group_name="test", device_type=device_type)
@@ -145,7 +145,7 @@ def test_stage_2_needs_the_step_to_zero_its_gradients():
 
 def test_single_process_stages_equal_eager_bitwise():
     for stage in (1, 2, 3):
-        cfg = {"zero_optimization": {"stage": stage, "reduce_bucket_size": 300, "stage3_param_persistence_threshold": 0}}
+        cfg = {"gradient_clipping": 0, "zero_optimization": {"stage": stage, "reduce_bucket_size": 300, "stage3_param_persistence_threshold": 0}}
         report = stepfx.testing.assert_step_equivalent(
             lm_step, tiny_gpt, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), token_batches(3), config=cfg, exact=True
         )
@@ -156,7 +156,7 @@ def test_zero_3_module_params_are_released_and_sync_model_restores_them():
     torch.manual_seed(0)
     model = tiny_gpt()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    step = stepfx.parallelize({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})(lm_step)
+    step = stepfx.parallelize({"gradient_clipping": 0, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})(lm_step)
     for (batch,) in token_batches(2):
         step(model, opt, batch)
     assert all(p.numel() == 0 for p in model.parameters())

@@ -23,7 +23,7 @@ from tests.steps import adam, adamw, dp_batches, hf_gpt2, hf_llama, hf_step, lm_
 
 def _cfg(stage, bucket=500, persist=0, reuse=0, **extra):
     # reuse=0: re-gather every bucket for backward (the most collectives)
-    return {"zero_optimization": {
+    return {"gradient_clipping": 0, "zero_optimization": {
         "stage": stage, "reduce_bucket_size": bucket, "stage3_param_persistence_threshold": persist,
         "stage3_max_reuse_distance": reuse, **extra,
     }}
@@ -137,3 +137,51 @@ def test_reduce_scatter_false_averages_whole_buckets(rank_pool):
 def test_stage_3_keeping_forward_gathers_for_backward(rank_pool):
     report = assert_data_parallel_equivalent(rank_pool(2), lm_step, tiny_gpt, adamw, dp_batches(2), config=_cfg(3, reuse=10**9), exact=True)
     assert report.bitwise and "0 buckets again before backward" in report.explains[0]
+
+
+# -- with mixed precision, clipping and accumulation ----------------------------
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_bf16_stages_equal_the_mixed_precision_reference(rank_pool, stage):
+    from tests.steps import lm_step_bf16_reference
+
+    report = assert_data_parallel_equivalent(
+        rank_pool(2), lm_step, tiny_gpt, adamw, dp_batches(2), config={**_cfg(stage), "bf16": {"enabled": True}},
+        reference_fn=lm_step_bf16_reference, exact=True,
+    )
+    assert report.bitwise
+
+
+@pytest.mark.parametrize("make_model", [hf_gpt2, hf_llama], ids=["gpt2", "llama"])
+def test_hugging_face_models_in_bf16_at_stage_3(rank_pool, make_model):
+    from tests.steps import hf_step_bf16_reference
+
+    report = assert_data_parallel_equivalent(
+        rank_pool(2), hf_step, make_model, adamw, dp_batches(2), config={**_cfg(3, bucket=2000), "bf16": {"enabled": True}},
+        reference_fn=hf_step_bf16_reference, exact=True,
+    )
+    assert report.bitwise
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_clipping_is_global_across_shards(rank_pool, stage):
+    # the norm of the averaged gradient, summed over every rank's pieces once
+    report = assert_data_parallel_equivalent(
+        rank_pool(2), lm_step, tiny_gpt, sgd, dp_batches(2), config={**_cfg(stage), "gradient_clipping": 0.05},
+        clip_norm=0.05, rtol=1e-6, atol=1e-7,
+    )
+    assert max(report.state_rel) <= 1e-6
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_accumulation_under_zero_equals_the_k_times_batch(rank_pool, stage):
+    results = rank_pool(2).run(W.accumulate, stage, 2)
+    assert results[0]["max_rel"] <= 2e-6 and results[1]["max_rel"] <= 2e-6, results
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_fp16_overflow_skips_on_every_rank(rank_pool, stage):
+    results = rank_pool(2).run(W.fp16_overflow_on_one_rank, stage)
+    # rank 1's batch overflows: both ranks skip, halve the scale, keep their state
+    assert all(r["skipped"] == 1 and r["scale_halved"] and r["unchanged"] for r in results), results
