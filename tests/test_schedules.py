@@ -72,7 +72,9 @@ def ref_one_cycle(t, lo, hi, decay_lr_rate=0.0, first=2000, second=None, first_s
     second_stairs = first_stairs if second_stairs is None else second_stairs
     cycle = first + second
     if t < cycle:
-        i = t + 1  # 0 <= i <= cycle; i == cycle is the bottom again
+        # The cycle is periodic: iteration t + 1 == cycle is position 0 again, so with second == 0 the
+        # peak is never reached (the step that would reach it wraps to the bottom).
+        i = (t + 1) % cycle
         if i <= first:
             h, n = Fraction(i, first), first_stairs  # exact, so that stairs are floored exactly
         else:
@@ -153,6 +155,9 @@ CASES = {
                            cycle_first_stair_count=10, cycle_second_stair_count=4, decay_step_size=10,
                            decay_lr_rate=0.1),
         lambda t: ref_one_cycle(t, 1e-3, 1e-2, 0.1, 100, 60, 10, 4, 10)[0], 300),
+    "onecycle_no_second_half": (
+        lambda o: OneCycle(o, 1e-3, 1e-2, cycle_first_step_size=20, cycle_second_step_size=0),
+        lambda t: ref_one_cycle(t, 1e-3, 1e-2, first=20, second=0)[0], 60),
     "onecycle_one_stair": (  # a single stair: min_lr for the whole first half, max_lr at its end only
         lambda o: OneCycle(o, 1e-3, 1e-2, cycle_first_step_size=30, cycle_first_stair_count=1),
         lambda t: ref_one_cycle(t, 1e-3, 1e-2, first=30, first_stairs=1)[0], 100),
