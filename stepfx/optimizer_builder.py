@@ -37,7 +37,6 @@ import torch
 
 from stepfx.config import AUTO, ConfigError, OptimizerConfig
 from stepfx.config.errors import bad_value, join, unknown_key
-from stepfx.config.values import thaw
 
 __all__ = ["SUPPORTED_TYPES", "build_optimizer"]
 
@@ -74,7 +73,6 @@ def build_optimizer(config: OptimizerConfig, params: Iterable[Any]) -> torch.opt
             source = _AUTO_SOURCES.get(name, "the matching argument")
             raise ConfigError(join(_PATH, name), f"is still 'auto'; fill it with stepfx.config.resolve_auto(config, "
                               f"{source}...) first", value=AUTO, expected="a value")
-    given = {name: thaw(value) for name, value in given.items()}
     if config.name == "SGD":
         return _torch_optimizer(torch.optim.SGD, "SGD", params, given)
     return _adam(config.name, params, given)

@@ -178,7 +178,7 @@ def load(number: str):
 
 def describe(opt):
     g = group(opt)
-    return type(opt), g["lr"], tuple(g["betas"]), g["eps"], g["weight_decay"]
+    return type(opt), g["lr"], g["betas"], g["eps"], g["weight_decay"]  # betas a tuple, as torch's own
 
 
 def test_real_config_table_covers_every_optimizer_block():
