@@ -1,6 +1,6 @@
 """Does stepfx's ZeRO communication really overlap compute on the GPU?
 
-Runs a GPT (fp32) with stepfx ZeRO stages 2 and 3 on every GPU of the host,
+Runs a GPT (fp32, or bf16 with ``--precision bf16``) with stepfx ZeRO stages 2 and 3 on every GPU of the host,
 with overlap (the default: collectives issued early, waited for late) and
 without it (``overlap_comm: false``: each collective waited for at once),
 in one process per GPU launched by torchrun:
@@ -75,6 +75,8 @@ def run(stage: int, overlap: bool, args, rank: int, device) -> dict:
     model = GPT(cfg).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
     config = {
+        "gradient_clipping": 0,
+        **({args.precision: {"enabled": True}} if args.precision != "fp32" else {}),
         "zero_optimization": {
             "stage": stage,
             "overlap_comm": overlap,
@@ -98,6 +100,7 @@ def run(stage: int, overlap: bool, args, rank: int, device) -> dict:
     torch.cuda.synchronize()
     step_s = (time.perf_counter() - start) / args.steps
     row = {
+        "precision": args.precision,
         "stage": stage,
         "overlap": overlap,
         "step_ms": round(step_s * 1e3, 2),
@@ -119,7 +122,7 @@ def run(stage: int, overlap: bool, args, rank: int, device) -> dict:
             nccl_overlapped_fraction=round(covered / comm_us, 3) if comm_us else None,
         )
         if rank == 0 and args.out and stage == 3:
-            path = os.path.join(args.out, "trace_stage3_rank0.json")
+            path = os.path.join(args.out, f"trace_stage3_{args.precision}_rank0.json")
             prof.export_chrome_trace(path)
             with open(path, "rb") as f, gzip.open(path + ".gz", "wb") as z:
                 z.write(f.read())
@@ -140,6 +143,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--profile-steps", dest="profile_steps", type=int, default=2)
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args()
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -158,10 +162,10 @@ def main() -> None:
             "gpu": torch.cuda.get_device_name(),
             "torch": torch.__version__,
             "world_size": int(os.environ.get("WORLD_SIZE", "1")),
-            "model": f"GPT d{args.d_model} L{args.layers} seq{args.seq} batch{args.batch} fp32",
-            "command": "torchrun --standalone --nproc_per_node 2 benchmarks/overlap_profile.py",
+            "model": f"GPT d{args.d_model} L{args.layers} seq{args.seq} batch{args.batch} {args.precision}",
+            "command": f"torchrun --standalone --nproc_per_node 2 benchmarks/overlap_profile.py --precision {args.precision}",
         }
-        with open(os.path.join(args.out, "overlap.jsonl"), "w") as f:
+        with open(os.path.join(args.out, f"overlap_{args.precision}.jsonl"), "w") as f:
             for row in rows:
                 f.write(json.dumps({**meta, **row}) + "\n")
     if dist.is_initialized():

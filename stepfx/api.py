@@ -28,6 +28,7 @@ from .config import AUTO, Config, ConfigError, load_config, resolve_batch_sizes,
 from .errors import ExecutionError, StepfxError
 from .graph import Role, StepGraph, Storage, TensorSpec
 from .graph.layout import LAYOUT_KEY, Sharding
+from .optimizer_builder import build_optimizer
 from .passes import PIPELINE, PassManager, PassOptions, PassRecord, dump_records
 from .runtime import (
     DataParallel,
@@ -40,6 +41,7 @@ from .runtime import (
     gather_sharded_state,
     preflight,
 )
+from .schedules import build_scheduler
 
 __all__ = ["parallelize", "ParallelStep", "Plan", "DUMP_ENV"]
 
@@ -89,6 +91,9 @@ class ParallelStep:
         self._micro_steps = 0  # calls so far (gradient accumulation counts micro-steps)
         self._scale_probe: tuple | None = None  # (host copy, ready event) of the loss scaler's counters
         self._scale_seen = (0, 0)  # (skipped steps, overflows at the minimum scale) already reported
+        self._built_optimizer: torch.optim.Optimizer | None = None  # from the config's "optimizer" block
+        self._lr_scheduler: Any = None  # from the config's "scheduler" block
+        self._schedule_pending = False  # fp16: advance the scheduler once the last update's overflow flag arrives
 
     # -- calling --------------------------------------------------------------
     def __call__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *args, **kwargs) -> Any:
@@ -96,13 +101,15 @@ class ParallelStep:
             raise TypeError(
                 f"{self.__name__}: the first argument must be the nn.Module being trained, got {type(model).__name__}"
             )
+        if self._dp is None:
+            self.config = _resolve_precision(_resolve_model_sizes(self.config, model))
+        optimizer = self._config_optimizer(model, optimizer)
         if self._model is not None and (model is not self._model or optimizer is not self._optimizer) and self._store.tensors:
             raise ValueError(
                 f"{self.__name__} holds sharded state of another model/optimizer; use one decorated step per model"
             )
         self._calls += 1
         if self._dp is None:
-            self.config = _resolve_precision(_resolve_model_sizes(self.config, model))
             self._dp = data_parallel(_device_type(list(model.parameters()) + list(model.buffers())))
             self.config = _resolve_batch_sizes(self.config, self._dp.world_size)
         elif self._dp.active and self._dp.group is None:
@@ -115,9 +122,14 @@ class ParallelStep:
         else:
             self._plans.move_to_end(key)
         batch = [x for x in pytree.tree_leaves((tuple(args), dict(kwargs))) if isinstance(x, torch.Tensor)]
-        self._check_loss_scale()
+        self._check_loss_scale(wait=self._schedule_pending)
         result = plan.executor.run(batch)
         self._micro_steps += 1
+        if self._lr_scheduler is not None and not options.accumulate_only:
+            if options.loss_scale:
+                self._schedule_pending = True  # DeepSpeed does not advance it on a skipped step
+            else:
+                self._lr_scheduler.step()
         self._probe_loss_scale()
         if plan.runs == 0:
             self._store.held.update({k: v for k, v in plan.held.items() if k not in self._store.held})
@@ -125,6 +137,58 @@ class ParallelStep:
         self._last = plan
         self._model, self._optimizer = model, optimizer
         return result
+
+    def _config_optimizer(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None):
+        """The optimizer the step runs: the user's, or the one the config's
+        ``optimizer`` block describes (built on the first call, over the
+        model's trainable parameters, as ``deepspeed.initialize`` does). The
+        ``scheduler`` block's scheduler is built over it on the first call."""
+        cfg = self.config
+        if cfg.optimizer is not None:
+            if optimizer is not None and optimizer is not self._built_optimizer:
+                raise ConfigError(
+                    "optimizer",
+                    f"the config's optimizer block builds the optimizer ({cfg.optimizer.type}), and {self.__name__} was "
+                    f"also given a {type(optimizer).__name__}; pass None as the optimizer (the built one is "
+                    f"{self.__name__}.optimizer), or remove the block to use your own",
+                    value=cfg.optimizer.type, expected="None passed as the step's optimizer",
+                )
+            if self._built_optimizer is None:
+                self._built_optimizer = build_optimizer(cfg.optimizer, [p for p in model.parameters() if p.requires_grad])
+            optimizer = self._built_optimizer
+        if cfg.scheduler is not None:
+            if optimizer is None:
+                raise ConfigError(
+                    "scheduler", f"schedules an optimizer, but {self.__name__} was given none and the config has no "
+                    "optimizer block", value=cfg.scheduler.type, expected="an optimizer (passed, or an optimizer block)",
+                )
+            if self._lr_scheduler is None:
+                self._lr_scheduler = build_scheduler(cfg.scheduler, optimizer)
+            elif self._lr_scheduler.optimizer is not optimizer:
+                raise ValueError(
+                    f"{self.__name__}: the config's scheduler was built for the optimizer of the first call; "
+                    "pass that same optimizer on every call"
+                )
+        return optimizer
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The optimizer the step updates: the config's (built on the first
+        call) or the one last passed in. Under ZeRO 1-3 its state lives on
+        the ranks in pieces; read it with :meth:`optimizer_state`."""
+        return self._built_optimizer or self._optimizer
+
+    @property
+    def lr_scheduler(self) -> Any:
+        """The scheduler built from the config's ``scheduler`` block (None
+        without one). It advances once per optimizer update, not on
+        accumulation-only micro-steps, and — as in DeepSpeed — not on a step
+        fp16 skipped for overflow. Under fp16 it learns of the overflow
+        without a sync, when the next call starts; reading this property
+        settles it at once (waiting for the device)."""
+        if self._schedule_pending:
+            self._check_loss_scale(wait=True)
+        return self._lr_scheduler
 
     def _compile(self, key, model, optimizer, args, kwargs, options: CaptureOptions) -> Plan:
         if self._last is not None:
@@ -199,6 +263,9 @@ class ParallelStep:
         the next call looks at them (``_check_loss_scale``)."""
         counters = [self._store.tensors.get((Role.RUNTIME_STATE, n, None, None, Storage.RANK, None)) for n in ("skipped_steps", "overflows_at_min_scale")]
         if any(c is None for c in counters):
+            if self._schedule_pending:  # no loss scaler in this plan: nothing was skipped
+                self._schedule_pending = False
+                self._lr_scheduler.step()
             return
         device = counters[0].device
         stacked = torch.stack(counters)
@@ -211,14 +278,23 @@ class ParallelStep:
             host, event = stacked.clone(), None
         self._scale_probe = (host, event)
 
-    def _check_loss_scale(self) -> None:
+    def _check_loss_scale(self, *, wait: bool = False) -> None:
+        """Read the counters ``_probe_loss_scale`` sent; ``wait`` waits for
+        them (a pending scheduler step needs to know whether the last update
+        was skipped)."""
         if self._scale_probe is None:
             return
         host, event = self._scale_probe
         if event is not None and not event.query():
-            return  # not there yet: look again next call
+            if not wait:
+                return  # not there yet: look again next call
+            event.synchronize()
         self._scale_probe = None
         skipped, at_min = (int(v) for v in host.tolist())
+        if self._schedule_pending:
+            self._schedule_pending = False
+            if skipped == self._scale_seen[0]:
+                self._lr_scheduler.step()
         if skipped > self._scale_seen[0]:
             log.warning("stepfx: %s skipped %d step(s) on fp16 gradient overflow (%d in all)", self.__name__, skipped - self._scale_seen[0], skipped)
         self._scale_seen = (skipped, at_min)

@@ -69,6 +69,33 @@ def _zero_section(graph, world: int) -> list[str]:
     return lines
 
 
+def _training_section(step) -> list[str]:
+    """Precision, loss scale, accumulation, clipping, optimizer and schedule."""
+    cfg = step.config
+    fp16, bf16 = cfg.fp16.enabled is True, cfg.bf16.enabled is True
+    comm = getattr(cfg, "communication_data_type", None) or "fp32 (the gradients' dtype)"
+    precision = "fp16" if fp16 else "bf16" if bf16 else "fp32"
+    lines = [f"precision: {precision} compute" + (", fp32 master parameters and optimizer state" if fp16 or bf16 else "")
+             + f"; gradients communicated in {comm}"]
+    if fp16:
+        # reading the device: explain() is not on the training path
+        lines.append(f"fp16 loss scale: {step.loss_scale:g} now; {step.skipped_steps} step(s) skipped on overflow so far")
+    k = cfg.gradient_accumulation_steps if isinstance(cfg.gradient_accumulation_steps, int) else 1
+    clip = cfg.gradient_clipping
+    lines.append(f"gradient accumulation: {k} micro-step(s) per update; clipping: "
+                 + (f"global L2 norm <= {clip:g}" if isinstance(clip, (int, float)) and clip > 0 else "off"))
+    optimizer, scheduler = step.optimizer, step.lr_scheduler  # (settles a pending fp16 schedule step)
+    if optimizer is not None:
+        origin = "from the config's optimizer block" if cfg.optimizer is not None else "passed in"
+        lr = ", ".join(f"{g['lr']:.3g}" for g in optimizer.param_groups)
+        line = f"optimizer: {type(optimizer).__name__} ({origin}); lr now {lr}"
+        if scheduler is not None:
+            line += f"; scheduled by {type(scheduler).__name__} (config's scheduler block)"
+        lines.append(line)
+    lines.append("")
+    return lines
+
+
 def explain_plan(step, plan) -> str:
     cfg = step.config
     graph = plan.graph
@@ -114,6 +141,7 @@ def explain_plan(step, plan) -> str:
     lines.append("")
 
     lines.extend(_zero_section(graph, world))
+    lines.extend(_training_section(step))
 
     model = step._model
     if model is not None:

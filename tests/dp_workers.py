@@ -206,3 +206,38 @@ def fp16_overflow_on_one_rank(stage: int) -> dict:
         "scale_halved": step.loss_scale == scale / 2,
         "unchanged": all(torch.equal(before[n], after[n]) for n in before),
     }
+
+
+def precision_run(stage: int, precision: str, comm: str | None, steps: int, device: str = "cpu") -> dict:
+    """``steps`` AdamW steps of the tiny GPT in bf16/fp16 under ZeRO ``stage``;
+    the per-step losses and, from the final graph, the dtype every collective
+    moves and where stage 3's forward gathers sit."""
+    from stepfx.graph import META_PHASE, Phase
+    from stepfx.passes.collectives import COLLECTIVE_OPS
+    from tests.steps import adamw
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        device = f"cuda:{rank}"
+    model = tiny_gpt().to(device)
+    opt = adamw(model)
+    block = {"enabled": True, **({"initial_scale_power": 8} if precision == "fp16" else {})}
+    cfg = {precision: block, "gradient_clipping": 0, "zero_optimization": {
+        "stage": stage, "reduce_bucket_size": 500, "stage3_param_persistence_threshold": 0}}
+    if comm:
+        cfg["communication_data_type"] = comm
+    step = stepfx.parallelize(cfg)(lm_step)
+    losses = [float(step(model, opt, batch.to(device))) for (batch,) in token_batches(steps, seed=7 + 1000 * rank)]
+    nodes = list(step.plan.graph.gm.graph.nodes)
+    moved = {}
+    for node in nodes:
+        if node.target in COLLECTIVE_OPS and node.args[0].meta["val"].numel() > 1:  # not the overflow flag
+            kind = node.target.__name__.split(".")[0]
+            moved.setdefault(kind, set()).add(str(node.args[0].meta["val"].dtype).replace("torch.", ""))
+    gathers = [i for i, n in enumerate(nodes) if n.target in COLLECTIVE_OPS and "gather" in str(n.target) and n.meta.get(META_PHASE) is Phase.FORWARD]
+    matmuls = [i for i, n in enumerate(nodes) if n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)]
+    interleaved = bool(gathers) and any(m < gathers[-1] for m in matmuls)
+    return {"losses": losses, "moved": {k: sorted(v) for k, v in moved.items()},
+            "skipped": step.skipped_steps, "interleaved": interleaved}

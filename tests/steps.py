@@ -153,3 +153,19 @@ def hf_step_bf16_reference(model, optimizer, input_ids):
     from stepfx.testing.equivalence import mixed_precision_reference
 
     return mixed_precision_reference(hf_step, torch.bfloat16)(model, optimizer, input_ids)
+
+
+# the config blocks below, and the optimizer/scheduler they describe, built by hand
+CONFIG_ADAMW = {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.8, 0.99], "eps": 1e-7, "weight_decay": 0.1}}
+CONFIG_WARMUP = {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-3, "warmup_max_lr": 1e-2, "warmup_num_steps": 3}}
+
+
+def config_adamw(model):
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, betas=(0.8, 0.99), eps=1e-7,
+                             weight_decay=0.1, foreach=False)
+
+
+def config_warmup(optimizer):
+    from stepfx.schedules import WarmupLR
+
+    return WarmupLR(optimizer, warmup_min_lr=1e-3, warmup_max_lr=1e-2, warmup_num_steps=3)

@@ -39,9 +39,13 @@ APPLIED: frozenset[str] = frozenset({
     "fp16.consecutive_hysteresis",
     "fp16.min_loss_scale",
     "gradient_clipping",
+    "communication_data_type",  # the dtype gradients are reduced in (reduce_gradients, shard_optimizer_update)
     "gradient_accumulation_steps",
     "train_batch_size",  # checked against micro x accumulation x ranks
     "train_micro_batch_size_per_gpu",
+    # built by ParallelStep on the first call (optimizer_builder, schedules)
+    "optimizer.*",
+    "scheduler.*",
 })
 
 

@@ -27,6 +27,8 @@ __all__ = [
     "reduce_scatter_avg",
     "all_gather",
     "unpack_view",
+    "cast",
+    "communication_dtype",
     "COLLECTIVE_OPS",
 ]
 
@@ -114,24 +116,54 @@ def _wait(g, node, **meta):
     return make_node(g, c10d.wait_tensor.default, (node,), val=node.meta["val"], name="wait", **meta)
 
 
-def all_reduce_avg(g: fx.Graph, flat: fx.Node, world_size: int, group_name: str, **meta) -> tuple[fx.Node, fx.Node]:
+_COMM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def communication_dtype(config) -> torch.dtype | None:
+    """The dtype gradients travel in (``communication_data_type``); None:
+    their own dtype (fp32: the gradients of the fp32 masters)."""
+    return _COMM_DTYPES.get(getattr(config, "communication_data_type", None))
+
+
+def cast(g: fx.Graph, value: fx.Node, dtype: torch.dtype, *, name: str = "cast", **meta) -> fx.Node:
+    """``value`` converted to ``dtype`` (a new tensor)."""
+    val = value.meta["val"]
+    return make_node(g, aten._to_copy.default, (value,), {"dtype": dtype}, val=fake_like(val, val.shape, dtype), name=name, **meta)
+
+
+def all_reduce_avg(
+    g: fx.Graph, flat: fx.Node, world_size: int, group_name: str, *, comm_dtype: torch.dtype | None = None, **meta
+) -> tuple[fx.Node, fx.Node]:
     """Sum over ranks, then divide by N (the mean of the ranks' gradients).
-    Returns (the collective, the averaged value)."""
+    ``comm_dtype``: the sum travels (and is added) in that dtype, and is
+    converted back before the division. Returns (the collective, the
+    averaged value)."""
     val = flat.meta["val"]
-    issued = make_node(g, c10d.all_reduce.default, (flat, "sum", group_name), val=fake_like(val, val.shape), name="all_reduce", **meta)
+    sent = cast(g, flat, comm_dtype, name="to_comm", **meta) if comm_dtype not in (None, val.dtype) else flat
+    sval = sent.meta["val"]
+    issued = make_node(g, c10d.all_reduce.default, (sent, "sum", group_name), val=fake_like(sval, sval.shape), name="all_reduce", **meta)
     done = _wait(g, issued, **meta)
+    if sent is not flat:
+        done = cast(g, done, val.dtype, name="from_comm", **meta)
     avg = make_node(g, aten.div.Tensor, (done, world_size), val=fake_like(val, val.shape), name="grad_avg", **meta)
     return issued, avg
 
 
-def reduce_scatter_avg(g: fx.Graph, flat: fx.Node, world_size: int, group_name: str, **meta) -> tuple[fx.Node, fx.Node]:
-    """Each rank gets the sum of its shard over ranks, divided by N."""
+def reduce_scatter_avg(
+    g: fx.Graph, flat: fx.Node, world_size: int, group_name: str, *, comm_dtype: torch.dtype | None = None, **meta
+) -> tuple[fx.Node, fx.Node]:
+    """Each rank gets the sum of its shard over ranks, divided by N
+    (``comm_dtype`` as in :func:`all_reduce_avg`)."""
     val = flat.meta["val"]
     shard = val.numel() // world_size
+    sent = cast(g, flat, comm_dtype, name="to_comm", **meta) if comm_dtype not in (None, val.dtype) else flat
     issued = make_node(
-        g, c10d.reduce_scatter_tensor.default, (flat, "sum", world_size, group_name), val=fake_like(val, (shard,)), name="reduce_scatter", **meta
+        g, c10d.reduce_scatter_tensor.default, (sent, "sum", world_size, group_name), val=fake_like(sent.meta["val"], (shard,)),
+        name="reduce_scatter", **meta
     )
     done = _wait(g, issued, **meta)
+    if sent is not flat:
+        done = cast(g, done, val.dtype, name="from_comm", **meta)
     avg = make_node(g, aten.div.Tensor, (done, world_size), val=fake_like(val, (shard,)), name="grad_shard", **meta)
     return issued, avg
 

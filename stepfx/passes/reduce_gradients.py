@@ -8,7 +8,8 @@ stage 0 and stage-3 persistent parameters — and "optimizer" — stage 1),
 the bucket's gradients are packed into one flat buffer, all-reduced (sum)
 and divided by N right after the last of them is produced, and every later
 reader of a gradient (clipping, the optimizer, a returned ``.grad``) reads
-the average. This is DDP's semantics: the step equals a single-process step
+the average (``communication_data_type``: the sum travels in that dtype
+and is converted back before the division). This is DDP's semantics: the step equals a single-process step
 on the mean of the ranks' gradients. With one rank no collective is
 emitted.
 
@@ -29,7 +30,7 @@ import torch.fx as fx
 from ..graph import META_GRAD_OF, Phase, StepGraph
 from ..graph.build import clone_step_graph
 from ..graph.layout import LAYOUT_KEY, Sharding
-from .collectives import all_reduce_avg, pack_flat, unpack_view
+from .collectives import all_reduce_avg, communication_dtype, pack_flat, unpack_view
 from .manager import PassOptions, PassResult
 
 __all__ = ["reduce_gradients", "final_gradients"]
@@ -60,6 +61,7 @@ def reduce_gradients(graph: StepGraph, options: PassOptions) -> PassResult:
     order = {n: i for i, n in enumerate(g.nodes)}
     grads = final_gradients(g)
     n = options.world_size
+    comm = communication_dtype(options.config)
     for bucket in buckets:
         bucket_grads = [grads[p.name] for p in bucket.params]
         last = max(bucket_grads, key=order.__getitem__)
@@ -72,7 +74,7 @@ def reduce_gradients(graph: StepGraph, options: PassOptions) -> PassResult:
         # reversing their order; inserting before the next node keeps it)
         with g.inserting_before(last.next):
             flat = pack_flat(g, [(grad, p.offset) for grad, p in zip(bucket_grads, bucket.params)], bucket.padded, example, **meta)
-            avg = all_reduce_avg(g, flat, n, options.group_name, **meta)[1] if n > 1 else flat
+            avg = all_reduce_avg(g, flat, n, options.group_name, comm_dtype=comm, **meta)[1] if n > 1 else flat
             avg.meta[META_REDUCED] = bucket.index
             for p, grad, users in zip(bucket.params, bucket_grads, readers):
                 view = unpack_view(g, avg, p.offset, p.shape, **meta)

@@ -43,7 +43,7 @@ from ..graph import META_GRAD_OF, META_GRAD_PIECE, META_PARAM, META_PHASE, META_
 from ..graph.build import bind_placeholders, clone_step_graph
 from ..graph.layout import LAYOUT_KEY, Bucket, BucketParam, Sharding
 from ..graph.ops import has_side_effect
-from .collectives import all_gather, all_reduce_avg, fake_like, flat_slice, make_node, pack_flat, reduce_scatter_avg, unpack_view
+from .collectives import all_gather, all_reduce_avg, communication_dtype, fake_like, flat_slice, make_node, pack_flat, reduce_scatter_avg, unpack_view
 from .manager import PassOptions, PassResult
 from .reduce_gradients import final_gradients
 
@@ -94,7 +94,9 @@ def shard_optimizer_update(graph: StepGraph, options: PassOptions) -> PassResult
             continue
         grad_shard = None
         if bucket.sharding in (Sharding.GRADIENTS, Sharding.PARAMETERS):
-            grad_shard = _scatter_gradients(g, bucket, grads, order, n, options.group_name, rank, _reduce_scatter(options))
+            grad_shard = _scatter_gradients(
+                g, bucket, grads, order, n, options.group_name, rank, _reduce_scatter(options), communication_dtype(options.config)
+            )
         new_pieces: list[tuple[BucketParam, fx.Node | None]] = []
         for p in bucket.params:
             a, b, in_shard = bucket.piece(p, rank)
@@ -132,7 +134,7 @@ def shard_optimizer_update(graph: StepGraph, options: PassOptions) -> PassResult
     return PassResult(graph, True, f"optimizer updates rank {rank}'s pieces only ({', '.join(kinds)}); {gathered} buckets re-gathered")
 
 
-def _scatter_gradients(g, bucket: Bucket, grads, order, n, group_name, rank, use_reduce_scatter) -> fx.Node:
+def _scatter_gradients(g, bucket: Bucket, grads, order, n, group_name, rank, use_reduce_scatter, comm_dtype) -> fx.Node:
     bucket_grads = [grads[p.name] for p in bucket.params]
     for p, grad in zip(bucket.params, bucket_grads):
         for user in grad.users:
@@ -150,10 +152,10 @@ def _scatter_gradients(g, bucket: Bucket, grads, order, n, group_name, rank, use
         if n == 1:
             shard = flat
         elif use_reduce_scatter:
-            shard = reduce_scatter_avg(g, flat, n, group_name, **meta)[1]
+            shard = reduce_scatter_avg(g, flat, n, group_name, comm_dtype=comm_dtype, **meta)[1]
         else:
             # DeepSpeed's "reduce_scatter": false: average the whole bucket, keep this rank's shard
-            whole = all_reduce_avg(g, flat, n, group_name, **meta)[1]
+            whole = all_reduce_avg(g, flat, n, group_name, comm_dtype=comm_dtype, **meta)[1]
             shard = make_node(
                 g, aten.slice.Tensor, (whole, 0, rank * bucket.shard, (rank + 1) * bucket.shard),
                 val=fake_like(whole.meta["val"], (bucket.shard,)), name="grad_shard", **meta,

@@ -21,6 +21,12 @@ Ensures, for every bucket sharding "parameters", on rank r:
   last forward use and its first backward use add up to no more than that
   many elements, the forward copy is kept for backward instead).
 
+Under bf16/fp16, when every forward and backward read of a bucket's
+parameters is the cast to the compute dtype, the rank casts its packed
+shard and the all-gather moves 16-bit values: half the bytes, and the same
+values (the cast is elementwise, so casting the pieces before the gather
+equals casting the whole after it). The gathered views replace the casts.
+
 Before / after (one bucket, rank 0 of 2)::
 
     t = aten.t(p_fc_weight)            ->   bucket = aten.cat([p_fc_weight_piece, pad])
@@ -31,6 +37,7 @@ Before / after (one bucket, rank 0 of 2)::
 """
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 
 from ..errors import CaptureError
@@ -38,11 +45,13 @@ from ..graph import META_PARAM, META_PHASE, META_SOURCE, Phase, Role, Slot, Step
 from ..graph.build import bind_placeholders, clone_step_graph
 from ..graph.layout import LAYOUT_KEY, Bucket, Sharding
 from ..graph.ops import has_side_effect
-from .collectives import all_gather, fake_like, pack_flat, unpack_view
+from .collectives import all_gather, cast, fake_like, pack_flat, unpack_view
 from .manager import PassOptions, PassResult
 from .shard_optimizer_update import META_PIECE_OF
 
 __all__ = ["shard_parameters"]
+
+aten = torch.ops.aten
 
 
 def shard_parameters(graph: StepGraph, options: PassOptions) -> PassResult:
@@ -152,13 +161,18 @@ def _rewire_bucket(g: fx.Graph, bucket: Bucket, whole: dict, pieces: dict, n: in
         for user in list(old.users):
             for cut in _piece_cuts(user, name):
                 cut.replace_all_uses_with(pieces[name])
+                _erase_dead(g, cut)
 
     # 2. forward reads a gathered copy (and backward too, when it is reused soon)
+    casts, low = _compute_casts(whole)
+    if low is not None:  # the 16-bit casts stand in for the parameters from here on
+        names = {casts[name]: name for name in whole}
+        whole = {name: casts[name] for name in whole}
     phases = (Phase.FORWARD, Phase.BACKWARD) if reuse else (Phase.FORWARD,)
     fwd_users = [(u, name) for name, old in whole.items() for u in old.users if u.meta.get(META_PHASE) in phases]
     if fwd_users:
         first = min((u for u, _ in fwd_users), key=order.__getitem__)
-        views = _gather_before(g, first, bucket, pieces, example, n, group_name, Phase.FORWARD, rank)
+        views = _gather_before(g, first, bucket, pieces, example, n, group_name, Phase.FORWARD, rank, low)
         for user, name in fwd_users:
             user.replace_input_with(whole[name], views[name])
     if reuse:
@@ -176,7 +190,7 @@ def _rewire_bucket(g: fx.Graph, bucket: Bucket, whole: dict, pieces: dict, n: in
     if not bwd_reads:
         return False
     first = min((u for u, _ in bwd_reads), key=order.__getitem__)
-    views = _gather_before(g, first, bucket, pieces, example, n, group_name, Phase.BACKWARD, rank)
+    views = _gather_before(g, first, bucket, pieces, example, n, group_name, Phase.BACKWARD, rank, low)
     memo: dict[fx.Node, fx.Node] = {}
 
     def recompute(value: fx.Node) -> fx.Node:
@@ -211,11 +225,43 @@ def _piece_cuts(user: fx.Node, name: str) -> list[fx.Node]:
     return [u for u in user.users if u.meta.get(META_PIECE_OF) == name]
 
 
-def _gather_before(g, first: fx.Node, bucket: Bucket, pieces: dict, example, n: int, group_name: str, phase: Phase, rank: int) -> dict[str, fx.Node]:
+def _erase_dead(g: fx.Graph, node: fx.Node) -> None:
+    """Erase ``node`` if nothing reads it, then its inputs that this leaves unread."""
+    if node.users or node.op != "call_function" or has_side_effect(node):
+        return
+    inputs = node.all_input_nodes
+    g.erase_node(node)
+    for arg in inputs:
+        _erase_dead(g, arg)
+
+
+def _compute_casts(whole: dict[str, fx.Node]) -> tuple[dict[str, fx.Node], torch.dtype | None]:
+    """Parameter name -> its cast to the 16-bit compute dtype, and that
+    dtype, when each parameter's only reader (after the optimizer moved to
+    pieces) is one such cast; else ({}, None)."""
+    casts, dtypes = {}, set()
+    for name, node in whole.items():
+        users = list(node.users)
+        if len(users) != 1:
+            return {}, None
+        (cast,) = users
+        dtype = cast.kwargs.get("dtype")
+        if cast.target is not aten._to_copy.default or set(cast.kwargs) != {"dtype"} or dtype not in (torch.bfloat16, torch.float16):
+            return {}, None
+        casts[name] = cast
+        dtypes.add(dtype)
+    return (casts, dtypes.pop()) if len(dtypes) == 1 else ({}, None)
+
+
+def _gather_before(
+    g, first: fx.Node, bucket: Bucket, pieces: dict, example, n: int, group_name: str, phase: Phase, rank: int, low=None
+) -> dict[str, fx.Node]:
     parts = [(pieces[p.name], at) for p, _, _, at in bucket.shard_parts(rank)]
     meta = dict(like=first, phase=phase)
     with g.inserting_before(first):
         shard = pack_flat(g, parts, bucket.shard, example, **meta)
+        if low is not None:
+            shard = cast(g, shard, low, name="shard_16bit", **meta)
         full = all_gather(g, shard, n, group_name, **meta)[1] if n > 1 else shard
         views = {}
         for p in bucket.params:

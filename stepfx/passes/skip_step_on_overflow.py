@@ -74,10 +74,31 @@ def loss_scale_settings(config) -> LossScaleSettings:
     )
 
 
+def _hold_scale_only(graph: StepGraph, options: PassOptions) -> PassResult:
+    """A micro-step that only accumulates scales its loss too, by the scale
+    the rank holds (shared with the updating variant), and changes nothing else."""
+    sig = graph.signature
+    if not any(s.role is Role.RUNTIME_STATE and s.name == "loss_scale" and s.storage is Storage.USER for s in sig.inputs):
+        return PassResult(graph, False)
+    graph = clone_step_graph(graph)
+
+    def held(slot):
+        if slot.role is Role.RUNTIME_STATE and slot.name == "loss_scale":
+            return dataclasses.replace(slot, storage=Storage.RANK)
+        return slot
+
+    for node in graph.gm.graph.nodes:
+        if node.op == "placeholder":
+            node.meta["slot"] = held(node.meta["slot"])
+    init = {**sig.extra.get(RUNTIME_INIT_KEY, {}), "loss_scale": (loss_scale_settings(options.config).initial, torch.float32)}
+    new_sig = dataclasses.replace(sig.with_inputs(tuple(held(s) for s in sig.inputs)), extra={**sig.extra, RUNTIME_INIT_KEY: init})
+    return PassResult(graph.replace(signature=new_sig), True, "accumulation micro-step: the loss is scaled by the rank's loss scale")
+
+
 def skip_step_on_overflow(graph: StepGraph, options: PassOptions) -> PassResult:
     flag = next((n for n in graph.gm.graph.nodes if n.meta.get(META_OVERFLOW)), None)
     if flag is None:
-        return PassResult(graph, False)
+        return _hold_scale_only(graph, options)
     graph = clone_step_graph(graph)
     g = graph.gm.graph
     flag = next(n for n in g.nodes if n.meta.get(META_OVERFLOW))

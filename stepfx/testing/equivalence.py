@@ -312,7 +312,7 @@ def data_parallel_reference(
     return outputs, model, opt
 
 
-def _dp_worker(step_fn, make_model, make_optimizer, batches_per_rank, config, seed, make_scheduler):
+def _dp_worker(step_fn, make_model, make_optimizer, batches_per_rank, config, seed, make_scheduler, config_builds):
     import torch.distributed as dist
 
     import stepfx
@@ -320,8 +320,9 @@ def _dp_worker(step_fn, make_model, make_optimizer, batches_per_rank, config, se
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(seed)
     model = make_model()
-    opt = make_optimizer(model)
-    sched = make_scheduler(opt) if make_scheduler else None
+    # config_builds: the config's optimizer/scheduler blocks build them inside the step
+    opt = None if config_builds else make_optimizer(model)
+    sched = make_scheduler(opt) if make_scheduler and not config_builds else None
     compiled = stepfx.parallelize(config)(step_fn)
     outs = []
     device = _device_of(model)
@@ -355,6 +356,7 @@ def assert_data_parallel_equivalent(
     normwise: bool = True,
     reference_fn: Callable | None = None,
     clip_norm: float | None = None,
+    config_builds: bool = False,
 ) -> EquivalenceReport:
     """Run ``step_fn`` with stepfx on every rank of ``pool`` (a RankPool;
     rank r gets ``batches_per_rank[r]``) and check it against
@@ -367,14 +369,18 @@ def assert_data_parallel_equivalent(
     reference, and elements near zero would otherwise dominate.
     ``reference_fn`` replaces ``step_fn`` in the reference (mixed precision:
     :func:`mixed_precision_reference`); ``clip_norm`` clips the reference's
-    averaged gradients as ``gradient_clipping`` does.
+    averaged gradients as ``gradient_clipping`` does. ``config_builds``:
+    stepfx gets None for the optimizer and builds it (and the scheduler) from
+    the config's blocks; ``make_optimizer``/``make_scheduler`` then build
+    only the reference's.
 
     Returns the measured differences; the per-rank ``explain()`` texts are in
     ``report.explains``."""
     if exact:
         rtol = atol = 0.0
     results = pool.run(
-        _dp_worker, step_fn, make_model, make_optimizer, batches_per_rank, config, seed, make_scheduler, timeout=timeout
+        _dp_worker, step_fn, make_model, make_optimizer, batches_per_rank, config, seed, make_scheduler, config_builds,
+        timeout=timeout,
     )
     # the pool's ranks compute with one intra-op thread (CPU); so does the
     # reference, so that matmuls block and round alike

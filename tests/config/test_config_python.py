@@ -26,12 +26,12 @@ def test_public_names():
 
 
 def test_python_config_equals_the_loaded_one():
-    built = Config(zero_optimization=ZeroConfig(stage=3), bf16=BF16Config(enabled=True))
-    loaded = load_config({"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}})
+    built = Config(zero_optimization=ZeroConfig(stage=3, sub_group_size=10**6), bf16=BF16Config(enabled=True))
+    loaded = load_config({"zero_optimization": {"stage": 3, "sub_group_size": 10**6}, "bf16": {"enabled": True}})
     assert built.zero_optimization == loaded.zero_optimization and built.bf16 == loaded.bf16
     assert built.zero_optimization.overlap_comm is True
     assert built.source == "<python>" and built.not_applied == loaded.not_applied
-    assert built.not_applied == ("bf16.enabled",)  # the ZeRO stage is applied; bf16 is not yet
+    assert built.not_applied == ("zero_optimization.sub_group_size",)  # the stage and bf16 are applied
 
 
 @pytest.mark.parametrize("build, raw", [

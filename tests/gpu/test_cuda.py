@@ -55,3 +55,80 @@ def test_zero_stages_on_two_gpus_with_nccl(rank_pool, stage, opt):
     print(f"\nnccl stage {stage} {opt.__name__}: {report}")
     if stage == 3:
         assert "10_schedule_collectives" in report.explains[0] and "prefetched" in report.explains[0]
+
+
+# -- mixed precision on the GPU --------------------------------------------------
+
+
+def cuda_tiny_gpt_fp32_reference():
+    return tiny_gpt().cuda()
+
+
+@pytest.mark.multigpu
+@multigpu
+@pytest.mark.parametrize("stage, precision, comm", [(3, "bf16", None), (3, "bf16", "bf16"), (2, "fp16", "fp16")])
+def test_16_bit_zero_on_two_gpus_tracks_fp32(rank_pool, stage, precision, comm):
+    """20 AdamW steps under ZeRO with NCCL against the fp32 data-parallel
+    reference on the GPU: each loss within 2e-2 relative (as on CPU)."""
+    from stepfx.testing.equivalence import data_parallel_reference
+    from tests import dp_workers as W
+    from tests.steps import adamw as adamw_default
+
+    results = rank_pool(2, "nccl").run(W.precision_run, stage, precision, comm, 20, "cuda")
+    batches = [[(b.cuda(),) for (b,) in rank] for rank in dp_batches(2, steps=20)]
+    reference, _, _ = data_parallel_reference(lm_step, cuda_tiny_gpt_fp32_reference, adamw_default, batches)
+    worst = 0.0
+    for rank, result in enumerate(results):
+        assert result["skipped"] == 0
+        worst = max(worst, *(abs(a - b[rank].item()) / abs(b[rank].item()) for a, b in zip(result["losses"], reference)))
+    print(f"\nnccl stage {stage} {precision} comm {comm or 'fp32'}: 20 steps, worst loss rel vs fp32 {worst:.2e}; "
+          f"collectives move {results[0]['moved']}")
+    assert worst < 2e-2
+
+
+@pytest.mark.multigpu
+@multigpu
+def test_bf16_zero3_on_two_gpus_equals_the_mixed_precision_reference(rank_pool):
+    from tests.steps import lm_step_bf16_reference
+
+    config = {"bf16": {"enabled": True}, "gradient_clipping": 0,
+              "zero_optimization": {"stage": 3, "reduce_bucket_size": 500, "stage3_param_persistence_threshold": 0}}
+    report = assert_data_parallel_equivalent(
+        rank_pool(2, "nccl"), lm_step, cuda_tiny_gpt_nodrop, adamw, dp_batches(2, steps=4), config=config,
+        reference_fn=lm_step_bf16_reference, rtol=1e-6, atol=1e-7,
+    )
+    print(f"\nnccl stage 3 bf16 vs eager mixed precision: {report}")
+
+
+@pytest.mark.gpu
+@gpu
+def test_fp16_config_optimizer_and_schedule_on_cuda():
+    """The loss scaler's counters reach the host without a per-step sync
+    (pinned copy + event); the scheduler skips overflowed steps."""
+    import torch.nn.functional as F
+
+    import stepfx
+
+    def step_fn(model, optimizer, x, y, blowup):
+        loss = F.cross_entropy(model(x).float(), y) * blowup
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    from stepfx.testing.models import MLP
+
+    torch.manual_seed(0)
+    model = MLP((8, 64, 4)).cuda()
+    config = {"fp16": {"enabled": True, "auto_cast": True, "initial_scale_power": 8, "hysteresis": 1},
+              "gradient_clipping": 1.0,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5, "warmup_type": "linear"}}}
+    step = stepfx.parallelize(config)(step_fn)
+    x, y = torch.randn(16, 8, device="cuda"), torch.randint(0, 4, (16,), device="cuda")
+    pattern = [1.0, 1e30, 1.0, 1.0, 1e30, 1.0]
+    for blowup in pattern:
+        step(model, None, x, y, torch.tensor(blowup, device="cuda"))
+    assert step.skipped_steps == 2 and step.loss_scale == 64
+    assert step.lr_scheduler.last_batch_iteration == 4 - 1  # four applied updates, from -1
+    assert all(torch.isfinite(p).all() for p in model.parameters())

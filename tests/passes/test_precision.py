@@ -229,6 +229,36 @@ def test_accumulation_leaves_param_grads_alone_and_holds_the_sum():
     assert not any(k[0].value == "grad" for k in step._store.held)
 
 
+
+def test_fp16_accumulation_scales_every_micro_step_and_skips_on_any_overflow():
+    # the accumulate-only micro-step scales its loss by the rank's scale too;
+    # an overflow in it poisons the accumulated gradient, so the update skips
+    torch.manual_seed(0)
+    model = MLP((8, 16, 4))
+    ref = MLP((8, 16, 4))
+    ref.load_state_dict(model.state_dict())
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    config = {**_fp16_config(initial_scale_power=8, hysteresis=1), "gradient_accumulation_steps": 2}
+    step = stepfx.parallelize(config)(scaled_step)
+    fp32 = stepfx.parallelize({"gradient_accumulation_steps": 2, "gradient_clipping": 0})(scaled_step)
+    one = torch.tensor(1.0)
+    for x, y in mlp_batches(6):
+        loss, ref_loss = step(model, opt, x, y, one), fp32(ref, ref_opt, x, y, one)
+        assert abs(loss.item() - ref_loss.item()) <= 2e-2 * abs(ref_loss.item())
+    assert step.skipped_steps == 0 and step.loss_scale == 256
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    (x, y), = mlp_batches(1, seed=5)
+    step(model, opt, x, y, torch.tensor(1e30))  # accumulate only: inf in the held gradient
+    step(model, opt, x, y, one)  # the update sees it and skips
+    assert step.skipped_steps == 1 and step.loss_scale == 128
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+    step(model, opt, x, y, one)
+    step(model, opt, x, y, one)  # the skipped update dropped the inf: this one applies
+    assert step.skipped_steps == 1
+    assert all(torch.isfinite(p).all() and not torch.equal(before[n], p) for n, p in model.named_parameters())
+
+
 # -- clipping -------------------------------------------------------------------
 
 

@@ -18,7 +18,7 @@ import pytest
 
 from stepfx.testing.equivalence import assert_data_parallel_equivalent
 from tests import dp_workers as W
-from tests.steps import adam, adamw, dp_batches, hf_gpt2, hf_llama, hf_step, lm_step, sgd, tiny_gpt
+from tests.steps import CONFIG_ADAMW, CONFIG_WARMUP, adam, config_adamw, config_warmup, adamw, dp_batches, hf_gpt2, hf_llama, hf_step, lm_step, sgd, tiny_gpt
 
 
 def _cfg(stage, bucket=500, persist=0, reuse=0, **extra):
@@ -185,3 +185,41 @@ def test_fp16_overflow_skips_on_every_rank(rank_pool, stage):
     results = rank_pool(2).run(W.fp16_overflow_on_one_rank, stage)
     # rank 1's batch overflows: both ranks skip, halve the scale, keep their state
     assert all(r["skipped"] == 1 and r["scale_halved"] and r["unchanged"] for r in results), results
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_config_optimizer_and_scheduler_under_zero(rank_pool, stage):
+    # the step builds AdamW and WarmupLR from the config's blocks (the user passes None)
+    config = {**_cfg(stage), "optimizer": CONFIG_ADAMW, "scheduler": CONFIG_WARMUP}
+    report = assert_data_parallel_equivalent(
+        rank_pool(2), lm_step, tiny_gpt, config_adamw, dp_batches(2, steps=4), config=config,
+        make_scheduler=config_warmup, config_builds=True, exact=True,
+    )
+    assert report.bitwise and report.steps == 4
+
+
+# -- bf16 / fp16 against fp32 over 20 steps -------------------------------------
+# Tolerance: each step's loss within 2e-2 relative of the fp32 data-parallel
+# reference (bf16 keeps 8 mantissa bits; alone, bf16 measured <= 7.1e-3).
+
+
+@pytest.mark.parametrize("stage, precision, comm", [
+    (1, "bf16", None), (2, "bf16", "bf16"), (3, "bf16", None), (3, "bf16", "bf16"),
+    (1, "fp16", None), (2, "fp16", "fp16"), (3, "fp16", None),
+])
+def test_16_bit_tracks_fp32_over_20_steps(rank_pool, stage, precision, comm):
+    from stepfx.testing.equivalence import data_parallel_reference
+
+    results = rank_pool(2).run(W.precision_run, stage, precision, comm, 20)
+    reference, _, _ = data_parallel_reference(lm_step, tiny_gpt, adamw, dp_batches(2, steps=20))
+    for rank, result in enumerate(results):
+        assert result["skipped"] == 0
+        worst = max(abs(a - b[rank].item()) / abs(b[rank].item()) for a, b in zip(result["losses"], reference))
+        assert worst < 2e-2, (rank, worst)
+    moved = results[0]["moved"]
+    # gradients travel in communication_data_type, fp32 by default
+    reduce = "reduce_scatter_tensor" if stage >= 2 else "all_reduce"
+    assert moved[reduce] == [{"bf16": "bfloat16", "fp16": "float16", None: "float32"}[comm]]
+    if stage == 3:  # parameters are gathered as 16-bit copies, each before its first use
+        assert moved["all_gather_into_tensor"] == [{"bf16": "bfloat16", "fp16": "float16"}[precision]]
+        assert results[0]["interleaved"]
