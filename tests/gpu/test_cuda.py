@@ -54,7 +54,7 @@ def test_zero_stages_on_two_gpus_with_nccl(rank_pool, stage, opt):
     )
     print(f"\nnccl stage {stage} {opt.__name__}: {report}")
     if stage == 3:
-        assert "10_schedule_collectives" in report.explains[0] and "prefetched" in report.explains[0]
+        assert "_schedule_collectives" in report.explains[0] and "prefetched" in report.explains[0]
 
 
 # -- mixed precision on the GPU --------------------------------------------------
