@@ -23,6 +23,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .capture import CaptureOptions, capture_step, collect_inputs
+from .codegen import available as codegen_available
 from .capture.fingerprint import describe_change, fingerprint
 from .config import AUTO, Config, ConfigError, load_config, resolve_batch_sizes, resolve_zero_auto
 from .errors import ExecutionError, StepfxError
@@ -110,7 +111,9 @@ class ParallelStep:
             )
         self._calls += 1
         if self._dp is None:
-            self._dp = data_parallel(_device_type(list(model.parameters()) + list(model.buffers())))
+            device_type = _device_type(list(model.parameters()) + list(model.buffers()))
+            self.config = _resolve_codegen(self.config, device_type)
+            self._dp = data_parallel(device_type)
             self.config = _resolve_batch_sizes(self.config, self._dp.world_size)
         elif self._dp.active and self._dp.group is None:
             raise ExecutionError(f"{self.__name__}: an earlier step failed and aborted stepfx's data-parallel group; restart the job")
@@ -427,6 +430,21 @@ def _resolve_precision(config: Config) -> Config:
     if config.fp16.enabled is True and config.bf16.enabled is True:
         raise ConfigError("bf16.enabled", "fp16 and bf16 cannot both be enabled", value=True, expected="one of them")
     return dataclasses.replace(config, **changes) if changes else config
+
+
+def _resolve_codegen(config: Config, device_type: str) -> Config:
+    """``stepfx.codegen``: None becomes on for CUDA (when Triton can run), off
+    elsewhere; an explicit true where the kernels cannot run is an error."""
+    options = config.stepfx
+    ok, why = codegen_available(device_type)
+    if options.codegen is True and not ok:
+        raise ConfigError("stepfx.codegen", f"is true, but stepfx's Triton kernels cannot run on {device_type}: {why}",
+                          value=True, expected="false (or run on CUDA)")
+    if options.codegen is None:
+        enabled = device_type == "cuda" and ok
+        log.info("stepfx: codegen %s (stepfx.codegen unset; on for CUDA)", "on" if enabled else "off")
+        return dataclasses.replace(config, stepfx=dataclasses.replace(options, codegen=enabled))
+    return config
 
 
 def _resolve_batch_sizes(config: Config, world_size: int) -> Config:

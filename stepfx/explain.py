@@ -11,9 +11,10 @@ import collections
 
 import torch
 
-from .graph import META_PHASE, Role, format_graph
+from .graph import META_DONATED, META_PHASE, Role, format_graph
 from .graph.accounting import communication, estimate_memory
 from .graph.layout import LAYOUT_KEY
+from .passes.fuse_optimizer_update import FUSION_REPORT_KEY
 
 __all__ = ["explain_plan", "format_bytes"]
 
@@ -142,6 +143,7 @@ def explain_plan(step, plan) -> str:
 
     lines.extend(_zero_section(graph, world))
     lines.extend(_training_section(step))
+    lines.extend(_kernels_section(step, graph))
 
     model = step._model
     if model is not None:
@@ -171,4 +173,51 @@ def explain_plan(step, plan) -> str:
         + " ops):"
     )
     lines.append(format_graph(graph, header=plan.records[-1].provenance()))
+    sources = kernel_sources(graph)
+    if sources:
+        lines.append("")
+        lines.append("Triton source of the kernels this graph launches:")
+        for name, text in sources.items():
+            lines.append(f"# -- kernel {name} " + "-" * max(0, 60 - len(name)))
+            lines.append(text)
     return "\n".join(lines)
+
+
+def kernel_calls(graph) -> collections.Counter:
+    """graph_ops function name -> how many nodes call it (0 kernels when codegen is off)."""
+    from .codegen.graph_ops import KERNELS_OF
+
+    return collections.Counter(n.target.__name__ for n in graph.gm.graph.nodes if n.op == "call_function" and n.target in KERNELS_OF)
+
+
+def kernel_sources(graph) -> dict[str, str]:
+    """Registered kernel name -> its Triton source, for every kernel ``graph`` launches."""
+    from .codegen import kernel_source
+    from .codegen.graph_ops import KERNELS_OF
+
+    names = []
+    for node in graph.gm.graph.nodes:
+        for name in KERNELS_OF.get(node.target, ()) if node.op == "call_function" else ():
+            if name not in names:
+                names.append(name)
+    return {name: kernel_source(name) for name in names}
+
+
+def _kernels_section(step, graph) -> list[str]:
+    codegen = getattr(step.config.stepfx, "codegen", None)
+    lines = [f"codegen: {'on' if codegen else 'off'}" + ("" if codegen else " (stepfx.codegen; on by default on CUDA)")]
+    calls = kernel_calls(graph)
+    donated = sum(1 for n in graph.gm.graph.nodes if n.meta.get(META_DONATED))
+    for name, count in sorted(calls.items()):
+        lines.append(f"  {name:<24} x{count}")
+    if donated:
+        lines.append(f"  ({donated} kernel calls write in place into the state they update)")
+    report = graph.signature.extra.get(FUSION_REPORT_KEY, ())
+    if report:
+        lines.append("  not fused:")
+        for fusion, what, why in report[:12]:
+            lines.append(f"    {fusion}: {what}: {why}")
+        if len(report) > 12:
+            lines.append(f"    ... {len(report) - 12} more")
+    lines.append("")
+    return lines

@@ -41,6 +41,7 @@ from ..graph import (
     TensorSpec,
 )
 from ..graph.signature import hyperparam_tensor
+from ..graph.update_rule import UPDATE_RULES_KEY, update_rule_of
 from ..graph.build import bind_placeholders, flatten_codegen, label_params
 from .checks import check_mutations, warn_python_only_reads
 from .optimizers import check_optimizer, hyperparam_inputs, shared_step_count, state_tensors, trace_overrides
@@ -519,6 +520,11 @@ def capture_step(
         user_output_constants=tuple(rec.user_constants),
         user_output_from_slot=tuple(rec.user_from_slot),
     )
+    if optimizer is not None:
+        signature.extra[UPDATE_RULES_KEY] = {
+            name: update_rule_of(optimizer, optimizer.param_groups[g])
+            for g, names in enumerate(inputs.group_params) for name in names
+        }
     graph = StepGraph(gm=gm, signature=signature, functional=False)
     annotate_step_graph(graph)
     check_mutations(graph)

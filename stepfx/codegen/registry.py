@@ -1,6 +1,7 @@
 """The registry of kernels stepfx emits: launcher, eager reference, Triton source."""
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import os
 from dataclasses import dataclass, field
@@ -53,10 +54,8 @@ def interpreting() -> bool:
 
 def available(device_type: str) -> tuple[bool, str]:
     """Whether stepfx's Triton kernels can run on ``device_type``, and if not, why."""
-    try:
-        import triton  # noqa: F401
-    except Exception as exc:  # pragma: no cover - triton is a dependency
-        return False, f"triton cannot be imported ({exc})"
+    if importlib.util.find_spec("triton") is None:  # pragma: no cover - triton is a dependency
+        return False, "triton is not installed"
     if device_type == "cuda":
         import torch
 

@@ -3,8 +3,10 @@
 Shared by capture (which produces step graphs), passes (which rewrite them)
 and the runtime (which binds and runs them). Imports nothing else of stepfx.
 """
+from .update_rule import UPDATE_RULES_KEY, UpdateRule
 from .signature import RUNTIME_INIT_KEY, STATE_ROLES, Role, Slot, StepSignature, Storage, TensorSpec
 from .step_graph import (
+    META_DONATED,
     META_GRAD_OF,
     META_GRAD_PIECE,
     META_OVERFLOW,
@@ -38,9 +40,12 @@ __all__ = [
     "META_GRAD_OF",
     "META_GRAD_PIECE",
     "META_OVERFLOW",
+    "META_DONATED",
     "placeholders",
     "output_node",
     "output_values",
     "format_graph",
     "verify_step_graph",
+    "UpdateRule",
+    "UPDATE_RULES_KEY",
 ]

@@ -8,7 +8,8 @@
   generated code drops each name after its last use); views allocate
   nothing and keep their base alive as long as they are read; inputs stay
   alive for the whole step (the executor holds them), outputs from when
-  they are made. Peak = the largest sum of live bytes.
+  they are made; a kernel that writes into donated inputs allocates nothing
+  for those results. Peak = the largest sum of live bytes.
 - *Communication*: every collective with its payload and the bytes a rank
   sends under the ring algorithm (all-reduce 2(N-1)/N x payload,
   all-gather and reduce-scatter (N-1)/N x the full buffer).
@@ -16,6 +17,7 @@
 from __future__ import annotations
 
 import collections
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -23,7 +25,7 @@ import torch.fx as fx
 
 from .ops import ALIAS_OPS, is_view
 from .signature import Role
-from .step_graph import StepGraph
+from .step_graph import META_DONATED, StepGraph
 
 __all__ = ["MemoryEstimate", "CommItem", "estimate_memory", "communication"]
 
@@ -49,8 +51,14 @@ class MemoryEstimate:
         return sum(self.at_rest.values())
 
 
+def _aliases(node: fx.Node) -> bool:
+    """Allocates nothing: a view, an alias, or one element of a multi-output
+    op's result (the op itself counted the whole tuple)."""
+    return node.op == "call_function" and (node.target in ALIAS_OPS or node.target is operator.getitem or is_view(node))
+
+
 def _storage_root(node: fx.Node) -> fx.Node:
-    while node.op == "call_function" and (node.target in ALIAS_OPS or is_view(node)) and isinstance(node.args[0], fx.Node):
+    while _aliases(node) and isinstance(node.args[0], fx.Node):
         node = node.args[0]
     return node
 
@@ -78,8 +86,10 @@ def estimate_memory(graph: StepGraph) -> MemoryEstimate:
             continue
         if n.op != "call_function":
             continue
-        if not (n.target in ALIAS_OPS or is_view(n)):
+        if not _aliases(n):
             size = _nbytes(n.meta.get("val"))
+            if META_DONATED in n.meta:  # results written into the donated inputs
+                size -= sum(_nbytes(n.args[i].meta.get("val")) for i in n.meta[META_DONATED])
             live += size
             if n not in outputs:
                 frees[last_read.get(n, pos[n])].append(size)

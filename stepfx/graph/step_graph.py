@@ -36,6 +36,7 @@ __all__ = [
     "META_GRAD_OF",
     "META_GRAD_PIECE",
     "META_OVERFLOW",
+    "META_DONATED",
     "placeholders",
     "output_node",
     "output_values",
@@ -48,6 +49,10 @@ META_SLOT = "slot"
 META_GRAD_OF = "grad_of"
 META_GRAD_PIECE = "grad_piece"
 META_OVERFLOW = "overflow_flag"
+# On a kernel call that writes its results into some of its inputs (a fused
+# optimizer update): the positions of those args. Allowed in a functional
+# graph only when the call is the last reader of each donated value.
+META_DONATED = "donated"
 
 
 class Phase(str, enum.Enum):

@@ -11,7 +11,8 @@ with the offending node and the lines around it):
 5. every call_function node carries ``meta["val"]`` (its fake value) and
    ``meta["phase"]``; nodes a pass adds must fill them in;
 6. in a graph marked functional, no node writes a graph input or constant
-   (directly or through a view).
+   (directly or through a view), except a kernel call that donates inputs
+   (``meta["donated"]``): it must be the last reader of each donated value.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import torch.fx as fx
 
 from .ops import is_view, mutated_args
 from .printer import _expression
-from .step_graph import META_PHASE, META_SLOT, StepGraph
+from .step_graph import META_DONATED, META_PHASE, META_SLOT, StepGraph
 
 __all__ = ["verify_step_graph", "mutation_base"]
 
@@ -85,9 +86,15 @@ def verify_step_graph(graph: StepGraph) -> list[str]:
 
     problems.extend(sig.check_unique())
 
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for node in gm.graph.nodes:
         if node.op not in ("call_function", "get_attr"):
             continue
+        for i in node.meta.get(META_DONATED, ()):
+            donated = node.args[i]
+            later = [u.name for u in donated.users if u is not node and order[u] > order[node]]
+            if later:
+                problems.append(f"{node.name} writes {donated.name} in place, but {', '.join(later)} read it later:\n{_context(node)}")
         if node.op == "call_function":
             needed = ("val", META_PHASE) if _returns_value(node) else (META_PHASE,)
             missing = [k for k in needed if k not in node.meta]

@@ -5,6 +5,10 @@ from __future__ import annotations
 from .drop_profiler_nodes import drop_profiler_nodes
 from .eliminate_dead_code import eliminate_dead_code
 from .functionalize_graph import functionalize_graph
+from .fuse_layer_norm import fuse_layer_norm
+from .fuse_linear_cross_entropy import fuse_linear_cross_entropy
+from .fuse_optimizer_update import fuse_optimizer_update
+from .fuse_sum_squares import fuse_sum_squares
 from .manager import PipelineEntry
 from .prune_unchanged_outputs import prune_unchanged_outputs
 from .hold_accumulated_gradients import accumulation_steps, hold_accumulated_gradients
@@ -17,7 +21,7 @@ from .shard_parameters import shard_parameters
 from .skip_step_on_overflow import skip_step_on_overflow
 from .unscale_clip_gradients import precision_settings, unscale_clip_gradients
 
-__all__ = ["PIPELINE", "pass_names"]
+__all__ = ["PIPELINE", "pass_names", "codegen_enabled"]
 
 
 def _data_parallel(options) -> bool:
@@ -27,6 +31,12 @@ def _data_parallel(options) -> bool:
 def _overlap(options) -> bool:
     zero = getattr(options.config, "zero_optimization", None)
     return getattr(zero, "overlap_comm", None) is not False
+
+
+def codegen_enabled(options) -> bool:
+    """``stepfx.codegen`` as the step resolved it (None: on for CUDA, off for CPU)."""
+    value = getattr(getattr(options.config, "stepfx", None), "codegen", None)
+    return options.device_type == "cuda" if value is None else bool(value)
 
 
 def _stage_at_least(stage: int):
@@ -105,6 +115,31 @@ PIPELINE: tuple[PipelineEntry, ...] = (
         schedule_collectives,
         "after every collective exists: prefetch gathers, wait as late as readers allow (CUDA only)",
         applies=lambda options: _data_parallel(options) and options.device_type == "cuda" and _overlap(options),
+    ),
+    PipelineEntry(
+        "fuse_linear_cross_entropy",
+        fuse_linear_cross_entropy,
+        "codegen, first of the fusions: it removes the logits and their backward matmuls outright",
+        applies=codegen_enabled,
+    ),
+    PipelineEntry(
+        "fuse_layer_norm",
+        fuse_layer_norm,
+        "codegen, after the graph's structure is final: a swap by identity that changes no dependency",
+        applies=codegen_enabled,
+    ),
+    PipelineEntry(
+        "fuse_sum_squares",
+        fuse_sum_squares,
+        "codegen, after unscale_clip_gradients made the per-gradient sums of squares",
+        applies=codegen_enabled,
+    ),
+    PipelineEntry(
+        "fuse_optimizer_update",
+        fuse_optimizer_update,
+        "last: the update's ops are final (ZeRO pieces, unscale/clip factor, overflow guards) and every collective "
+        "is placed, so it knows whether the kernel may write in place",
+        applies=codegen_enabled,
     ),
 )
 

@@ -117,7 +117,10 @@ def skip_step_on_overflow(graph: StepGraph, options: PassOptions) -> PassResult:
             if slot.role not in (Role.PARAM, Role.OPTIMIZER_STATE) or old is None or values[i] is old:
                 continue
             val = values[i].meta["val"]
-            values[i] = make_node(g, aten.where.self, (flag, old, values[i]), val=fake_like(val, val.shape), name="kept_if_overflow", **meta)
+            values[i] = make_node(
+                g, aten.where.self, (flag, old, values[i]), val=fake_like(val, val.shape), name="kept_if_overflow",
+                param=slot.name, **meta,  # part of the parameter's update (a fused kernel folds it in)
+            )
             guarded += 1
 
     # the loss scaler's state: inputs (held by the rank), updates, outputs

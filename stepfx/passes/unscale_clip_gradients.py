@@ -79,7 +79,9 @@ def unscale_clip_gradients(graph: StepGraph, options: PassOptions) -> PassResult
         parts = []
         for node in nodes:
             val = node.meta["val"]
-            f = make_node(g, aten._to_copy.default, (node,), {"dtype": torch.float32}, val=fake_like(val, val.shape, torch.float32), name="g32", **meta)
+            f = node
+            if val.dtype != torch.float32:  # 16-bit gradients are squared and summed in fp32
+                f = make_node(g, aten._to_copy.default, (node,), {"dtype": torch.float32}, val=fake_like(val, val.shape, torch.float32), name="g32", **meta)
             sq = make_node(g, aten.mul.Tensor, (f, f), val=fake_like(val, val.shape, torch.float32), name="sq", **meta)
             parts.append(make_node(g, aten.sum.default, (sq,), val=scalar, name="sumsq", **meta))
         if not parts:

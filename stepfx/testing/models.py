@@ -96,9 +96,10 @@ class GPT(nn.Module):
         return self.head(self.ln_f(x))
 
     def matmul_params(self) -> int:
-        """Parameters that do matmuls (BENCHMARKS.md's N): embeddings
-        excluded, the tied head counted once."""
-        return sum(p.numel() for n, p in self.named_parameters() if not n.startswith(("tok.", "pos.")))
+        """Parameters that do matmuls (BENCHMARKS.md's N): the position
+        embedding excluded; the token embedding is the tied head's weight,
+        which does a matmul, counted once."""
+        return sum(p.numel() for n, p in self.named_parameters() if not n.startswith("pos."))
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

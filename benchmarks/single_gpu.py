@@ -1,0 +1,157 @@
+"""The standard GPT step on one GPU: stepfx (bf16, codegen off and on)
+against eager PyTorch and torch.compile, in one run.
+
+    python3 benchmarks/single_gpu.py --out $OUT            # the 1.3B workload of BENCHMARKS.md
+
+Workload (BENCHMARKS.md): pre-LN GPT, d_model 2048, 24 layers, 16 heads,
+seq 2048, micro-batch 4, vocab 50304, tied embeddings, AdamW(lr 3e-4,
+betas 0.9/0.95, wd 0.1), gradient clipping 1.0, random tokens, bf16
+compute with fp32 master weights. Peers:
+
+- ``eager``: autocast(bf16), ``clip_grad_norm_``, ``AdamW(fused=True)``;
+- ``compile``: the same with every block ``torch.compile``d;
+- ``stepfx``: ``{"bf16": {"enabled": true}, "gradient_clipping": 1.0}``,
+  with ``stepfx.codegen`` false and true (the fused kernels).
+
+Each run: warm-up steps (capture and compilation happen there, timed as
+``warmup_s``), then timed steps between ``torch.cuda.synchronize`` calls;
+peak memory is reset after warm-up. MFU = (6N + 12 L d seq) x tokens/s /
+989e12 with N the matmul parameters (BENCHMARKS.md). JSON lines to
+``$OUT/single_gpu.jsonl`` and a ratio table to stdout.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import stepfx  # noqa: E402
+from stepfx.testing.models import GPT, gpt_config, lm_loss  # noqa: E402
+
+PEAK_FLOPS = 989e12  # H200 dense bf16
+
+
+def stepfx_step(model, optimizer, tokens):
+    loss = lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def eager_step(model, optimizer, tokens):
+    with torch.autocast(tokens.device.type, dtype=torch.bfloat16):
+        loss = lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run(kind: str, args) -> dict:
+    torch.manual_seed(0)
+    cfg = gpt_config(args.size, seq_len=args.seq)
+    device = torch.device(args.device)
+    model = GPT(cfg).to(device)
+    adamw = dict(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    if kind.startswith("stepfx"):
+        optimizer = torch.optim.AdamW(model.parameters(), **adamw)
+        config = {"bf16": {"enabled": True}, "gradient_clipping": 1.0, "stepfx": {"codegen": kind == "stepfx-codegen"}}
+        step = stepfx.parallelize(config)(stepfx_step)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), fused=device.type == "cuda", **adamw)
+        if kind == "compile":
+            for block in model.blocks:
+                block.compile()
+        step = eager_step
+    g = torch.Generator(device="cpu").manual_seed(123)
+    batches = [torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=g).to(device) for _ in range(4)]
+    start = time.perf_counter()
+    for i in range(args.warmup):
+        loss = step(model, optimizer, batches[i % 4])
+    sync(device)
+    warmup_s = time.perf_counter() - start
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    for i in range(args.steps):
+        loss = step(model, optimizer, batches[i % 4])
+    sync(device)
+    step_s = (time.perf_counter() - start) / args.steps
+    tokens = args.batch * args.seq
+    n = model.matmul_params()
+    flops_per_token = 6 * n + 12 * cfg.n_layers * cfg.d_model * args.seq
+    tps = tokens / step_s
+    row = {
+        "system": kind, "size": args.size, "step_ms": round(step_s * 1e3, 2), "tokens_per_s": round(tps),
+        "mfu": round(flops_per_token * tps / PEAK_FLOPS, 4),
+        "peak_alloc_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None,
+        "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2) if device.type == "cuda" else None,
+        "warmup_s": round(warmup_s, 1), "final_loss": round(float(loss), 4),
+    }
+    if kind.startswith("stepfx"):
+        row["captures"] = len(step.plans)
+        if kind == "stepfx-codegen":
+            text = step.explain()
+            section = text.split("codegen:", 1)[1].split("\n\n", 1)[0]
+            row["codegen"] = [line.strip() for line in section.splitlines()]
+    del step, model, optimizer, batches
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--size", default="1.3B")
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--systems", default="eager,compile,stepfx,stepfx-codegen")
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke test of the script (tiny sizes)")
+    ap.add_argument("--out", default=os.environ.get("OUT"))
+    args = ap.parse_args()
+    gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    meta = {"date": datetime.date.today().isoformat(), "gpu": gpu, "torch": torch.__version__,
+            "command": f"python3 benchmarks/single_gpu.py --size {args.size} --systems {args.systems}"}
+    rows = []
+    for kind in args.systems.split(","):
+        try:
+            row = run(kind, args)
+        except Exception as exc:
+            row = {"system": kind, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"}
+            gc.collect()
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+        rows.append({**meta, **row})
+        print(json.dumps(rows[-1]), flush=True)
+    by = {r["system"]: r for r in rows if "tokens_per_s" in r}
+    for system in ("stepfx", "stepfx-codegen"):
+        for peer in ("eager", "compile"):
+            if system in by and peer in by:
+                print(f"{system} / {peer}: tokens/s x{by[system]['tokens_per_s'] / by[peer]['tokens_per_s']:.3f}, "
+                      f"peak alloc {by[system]['peak_alloc_gib']} vs {by[peer]['peak_alloc_gib']} GiB")
+    if args.out:
+        with open(os.path.join(args.out, "single_gpu.jsonl"), "w") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""The functions a step graph calls where a fusion pass put a kernel.
+
+Each takes graph values (tensors, and the host scalars the graph already
+has: the learning rate and step counters live on the CPU, so reading them
+costs no device sync) and launches the Triton kernel; ``*_reference`` runs
+the same contract with eager PyTorch (the kernel's registered reference),
+which the passes use to check that the ops they replace compute it.
+
+The kernel modules are imported when first used: Triton decides between
+compiling and interpreting when a kernel is defined.
+"""
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+__all__ = ["adam_step", "adam_step_reference", "sgd_step", "sgd_step_reference", "host_float", "sum_squares",
+           "layer_norm", "layer_norm_backward", "linear_cross_entropy", "KERNELS_OF"]
+
+
+def host_float(value) -> float:
+    """A Python float from a host scalar: a number, or a CPU tensor (never a device tensor: that would sync)."""
+    if isinstance(value, torch.Tensor):
+        if value.device.type != "cpu":
+            raise ValueError(f"expected a host scalar, got a tensor on {value.device}")
+        return float(value)
+    return float(value)
+
+
+def _kernels(name: str):
+    return importlib.import_module(f"stepfx.codegen.{name}")
+
+
+def _adam_args(lr, beta1, beta2, step, step_is_new):
+    return dict(lr=host_float(lr), beta1=host_float(beta1), beta2=host_float(beta2),
+                step=host_float(step) + (0.0 if step_is_new else 1.0))
+
+
+def adam_step(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, step, grad_factor=None, found_inf=None, *,
+              step_is_new: bool, eps: float, weight_decay: float, decoupled: bool, maximize: bool, inplace: bool):
+    """One Adam/AdamW update of a parameter (or ZeRO piece): the fused kernel.
+    ``step`` is the step counter before this step's increment unless
+    ``step_is_new``. Returns (param, exp_avg, exp_avg_sq)."""
+    return _kernels("optimizer_kernels").adam_update(
+        param, grad, exp_avg, exp_avg_sq, eps=eps, weight_decay=weight_decay, decoupled=decoupled, maximize=maximize,
+        grad_factor=grad_factor, found_inf=found_inf, inplace=inplace, **_adam_args(lr, beta1, beta2, step, step_is_new))
+
+
+def adam_step_reference(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, step, grad_factor=None, found_inf=None, *,
+                        step_is_new: bool, eps: float, weight_decay: float, decoupled: bool, maximize: bool, inplace: bool):
+    from .registry import KERNELS
+
+    _kernels("optimizer_kernels")
+    return KERNELS["adam_update"].reference(
+        param, grad, exp_avg, exp_avg_sq, eps=eps, weight_decay=weight_decay, decoupled=decoupled, maximize=maximize,
+        grad_factor=grad_factor, found_inf=found_inf, inplace=False, **_adam_args(lr, beta1, beta2, step, step_is_new))
+
+
+def sgd_step(param, grad, momentum_buffer, lr, grad_factor=None, found_inf=None, *, momentum: float, dampening: float,
+             weight_decay: float, nesterov: bool, maximize: bool, inplace: bool):
+    """One SGD update: the fused kernel. Returns (param, momentum_buffer)."""
+    return _kernels("optimizer_kernels").sgd_update(
+        param, grad, momentum_buffer, lr=host_float(lr), momentum=momentum, dampening=dampening,
+        weight_decay=weight_decay, nesterov=nesterov, maximize=maximize, grad_factor=grad_factor,
+        found_inf=found_inf, inplace=inplace)
+
+
+def sgd_step_reference(param, grad, momentum_buffer, lr, grad_factor=None, found_inf=None, *, momentum: float,
+                       dampening: float, weight_decay: float, nesterov: bool, maximize: bool, inplace: bool):
+    from .registry import KERNELS
+
+    _kernels("optimizer_kernels")
+    return KERNELS["sgd_update"].reference(
+        param, grad, momentum_buffer, lr=host_float(lr), momentum=momentum, dampening=dampening,
+        weight_decay=weight_decay, nesterov=nesterov, maximize=maximize, grad_factor=grad_factor,
+        found_inf=found_inf, inplace=False)
+
+
+def sum_squares(x):
+    """The sum of ``x.float() ** 2`` (a 0-d fp32 tensor), one read of ``x``: the fused kernel."""
+    return _kernels("reduction_kernels").sum_squares(x)
+
+
+def layer_norm(input, normalized_shape, weight, bias, eps):
+    """``aten.native_layer_norm``'s contract: (out, mean, rstd), by stepfx's kernel."""
+    return _kernels("norm_kernels").layer_norm_forward(input, normalized_shape, weight, bias, eps)
+
+
+def layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask):
+    """``aten.native_layer_norm_backward``'s contract: (grad_input, grad_weight, grad_bias)."""
+    return _kernels("norm_kernels").layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, bias,
+                                                        output_mask)
+
+
+def linear_cross_entropy(hidden, weight, target, *, ignore_index: int, reduction: str, logits_dtype):
+    """(loss, d loss/d hidden, d loss/d weight) of ``cross_entropy(hidden @ weight.T)`` for a unit upstream
+    gradient, in row chunks: the fused kernel."""
+    return _kernels("cross_entropy_kernels").linear_cross_entropy(
+        hidden, weight, target, ignore_index=ignore_index, reduction=reduction, logits_dtype=logits_dtype)
+
+
+# graph function -> the registered kernels it launches (for explain() and the dumps)
+KERNELS_OF = {
+    adam_step: ("adam_update",),
+    sgd_step: ("sgd_update",),
+    sum_squares: ("sum_squares",),
+    layer_norm: ("layer_norm_forward",),
+    layer_norm_backward: ("layer_norm_backward",),
+    linear_cross_entropy: ("linear_cross_entropy",),
+}

@@ -1,0 +1,198 @@
+"""The codegen passes on whole steps (fuse_optimizer_update, fuse_sum_squares,
+fuse_layer_norm), single process, Triton's interpreter on CPU.
+
+Tolerance: fp32, 1e-5 relative per element, per step (each step compared
+from identical states: ``resync=True``) — the project's fp32 bound. The
+fused kernels compute the same math
+as torch's single-tensor optimizers, LayerNorm and norms, in another
+association (fused multiply-adds, one-pass reductions), so bitwise equality
+is not expected; the measured differences are ~1e-7.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import stepfx
+from stepfx.graph import META_DONATED
+from stepfx.graph.update_rule import UPDATE_RULES_KEY
+from stepfx.passes.fuse_optimizer_update import FUSION_REPORT_KEY
+from stepfx.testing.equivalence import assert_step_equivalent
+from tests.steps import MLP, lm_step, mlp_batches, tiny_gpt, token_batches
+
+CODEGEN = {"stepfx": {"codegen": True}, "gradient_clipping": 0}
+
+
+def ce_step(model, optimizer, x, y):
+    loss = F.cross_entropy(model(x).float(), y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def _optimizers():
+    return {
+        "adamw": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1),
+        "adam-l2": lambda m: torch.optim.Adam(m.parameters(), lr=1e-2, weight_decay=0.05, betas=(0.8, 0.95)),
+        "adam-maximize": lambda m: torch.optim.Adam(m.parameters(), lr=1e-3, maximize=True),
+        "sgd-nesterov": lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3),
+        "sgd-dampening": lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.5, dampening=0.3),
+        "sgd-plain": lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+    }
+
+
+def _fused(step) -> tuple[int, int, list]:
+    """(fused update calls, of them in place, not-fused records) of the latest plan."""
+    nodes = [n for n in step.plan.graph.gm.graph.nodes if n.op == "call_function"]
+    calls = [n for n in nodes if getattr(n.target, "__name__", "") in ("adam_step", "sgd_step")]
+    return len(calls), sum(1 for n in calls if n.meta.get(META_DONATED)), list(step.plan.graph.signature.extra.get(FUSION_REPORT_KEY, ()))
+
+
+@pytest.mark.parametrize("name", list(_optimizers()))
+def test_fused_updates_equal_the_eager_optimizer(name):
+    make_opt = _optimizers()[name]
+    report = assert_step_equivalent(ce_step, lambda: MLP((8, 24, 4)), make_opt, mlp_batches(4), config=CODEGEN,
+                                    rtol=1e-5, atol=1e-7, resync=True)
+    assert report.steps == 4
+
+
+def _run(config, make_opt=None, steps=3):
+    torch.manual_seed(0)
+    model = MLP((8, 24, 4))
+    opt = (make_opt or _optimizers()["adamw"])(model)
+    step = stepfx.parallelize(config)(ce_step)
+    for x, y in mlp_batches(steps):
+        step(model, opt, x, y)
+    return step, model, opt
+
+
+def test_every_update_is_fused_in_place_and_the_first_step_is_not():
+    step, model, opt = _run(CODEGEN)
+    calls, in_place, report = _fused(step)
+    assert calls == 4 and in_place == 4 and report == []
+    first = step.plans[0]  # the step that creates the optimizer state runs its ops once
+    first_report = first.graph.signature.extra[FUSION_REPORT_KEY]
+    assert len(first_report) == 4 and all("created in this step" in why for _, _, why in first_report)
+    # in place: the module's parameters and the optimizer's state are the same tensors as before the step
+    before = [p.data_ptr() for p in model.parameters()] + [s["exp_avg"].data_ptr() for s in opt.state.values()]
+    (x, y), = mlp_batches(1, seed=9)
+    step(model, opt, x, y)
+    assert before == [p.data_ptr() for p in model.parameters()] + [s["exp_avg"].data_ptr() for s in opt.state.values()]
+
+
+def test_clipping_and_fp16_fold_into_the_kernel():
+    config = {"stepfx": {"codegen": True}, "gradient_clipping": 0.5,
+              "fp16": {"enabled": True, "auto_cast": True, "initial_scale_power": 8, "hysteresis": 1}}
+    step, model, opt = _run(config)
+    calls, in_place, report = _fused(step)
+    assert calls == 4 and in_place == 4 and report == []
+    targets = [n.target for n in step.plan.graph.gm.graph.nodes if n.op == "call_function"]
+    assert torch.ops.aten.where.self not in targets  # the overflow skip is inside the kernel
+    assert sum(getattr(t, "__name__", "") == "sum_squares" for t in targets) == 4
+    text = step.explain()
+    assert "adam_step" in text and "x4" in text and "@triton.jit" in text  # the kernels' source is shown
+
+
+def test_fp16_overflow_skips_bit_for_bit_with_fused_kernels():
+    config = {"stepfx": {"codegen": True}, "gradient_clipping": 0,
+              "fp16": {"enabled": True, "auto_cast": True, "initial_scale_power": 8, "hysteresis": 1}}
+
+    def scaled(model, optimizer, x, y, blowup):
+        loss = F.cross_entropy(model(x).float(), y) * blowup
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    torch.manual_seed(0)
+    model = MLP((8, 24, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    step = stepfx.parallelize(config)(scaled)
+    (x, y), = mlp_batches(1)
+    for _ in range(2):
+        step(model, opt, x, y, torch.tensor(1.0))
+    assert _fused(step)[0] == 4
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    state = {k: {kk: vv.clone() for kk, vv in v.items()} for k, v in step.optimizer_state().items()}
+    step(model, opt, x, y, torch.tensor(1e30))
+    assert step.skipped_steps == 1
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+    after = step.optimizer_state()
+    assert all(torch.equal(state[n][k], after[n][k]) for n in state for k in state[n])
+
+
+def test_the_check_refuses_ops_that_compute_another_rule(monkeypatch):
+    # capture records eps=1e-8; claim 1e-3: the update ops no longer match the kernel's reference
+    from stepfx.capture import trace
+
+    real = trace.update_rule_of
+
+    def wrong_eps(optimizer, group):
+        rule = real(optimizer, group)
+        return dataclasses.replace(rule, eps=1e-3)
+
+    monkeypatch.setattr(trace, "update_rule_of", wrong_eps)
+    step, _, _ = _run(CODEGEN)
+    calls, _, report = _fused(step)
+    assert calls == 0 and len(report) == 4
+    assert all("do not compute" in why for _, _, why in report)
+
+
+def test_amsgrad_is_left_as_ops_with_the_reason():
+    step, _, _ = _run(CODEGEN, lambda m: torch.optim.Adam(m.parameters(), lr=1e-2, amsgrad=True))
+    calls, _, report = _fused(step)
+    assert calls == 0 and {why for _, _, why in report} == {"amsgrad has no fused kernel"}
+    assert "amsgrad has no fused kernel" in step.explain()
+
+
+def test_update_rules_are_recorded_per_parameter():
+    step, model, _ = _run(CODEGEN, lambda m: torch.optim.SGD(
+        [{"params": [m.net[0].weight], "momentum": 0.9}, {"params": [p for p in m.parameters() if p is not m.net[0].weight]}], lr=0.1))
+    rules = step.plan.captured.signature.extra[UPDATE_RULES_KEY]
+    assert rules["net.0.weight"].momentum == 0.9 and rules["net.0.bias"].momentum == 0.0
+
+
+def test_layer_norm_and_whole_gpt_step_with_codegen():
+    report = assert_step_equivalent(lm_step, tiny_gpt, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1),
+                                    token_batches(3), config={**CODEGEN, "gradient_clipping": 1.0}, rtol=1e-5, atol=1e-7,
+                                    resync=True)
+    assert report.steps == 3
+    torch.manual_seed(0)
+    model = tiny_gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = stepfx.parallelize({**CODEGEN, "gradient_clipping": 1.0})(lm_step)
+    for batch in token_batches(2):
+        step(model, opt, *batch)
+    names = [getattr(n.target, "__name__", "") for n in step.plan.graph.gm.graph.nodes if n.op == "call_function"]
+    layer_norms = sum(m.__class__.__name__ == "LayerNorm" for m in model.modules())
+    assert names.count("layer_norm") == layer_norms and names.count("layer_norm_backward") == layer_norms
+    assert torch.ops.aten.native_layer_norm.default not in [n.target for n in step.plan.graph.gm.graph.nodes]
+    calls, in_place, report = _fused(step)
+    assert calls == sum(1 for p in model.parameters() if p.requires_grad) and in_place == calls and report == []
+    targets = {n.target for n in step.plan.graph.gm.graph.nodes if n.op == "call_function"}
+    aten = torch.ops.aten
+    assert not targets & {aten._log_softmax.default, aten.nll_loss_forward.default, aten._log_softmax_backward_data.default}
+    assert names.count("linear_cross_entropy") == 1
+
+
+def test_logits_the_step_returns_are_not_fused_away():
+    def step_returning_logits(model, optimizer, idx):
+        logits = model(idx[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), idx[:, 1:].reshape(-1))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss, logits.detach()
+
+    torch.manual_seed(0)
+    model = tiny_gpt()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = stepfx.parallelize(CODEGEN)(step_returning_logits)
+    (batch,) = token_batches(1)[0]
+    step(model, opt, batch)
+    report = step.plan.graph.signature.extra[FUSION_REPORT_KEY]
+    assert ("fuse_linear_cross_entropy", "nll_loss_forward", "the logits are read elsewhere") in report
