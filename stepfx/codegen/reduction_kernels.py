@@ -50,8 +50,8 @@ def _check_input(name: str, t) -> None:
 def _sum_squares_kernel(x_ptr, partial_ptr, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
     # partial[pid] = sum(x[i].float()**2 for i in this program's chunk of BLOCK*ITERS)
     # Each lane accumulates ITERS squares in fp32 in a fixed order (fused
-    # multiply-adds when compiled), then the
-    # block is summed as a tree: the result depends on n only (deterministic).
+    # multiply-adds when compiled), then the block is summed as a tree: the
+    # result depends on n only (deterministic).
     # Memory: reads x once (2 or 4 B per element), writes 4 B per program.
     pid = tl.program_id(0)
     base = pid.to(tl.int64) * (BLOCK * ITERS)
