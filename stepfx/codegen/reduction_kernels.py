@@ -1,0 +1,180 @@
+"""Reductions and packing around the optimizer: sum of squares, cast-and-pack for collectives.
+
+``sum_squares`` is the one read of a gradient behind the clipping norm and the
+overflow check (inf/nan in the input give inf/nan out). ``cast_pack`` writes
+pieces into one flat buffer of the collective's dtype (e.g. fp32 shards into
+one bf16 buffer for an all-gather), casting on the way, so the pieces are read
+once and the buffer written once.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+
+from .registry import register
+
+__all__ = ["sum_squares", "sum_squares_reference", "cast_pack", "cast_pack_reference"]
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# sum_squares: each program reduces CHUNK = SUM_BLOCK * SUM_ITERS elements,
+# so 64M elements leave 4096 fp32 partials (16 KB) for the second pass.
+SUM_BLOCK = 2048
+SUM_ITERS = 8
+# cast_pack: 4096 elements per program, 16 per thread.
+PACK_BLOCK = 4096
+NUM_WARPS = 8
+
+
+def _device_guard(t: torch.Tensor):
+    """Triton launches on the current CUDA device: make it the tensors' one."""
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+
+
+def _check_input(name: str, t) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"{name} has dtype {t.dtype}; expected float32, bfloat16 or float16")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} is not contiguous (shape {tuple(t.shape)}, stride {t.stride()}); pass a contiguous tensor")
+
+
+# --------------------------------------------------------------------------- sum_squares
+
+
+@triton.jit
+def _sum_squares_kernel(x_ptr, partial_ptr, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    # partial[pid] = sum(x[i].float()**2 for i in this program's chunk of BLOCK*ITERS)
+    # Each lane accumulates ITERS squares in fp32 in a fixed order (fused
+    # multiply-adds when compiled), then the block is summed as a tree: the
+    # result depends on n only (deterministic).
+    # Memory: reads x once (2 or 4 B per element), writes 4 B per program.
+    pid = tl.program_id(0)
+    base = pid.to(tl.int64) * (BLOCK * ITERS)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for i in range(ITERS):
+        offs = base + i * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+        acc += x * x
+    tl.store(partial_ptr + pid, tl.sum(acc, axis=0))
+
+
+def sum_squares_reference(x: torch.Tensor) -> torch.Tensor:
+    """Eager sum of squares in fp32: ``(x.float() ** 2).sum()``."""
+    _check_input("x", x)
+    return (x.float() ** 2).sum()
+
+
+@register("sum_squares", reference=sum_squares_reference, jit=(_sum_squares_kernel,),
+          what="sum of squares in fp32 (clip norm, overflow check): one read, deterministic")
+def sum_squares(x: torch.Tensor) -> torch.Tensor:
+    """0-d fp32 tensor ``(x.float() ** 2).sum()``: one read of ``x``, fp32 accumulation.
+
+    Deterministic: per-program partial sums in a fixed order, then a torch
+    ``.sum()`` of the partials (one per 16K elements). inf/nan propagate.
+    """
+    _check_input("x", x)
+    n = x.numel()
+    if n == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    programs = triton.cdiv(n, SUM_BLOCK * SUM_ITERS)
+    partials = torch.empty(programs, dtype=torch.float32, device=x.device)
+    with _device_guard(x):
+        _sum_squares_kernel[(programs,)](x, partials, n, BLOCK=SUM_BLOCK, ITERS=SUM_ITERS, num_warps=NUM_WARPS)
+    return partials.sum() if programs > 1 else partials.reshape(())
+
+
+# --------------------------------------------------------------------------- cast_pack
+
+
+@triton.jit
+def _cast_pack_kernel(src_ptr, out_ptr, src_numel, offset, lo, hi, OUT_BF16: tl.constexpr, BLOCK: tl.constexpr):
+    # out[j] = src[j - offset] cast to out's dtype, for j in [lo, hi);
+    # 0 where j - offset falls outside src (the gaps before and after it).
+    # Memory: reads src once, writes out[lo:hi] once; nothing else.
+    pid = tl.program_id(0)
+    j = lo + pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    k = j - offset
+    # Through fp32 (exact for every input dtype), then one rounding to out's
+    # dtype, to nearest even: the same bits as torch's ``.to(dtype)``.
+    x = tl.load(src_ptr + k, mask=(k >= 0) & (k < src_numel), other=0.0).to(tl.float32)
+    if OUT_BF16:
+        # fp32 -> bf16 by hand, as torch's c10::BFloat16 does it: add half an
+        # ulp of bf16 (minus one when the kept lsb is 0, for ties to even) and
+        # drop the low 16 bits; NaN becomes the quiet NaN 0x7FC0. The same
+        # values as CUDA's cvt.rn.bf16.f32, and Triton's interpreter (whose
+        # fp32 -> bf16 cast truncates) then agrees too.
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        bits = tl.where(x != x, 0x7FC00000, bits)
+        y = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        y = x.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + j, y, mask=j < hi)
+
+
+def _check_pack(parts, total: int, dtype: torch.dtype) -> list[tuple[torch.Tensor, int]]:
+    """Validated parts, sorted by offset, empty ones left out."""
+    if dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"cast_pack dtype {dtype}; expected float32, bfloat16 or float16")
+    if not isinstance(total, int) or total < 0:
+        raise ValueError(f"cast_pack total must be a non-negative int, got {total!r}")
+    device = None
+    live = []
+    for i, part in enumerate(parts):
+        if not (isinstance(part, (tuple, list)) and len(part) == 2):
+            raise ValueError(f"cast_pack part {i} must be a (tensor, offset) pair, got {part!r}")
+        t, offset = part
+        _check_input(f"cast_pack part {i}", t)
+        if device is not None and t.device != device:
+            raise ValueError(f"cast_pack part {i} is on {t.device}; part 0 is on {device}")
+        device = t.device
+        if not isinstance(offset, int) or offset < 0 or offset + t.numel() > total:
+            raise ValueError(f"cast_pack part {i}: offset {offset!r} + {t.numel()} elements does not fit in total {total}")
+        if t.numel():
+            live.append((t, offset, i))
+    live.sort(key=lambda item: item[1])
+    for (a, off_a, i), (_, off_b, j) in zip(live, live[1:]):
+        if off_a + a.numel() > off_b:
+            raise ValueError(f"cast_pack parts {i} and {j} overlap: [{off_a}, {off_a + a.numel()}) and offset {off_b}")
+    return [(t, offset) for t, offset, _ in live]
+
+
+def cast_pack_reference(parts: list[tuple[torch.Tensor, int]], total: int, dtype: torch.dtype) -> torch.Tensor:
+    """Eager pack: zero buffer, each part flattened and copied (cast) in at its offset."""
+    live = _check_pack(parts, total, dtype)
+    device = parts[0][0].device if parts else None
+    out = torch.zeros(total, dtype=dtype, device=device)
+    for t, offset in live:
+        out[offset:offset + t.numel()] = t.reshape(-1).to(dtype)
+    return out
+
+
+@register("cast_pack", reference=cast_pack_reference, jit=(_cast_pack_kernel,),
+          what="pack pieces into one flat buffer of the collective's dtype, casting; gaps zeroed")
+def cast_pack(parts: list[tuple[torch.Tensor, int]], total: int, dtype: torch.dtype) -> torch.Tensor:
+    """New flat ``total``-element tensor of ``dtype``: each ``(tensor, offset)`` is
+    flattened, cast and written at ``offset``; every element not covered is 0.
+
+    One launch per non-empty part: part i (by offset) writes from its offset
+    (0 for the first) up to the next part's offset (``total`` for the last),
+    so the gaps are zeroed by the same launches and the buffer is written
+    exactly once. Parts must be contiguous floating tensors on one device and
+    must not overlap. Without parts the buffer is all zeros (on the CPU).
+    """
+    live = _check_pack(parts, total, dtype)
+    if not live:
+        device = parts[0][0].device if parts else None
+        return torch.zeros(total, dtype=dtype, device=device)
+    out = torch.empty(total, dtype=dtype, device=live[0][0].device)
+    bounds = [0] + [offset for _, offset in live[1:]] + [total]
+    with _device_guard(out):
+        for (t, offset), lo, hi in zip(live, bounds, bounds[1:]):
+            _cast_pack_kernel[(triton.cdiv(hi - lo, PACK_BLOCK),)](
+                t, out, t.numel(), offset, lo, hi, OUT_BF16=dtype == torch.bfloat16, BLOCK=PACK_BLOCK,
+                num_warps=NUM_WARPS)
+    return out

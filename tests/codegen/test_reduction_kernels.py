@@ -1,0 +1,132 @@
+"""sum_squares / cast_pack: the Triton kernels against fp64 truth, torch, and their references.
+
+On CPU the kernels run in Triton's interpreter (tests/conftest.py sets
+TRITON_INTERPRET=1).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stepfx.codegen import KERNELS, kernel_source
+from stepfx.codegen.reduction_kernels import cast_pack, cast_pack_reference, sum_squares, sum_squares_reference
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# 50_000 spans 4 programs of 16K elements (partials summed by torch).
+SHAPES = [(9,), (41,), (341,), (4231,), (37, 113), (50_000,)]
+EPS32 = torch.finfo(torch.float32).eps
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_sum_squares_accuracy(shape, dtype):
+    gen = torch.Generator().manual_seed(sum(shape))
+    x = (torch.randn(shape, generator=gen) * 3).to(dtype)
+    got = sum_squares(x)
+    eager = (x.float() ** 2).sum()
+    truth = (x.double() ** 2).sum()
+    assert got.shape == () and got.dtype == torch.float32 and got.device == x.device
+    assert torch.equal(sum_squares_reference(x), eager)
+    # No worse than twice eager's own error against fp64, plus 2 fp32 ulps of the result.
+    err, eager_err = (got.double() - truth).abs(), (eager.double() - truth).abs()
+    assert err <= 2 * eager_err + 2 * EPS32 * truth, f"error {err / truth:.3g} (relative), eager {eager_err / truth:.3g}"
+    assert torch.equal(sum_squares(x), got), "not deterministic"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bad,want", [((float("inf"),), "inf"), ((float("nan"),), "nan"),
+                                      ((float("-inf"),), "inf"), ((float("inf"), float("nan")), "nan")])
+def test_sum_squares_propagates_overflow(dtype, bad, want):
+    x = torch.randn(20_000).to(dtype)
+    x[[7, 19_000][:len(bad)]] = torch.tensor(bad, dtype=dtype)
+    got = sum_squares(x)
+    assert torch.isinf(got) and got > 0 if want == "inf" else torch.isnan(got)
+
+
+def test_sum_squares_empty_and_bad_input():
+    assert torch.equal(sum_squares(torch.empty(0, 3)), torch.zeros(()))
+    with pytest.raises(ValueError, match="x has dtype torch.int32"):
+        sum_squares(torch.zeros(4, dtype=torch.int32))
+    with pytest.raises(ValueError, match="x is not contiguous"):
+        sum_squares(torch.zeros(4, 4).t())
+
+
+def _cat_pack(parts, total, dtype):
+    """The spec written differently: torch.cat of the pieces and zero pads, then one cast."""
+    pieces, at, device = [], 0, parts[0][0].device
+    for t, offset in sorted(parts, key=lambda part: part[1]):
+        pieces += [torch.zeros(offset - at, device=device), t.reshape(-1).float()]
+        at = offset + t.numel()
+    pieces.append(torch.zeros(total - at, device=device))
+    return torch.cat(pieces).to(dtype)
+
+
+def _pack_parts():
+    gen = torch.Generator().manual_seed(0)
+    odd = torch.tensor([1e5, -7e4, float("inf"), float("-inf"), float("nan"), 3.4e38, 1e-40, -0.0, 65520.0])
+    # fp32 values exactly halfway between two bf16 values: ties round to even
+    ties = (torch.arange(300, dtype=torch.int32) * 65536 + 0x3F808000).view(torch.float32)
+    return [
+        (torch.randn(341, generator=gen) * 100, 9),  # leading gap of 9
+        (torch.cat([odd, ties, -ties]), 400),  # gap of 50
+        (torch.randn(9, 41, generator=gen).to(torch.bfloat16), 1009),  # right after the previous part
+        (torch.randn(0), 1378),  # empty: covers nothing
+        (torch.randn(4231, generator=gen).half(), 1500),  # gap, then a trailing gap
+    ]
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # numpy, casting 1e5 to fp16 in the interpreter
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cast_pack_exact(dtype):
+    parts, total = _pack_parts(), 5800
+    want = _cat_pack(parts, total, dtype)
+    for got in (cast_pack(parts, total, dtype), cast_pack(parts[::-1], total, dtype),
+                cast_pack_reference(parts, total, dtype)):
+        assert got.shape == (total,) and got.dtype == dtype
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+def test_cast_pack_no_parts_and_full_cover():
+    assert torch.equal(cast_pack([], 5, torch.bfloat16), torch.zeros(5, dtype=torch.bfloat16))
+    x = torch.randn(41)
+    assert torch.equal(cast_pack([(x[:9], 0), (x[9:], 9)], 41, torch.float32), x)
+
+
+def test_cast_pack_bad_input():
+    x = torch.randn(10)
+    cases = [
+        ("overlap", [(x, 0), (x, 5)], 20, torch.float32),
+        ("does not fit in total 12", [(x, 3)], 12, torch.float32),
+        ("offset -1", [(x, -1)], 12, torch.float32),
+        ("dtype torch.int64", [(x, 0)], 12, torch.int64),
+        ("part 1 has dtype torch.int32", [(x, 0), (x.int(), 10)], 20, torch.float32),
+        ("part 0 is not contiguous", [(torch.randn(4, 4).t(), 0)], 20, torch.float32),
+        ("part 0 must be a \\(tensor, offset\\) pair", [x], 20, torch.float32),
+    ]
+    for fn in (cast_pack, cast_pack_reference):
+        for message, parts, total, dtype in cases:
+            with pytest.raises(ValueError, match=message):
+                fn(parts, total, dtype)
+
+
+def test_registered():
+    for name, launch, ref in (("sum_squares", sum_squares, sum_squares_reference),
+                              ("cast_pack", cast_pack, cast_pack_reference)):
+        assert KERNELS[name].launch is launch and KERNELS[name].reference is ref
+        assert "@triton.jit" in kernel_source(name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cuda(dtype):
+    """Compiled on the GPU: sum_squares against fp64, cast_pack bitwise against torch."""
+    x = (torch.randn(3_000_017, device="cuda") * 3).to(dtype)
+    truth = (x.double() ** 2).sum()
+    eager = (x.float() ** 2).sum()
+    got = sum_squares(x)
+    assert (got.double() - truth).abs() <= 2 * (eager.double() - truth).abs() + 2 * EPS32 * truth
+    parts = [(t.cuda(), offset) for t, offset in _pack_parts()]
+    for out in DTYPES:
+        torch.testing.assert_close(cast_pack(parts, 5800, out), _cat_pack(parts, 5800, out),
+                                   rtol=0, atol=0, equal_nan=True)
