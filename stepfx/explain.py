@@ -193,13 +193,12 @@ def kernel_calls(graph) -> collections.Counter:
 def kernel_sources(graph) -> dict[str, str]:
     """Registered kernel name -> its Triton source, for every kernel ``graph`` launches."""
     from .codegen import kernel_source
-    from .codegen.graph_ops import KERNELS_OF
+    from .codegen.graph_ops import KERNELS_OF, kernels_of
 
     names = []
     for node in graph.gm.graph.nodes:
-        for name in KERNELS_OF.get(node.target, ()) if node.op == "call_function" else ():
-            if name not in names:
-                names.append(name)
+        if node.op == "call_function" and node.target in KERNELS_OF:
+            names.extend(n for n in kernels_of(node.target) if n not in names)
     return {name: kernel_source(name) for name in names}
 
 

@@ -16,7 +16,7 @@ import importlib
 import torch
 
 __all__ = ["adam_step", "adam_step_reference", "sgd_step", "sgd_step_reference", "host_float", "sum_squares",
-           "layer_norm", "layer_norm_backward", "linear_cross_entropy", "KERNELS_OF"]
+           "layer_norm", "layer_norm_backward", "linear_cross_entropy", "KERNELS_OF", "kernels_of"]
 
 
 def host_float(value) -> float:
@@ -100,12 +100,19 @@ def linear_cross_entropy(hidden, weight, target, *, ignore_index: int, reduction
         hidden, weight, target, ignore_index=ignore_index, reduction=reduction, logits_dtype=logits_dtype)
 
 
-# graph function -> the registered kernels it launches (for explain() and the dumps)
+# graph function -> (its kernel module, the registered kernels it launches), for explain() and the dumps
 KERNELS_OF = {
-    adam_step: ("adam_update",),
-    sgd_step: ("sgd_update",),
-    sum_squares: ("sum_squares",),
-    layer_norm: ("layer_norm_forward",),
-    layer_norm_backward: ("layer_norm_backward",),
-    linear_cross_entropy: ("linear_cross_entropy",),
+    adam_step: ("optimizer_kernels", ("adam_update",)),
+    sgd_step: ("optimizer_kernels", ("sgd_update",)),
+    sum_squares: ("reduction_kernels", ("sum_squares",)),
+    layer_norm: ("norm_kernels", ("layer_norm_forward",)),
+    layer_norm_backward: ("norm_kernels", ("layer_norm_backward",)),
+    linear_cross_entropy: ("cross_entropy_kernels", ("linear_cross_entropy",)),
 }
+
+
+def kernels_of(fn) -> tuple[str, ...]:
+    """The registered kernels a graph function launches (importing its module registers them)."""
+    module, names = KERNELS_OF[fn]
+    _kernels(module)
+    return names

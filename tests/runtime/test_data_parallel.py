@@ -223,3 +223,23 @@ def test_16_bit_tracks_fp32_over_20_steps(rank_pool, stage, precision, comm):
     if stage == 3:  # parameters are gathered as 16-bit copies, each before its first use
         assert moved["all_gather_into_tensor"] == [{"bf16": "bfloat16", "fp16": "float16"}[precision]]
         assert results[0]["interleaved"]
+
+
+# -- codegen (Triton's interpreter on CPU) ------------------------------------------
+# Tolerance: 1e-5 relative, normwise, over 3 steps (the fused kernels round
+# like torch's CUDA kernels, not its CPU ones: a few ulps).
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_codegen_under_zero(rank_pool, stage):
+    from tests.steps import ce_step, small_mlp
+
+    config = {**_cfg(stage, bucket=200), "gradient_clipping": 1.0, "stepfx": {"codegen": True}}
+    report = assert_data_parallel_equivalent(
+        rank_pool(2), ce_step, small_mlp, adamw, dp_batches(2, kind="mlp"), config=config, clip_norm=1.0,
+        rtol=1e-5, atol=1e-7,
+    )
+    explain = report.explains[0]
+    assert "adam_step" in explain and "sum_squares" in explain
+    in_place = "kernel calls write in place" in explain
+    assert in_place == (stage in (0, 3))  # stages 1-2 all-gather after the update: new tensors instead
