@@ -87,16 +87,15 @@ def main() -> None:
                     row[f"speedup_vs_{peer}"] = round(row[f"{peer}_ms"] / row["stepfx_ms"], 3)
             rows.append(row)
             print(json.dumps(row), flush=True)
+            if args.out:  # line by line: a run cut short keeps what it measured
+                with open(os.path.join(args.out, "kernels.jsonl"), "a") as f:
+                    f.write(json.dumps(row) + "\n")
     print()
     print(f"{'case':<44} {'stepfx GB/s':>11} {'of bw':>6} {'x eager':>8} {'x compile':>9} {'x fused':>8}")
     for row in rows:
         print(f"{row['case']:<44} {row.get('stepfx_GBps', float('nan')):>11} {row.get('stepfx_of_copy_bw', float('nan')):>6} "
               f"{row.get('speedup_vs_eager', float('nan')):>8} {row.get('speedup_vs_compiled', float('nan')):>9} "
               f"{row.get('speedup_vs_fused', float('nan')):>8}")
-    if args.out:
-        with open(os.path.join(args.out, "kernels.jsonl"), "w") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
 
 
 if __name__ == "__main__":

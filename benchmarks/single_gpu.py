@@ -141,16 +141,15 @@ def main() -> None:
                 torch.cuda.empty_cache()
         rows.append({**meta, **row})
         print(json.dumps(rows[-1]), flush=True)
+        if args.out:  # line by line: a run cut short keeps what it measured
+            with open(os.path.join(args.out, "single_gpu.jsonl"), "a") as f:
+                f.write(json.dumps(rows[-1]) + "\n")
     by = {r["system"]: r for r in rows if "tokens_per_s" in r}
     for system in ("stepfx", "stepfx-codegen"):
         for peer in ("eager", "compile"):
             if system in by and peer in by:
                 print(f"{system} / {peer}: tokens/s x{by[system]['tokens_per_s'] / by[peer]['tokens_per_s']:.3f}, "
                       f"peak alloc {by[system]['peak_alloc_gib']} vs {by[peer]['peak_alloc_gib']} GiB")
-    if args.out:
-        with open(os.path.join(args.out, "single_gpu.jsonl"), "w") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
 
 
 if __name__ == "__main__":

@@ -155,6 +155,10 @@ def _match(nll: fx.Node) -> _Match | str:
         return "the logits gradient is read by more than the two matmuls"
     if grad_w is None or grad_h is None:
         return "the backward matmuls were not found"
+    if hidden.meta["val"].dtype == torch.float16 and not (upstream.target is aten.ones_like.default):
+        # the kernel's gradients are for an upstream gradient of 1; fp16 loss
+        # scaling multiplies afterwards, too late: p/count underflows fp16
+        return "fp16 with a scaled upstream gradient (its per-element gradients would underflow before the scale)"
     return _Match(nll, hidden, weight, target, _REDUCTIONS[reduction], int(ignore_index), logits_dtype, upstream, grad_w, grad_h)
 
 

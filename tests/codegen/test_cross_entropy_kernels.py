@@ -28,7 +28,11 @@ from stepfx.codegen.cross_entropy_kernels import (
     linear_cross_entropy_reference,
 )
 
-def make_inputs(n, d, v, dtype, *, device="cpu", ignore_every=4, seed=0):
+# compiled for real where there is a GPU, in the interpreter on CPU
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def make_inputs(n, d, v, dtype, *, device=DEVICE, ignore_every=4, seed=0):
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(n, d, generator=g).to(dtype)
     # logits of order 1-10: a softmax neither flat nor one-hot

@@ -17,6 +17,9 @@ import torch
 from stepfx.codegen import KERNELS, kernel_source
 from stepfx.codegen.optimizer_kernels import adam_update, adam_update_reference, sgd_update, sgd_update_reference
 
+# The kernels compiled for real where there is a GPU (the comparisons are then
+# with torch's CUDA optimizers), in the interpreter on CPU.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SHAPES = [(9,), (41,), (341,), (4231,), (37, 113)]
 GRAD_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 STEPS = 3
@@ -28,20 +31,20 @@ TOL_V = dict(rtol=1e-6, atol=1e-12)
 
 def _grads(shape, dtype, seed):
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(shape, generator=gen).to(dtype) for _ in range(STEPS)]
+    return [torch.randn(shape, generator=gen).to(dtype).to(DEVICE) for _ in range(STEPS)]
 
 
 def _run_adam_vs_torch(shape, grad_dtype, *, decoupled, weight_decay, maximize, grad_factor,
                        betas=(0.9, 0.999), lr=1e-2, eps=1e-8, inplace=False):
     """STEPS steps of the kernel, the reference and torch.optim.Adam/AdamW(foreach=False)."""
     gen = torch.Generator().manual_seed(1)
-    p0 = torch.randn(shape, generator=gen)
+    p0 = torch.randn(shape, generator=gen).to(DEVICE)
     torch_p = p0.clone().requires_grad_()
     cls = torch.optim.AdamW if decoupled else torch.optim.Adam
     opt = cls([torch_p], lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize, foreach=False)
-    factor = None if grad_factor is None else torch.tensor(grad_factor)
-    k = (p0.clone(), torch.zeros(shape), torch.zeros(shape))
-    r = (p0.clone(), torch.zeros(shape), torch.zeros(shape))
+    factor = None if grad_factor is None else torch.tensor(grad_factor, device=DEVICE)
+    k = (p0.clone(), torch.zeros(shape, device=DEVICE), torch.zeros(shape, device=DEVICE))
+    r = (p0.clone(), torch.zeros(shape, device=DEVICE), torch.zeros(shape, device=DEVICE))
     hyper = dict(lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=weight_decay, decoupled=decoupled,
                  maximize=maximize, grad_factor=factor)
     for step, g in enumerate(_grads(shape, grad_dtype, 2), start=1):
@@ -85,7 +88,7 @@ def _adam_inputs(n=4231, grad_dtype=torch.float32):
     g = torch.randn(n, generator=gen).to(grad_dtype)
     m = torch.randn(n, generator=gen) * 0.1
     v = torch.rand(n, generator=gen) * 1e-3
-    return p, g, m, v
+    return tuple(t.to(DEVICE) for t in (p, g, m, v))
 
 
 ADAM = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=7.0, decoupled=True)
@@ -99,8 +102,9 @@ def test_adam_found_inf_writes_nothing(flag, inplace):
     p, g, m, v = _adam_inputs()
     g[17] = float("inf")  # the overflow found_inf reports: it must not leak into the state
     before = [t.clone() for t in (p, m, v)]
-    out = adam_update(p, g, m, v, **ADAM, grad_factor=torch.tensor(0.5), found_inf=flag, inplace=inplace)
-    ref = adam_update_reference(*(t.clone() for t in (p, g, m, v)), **ADAM, grad_factor=torch.tensor(0.5),
+    flag = flag.to(DEVICE)
+    out = adam_update(p, g, m, v, **ADAM, grad_factor=torch.tensor(0.5, device=DEVICE), found_inf=flag, inplace=inplace)
+    ref = adam_update_reference(*(t.clone() for t in (p, g, m, v)), **ADAM, grad_factor=torch.tensor(0.5, device=DEVICE),
                                 found_inf=flag)
     for got, r, old, given in zip(out, ref, before, (p, m, v)):
         assert torch.equal(got, old) and torch.equal(r, old)
@@ -111,6 +115,7 @@ def test_adam_found_inf_writes_nothing(flag, inplace):
 @pytest.mark.parametrize("flag", [torch.tensor(False), torch.tensor(0.0)], ids=["bool", "float"])
 def test_adam_found_inf_zero_updates(flag):
     p, g, m, v = _adam_inputs()
+    flag = flag.to(DEVICE)
     plain = adam_update(p, g, m, v, **ADAM)
     flagged = adam_update(p, g, m, v, **ADAM, found_inf=flag)
     for a, b, old in zip(flagged, plain, (p, m, v)):
@@ -132,7 +137,7 @@ def test_adam_inplace_and_out_of_place():
 
 
 def test_adam_empty():
-    e = torch.empty(0)
+    e = torch.empty(0, device=DEVICE)
     out = adam_update(e, e, e, e, **ADAM)
     assert all(t.numel() == 0 for t in out)
 
@@ -144,9 +149,9 @@ def _bad_adam_cases():
     yield "exp_avg has 63 elements", (p, g, m[:63], v), {}
     yield "exp_avg_sq is not contiguous", (p.view(8, 8), g, m, v.view(8, 8).t()), {}
     yield "grad must be a torch.Tensor", (p, None, m, v), {}
-    yield "grad_factor has dtype torch.float64", (p, g, m, v), {"grad_factor": torch.tensor(1.0, dtype=torch.float64)}
-    yield "found_inf has dtype torch.int32", (p, g, m, v), {"found_inf": torch.tensor(0, dtype=torch.int32)}
-    yield "found_inf has 2 elements", (p, g, m, v), {"found_inf": torch.zeros(2)}
+    yield "grad_factor has dtype torch.float64", (p, g, m, v), {"grad_factor": torch.tensor(1.0, dtype=torch.float64, device=DEVICE)}
+    yield "found_inf has dtype torch.int32", (p, g, m, v), {"found_inf": torch.tensor(0, dtype=torch.int32, device=DEVICE)}
+    yield "found_inf has 2 elements", (p, g, m, v), {"found_inf": torch.zeros(2, device=DEVICE)}
     yield "step must be >= 1", (p, g, m, v), {"step": 0.0}
 
 
@@ -175,11 +180,11 @@ SGD_CASES = [
 def test_sgd_vs_torch(momentum, dampening, nesterov, weight_decay, maximize, grad_factor, grad_dtype):
     shape, lr = (4231,), 0.05
     gen = torch.Generator().manual_seed(1)
-    p0 = torch.randn(shape, generator=gen)
+    p0 = torch.randn(shape, generator=gen).to(DEVICE)
     torch_p = p0.clone().requires_grad_()
     opt = torch.optim.SGD([torch_p], lr=lr, momentum=momentum, dampening=dampening, nesterov=nesterov,
                           weight_decay=weight_decay, maximize=maximize, foreach=False)
-    factor = None if grad_factor is None else torch.tensor(grad_factor)
+    factor = None if grad_factor is None else torch.tensor(grad_factor, device=DEVICE)
     hyper = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
                  maximize=maximize, grad_factor=factor)
     k = r = None
@@ -209,7 +214,7 @@ SGD = dict(lr=0.1, momentum=0.9, dampening=0.0, weight_decay=0.01, nesterov=True
 def test_sgd_found_inf(inplace):
     p, g, buf, _ = _adam_inputs(grad_dtype=torch.float16)
     before = (p.clone(), buf.clone())
-    for flag, changes in ((torch.tensor(True), False), (torch.tensor(0.0), True)):
+    for flag, changes in ((torch.tensor(True, device=DEVICE), False), (torch.tensor(0.0, device=DEVICE), True)):
         out = sgd_update(p, g, buf, **SGD, found_inf=flag, inplace=inplace)
         for got, old, given in zip(out, before, (p, buf)):
             assert torch.equal(got, old) != changes

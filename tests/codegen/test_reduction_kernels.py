@@ -15,13 +15,15 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # 50_000 spans 4 programs of 16K elements (partials summed by torch).
 SHAPES = [(9,), (41,), (341,), (4231,), (37, 113), (50_000,)]
 EPS32 = torch.finfo(torch.float32).eps
+# compiled for real where there is a GPU, in the interpreter on CPU
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_sum_squares_accuracy(shape, dtype):
     gen = torch.Generator().manual_seed(sum(shape))
-    x = (torch.randn(shape, generator=gen) * 3).to(dtype)
+    x = (torch.randn(shape, generator=gen) * 3).to(dtype).to(DEVICE)
     got = sum_squares(x)
     eager = (x.float() ** 2).sum()
     truth = (x.double() ** 2).sum()
@@ -39,16 +41,17 @@ def test_sum_squares_accuracy(shape, dtype):
 def test_sum_squares_propagates_overflow(dtype, bad, want):
     x = torch.randn(20_000).to(dtype)
     x[[7, 19_000][:len(bad)]] = torch.tensor(bad, dtype=dtype)
+    x = x.to(DEVICE)
     got = sum_squares(x)
     assert torch.isinf(got) and got > 0 if want == "inf" else torch.isnan(got)
 
 
 def test_sum_squares_empty_and_bad_input():
-    assert torch.equal(sum_squares(torch.empty(0, 3)), torch.zeros(()))
+    assert torch.equal(sum_squares(torch.empty(0, 3, device=DEVICE)), torch.zeros((), device=DEVICE))
     with pytest.raises(ValueError, match="x has dtype torch.int32"):
-        sum_squares(torch.zeros(4, dtype=torch.int32))
+        sum_squares(torch.zeros(4, dtype=torch.int32, device=DEVICE))
     with pytest.raises(ValueError, match="x is not contiguous"):
-        sum_squares(torch.zeros(4, 4).t())
+        sum_squares(torch.zeros(4, 4, device=DEVICE).t())
 
 
 def _cat_pack(parts, total, dtype):
@@ -66,13 +69,14 @@ def _pack_parts():
     odd = torch.tensor([1e5, -7e4, float("inf"), float("-inf"), float("nan"), 3.4e38, 1e-40, -0.0, 65520.0])
     # fp32 values exactly halfway between two bf16 values: ties round to even
     ties = (torch.arange(300, dtype=torch.int32) * 65536 + 0x3F808000).view(torch.float32)
-    return [
+    parts = [
         (torch.randn(341, generator=gen) * 100, 9),  # leading gap of 9
         (torch.cat([odd, ties, -ties]), 400),  # gap of 50
         (torch.randn(9, 41, generator=gen).to(torch.bfloat16), 1009),  # right after the previous part
         (torch.randn(0), 1378),  # empty: covers nothing
         (torch.randn(4231, generator=gen).half(), 1500),  # gap, then a trailing gap
     ]
+    return [(t.to(DEVICE), offset) for t, offset in parts]
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # numpy, casting 1e5 to fp16 in the interpreter
@@ -88,19 +92,19 @@ def test_cast_pack_exact(dtype):
 
 def test_cast_pack_no_parts_and_full_cover():
     assert torch.equal(cast_pack([], 5, torch.bfloat16), torch.zeros(5, dtype=torch.bfloat16))
-    x = torch.randn(41)
+    x = torch.randn(41, device=DEVICE)
     assert torch.equal(cast_pack([(x[:9], 0), (x[9:], 9)], 41, torch.float32), x)
 
 
 def test_cast_pack_bad_input():
-    x = torch.randn(10)
+    x = torch.randn(10, device=DEVICE)
     cases = [
         ("overlap", [(x, 0), (x, 5)], 20, torch.float32),
         ("does not fit in total 12", [(x, 3)], 12, torch.float32),
         ("offset -1", [(x, -1)], 12, torch.float32),
         ("dtype torch.int64", [(x, 0)], 12, torch.int64),
         ("part 1 has dtype torch.int32", [(x, 0), (x.int(), 10)], 20, torch.float32),
-        ("part 0 is not contiguous", [(torch.randn(4, 4).t(), 0)], 20, torch.float32),
+        ("part 0 is not contiguous", [(torch.randn(4, 4, device=DEVICE).t(), 0)], 20, torch.float32),
         ("part 0 must be a \\(tensor, offset\\) pair", [x], 20, torch.float32),
     ]
     for fn in (cast_pack, cast_pack_reference):

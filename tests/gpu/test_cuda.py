@@ -21,6 +21,12 @@ from tests.steps import sgd_single_tensor as sgd
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 multigpu = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 
+# codegen is on by default on CUDA; the capture and ZeRO tests compare the
+# captured ops with eager at 1e-6, so they run without the fused kernels
+# (tested below with their own tolerance)
+NO_CODEGEN = {"gradient_clipping": 0, "stepfx": {"codegen": False}}
+CODEGEN = {"gradient_clipping": 1.0, "stepfx": {"codegen": True}}
+
 
 def cuda_tiny_gpt():
     return tiny_gpt(dropout=0.1).cuda()
@@ -39,7 +45,7 @@ def cuda_gpt2():
 @pytest.mark.parametrize("make", [cuda_tiny_gpt, cuda_gpt2], ids=["gpt", "hf-gpt2"])
 def test_capture_on_cuda_equals_eager(make):
     step = lm_step if make is cuda_tiny_gpt else hf_step
-    report = assert_step_equivalent(step, make, adamw, token_batches(5), rtol=1e-6, atol=1e-7)
+    report = assert_step_equivalent(step, make, adamw, token_batches(5), config=NO_CODEGEN, rtol=1e-6, atol=1e-7)
     print(f"\ncuda capture {make.__name__}: {report}")
 
 
@@ -48,7 +54,7 @@ def test_capture_on_cuda_equals_eager(make):
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("opt", [sgd, adamw], ids=["sgd", "adamw"])
 def test_zero_stages_on_two_gpus_with_nccl(rank_pool, stage, opt):
-    config = {"gradient_clipping": 0, "zero_optimization": {"stage": stage, "reduce_bucket_size": 500, "stage3_param_persistence_threshold": 0}}
+    config = {**NO_CODEGEN, "zero_optimization": {"stage": stage, "reduce_bucket_size": 500, "stage3_param_persistence_threshold": 0}}
     report = assert_data_parallel_equivalent(
         rank_pool(2, "nccl"), lm_step, cuda_tiny_gpt_nodrop, opt, dp_batches(2, steps=4), config=config, rtol=1e-6, atol=1e-7
     )
@@ -91,7 +97,7 @@ def test_16_bit_zero_on_two_gpus_tracks_fp32(rank_pool, stage, precision, comm):
 def test_bf16_zero3_on_two_gpus_equals_the_mixed_precision_reference(rank_pool):
     from tests.steps import lm_step_bf16_reference
 
-    config = {"bf16": {"enabled": True}, "gradient_clipping": 0,
+    config = {**NO_CODEGEN, "bf16": {"enabled": True},
               "zero_optimization": {"stage": 3, "reduce_bucket_size": 500, "stage3_param_persistence_threshold": 0}}
     report = assert_data_parallel_equivalent(
         rank_pool(2, "nccl"), lm_step, cuda_tiny_gpt_nodrop, adamw, dp_batches(2, steps=4), config=config,
@@ -132,3 +138,65 @@ def test_fp16_config_optimizer_and_schedule_on_cuda():
     assert step.skipped_steps == 2 and step.loss_scale == 64
     assert step.lr_scheduler.last_batch_iteration == 4 - 1  # four applied updates, from -1
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+# -- codegen: the fused Triton kernels compiled for real --------------------------
+# Tolerance 1e-5 relative per step (resynchronized), as on CPU: the kernels
+# sum in other orders than eager (LayerNorm's weight gradient over row
+# blocks, the head's gradient over row chunks), a few ulps. SGD: its update
+# is linear in the gradient, so those differences show at their own size.
+
+
+def kernel_calls(step):
+    return [getattr(n.target, "__name__", "") for n in step.plan.graph.gm.graph.nodes if n.op == "call_function"]
+
+
+@pytest.mark.gpu
+@gpu
+def test_codegen_step_on_cuda_equals_eager():
+    from tests.passes.test_precision import clipped_reference
+
+    report = assert_step_equivalent(lm_step, cuda_tiny_gpt_nodrop, sgd, token_batches(3), config=CODEGEN,
+                                    reference_fn=clipped_reference(lm_step, 1.0), rtol=1e-5, atol=1e-7, resync=True)
+    print(f"\ncuda codegen tiny gpt sgd: {report}")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_codegen_adamw_on_cuda_tracks_the_losses(precision):
+    """AdamW divides by sqrt(v), so parameters are not compared elementwise;
+    losses are: fp32 within 1e-5 relative of the unfused step, bf16 within
+    2e-2 of the fp32 step over 20 steps (the mixed-precision tolerance)."""
+    import stepfx
+
+    torch.manual_seed(0)
+    model, ref = cuda_tiny_gpt_nodrop(), cuda_tiny_gpt_nodrop()
+    ref.load_state_dict(model.state_dict())
+    opts = [adamw(m) for m in (model, ref)]
+    extra = {"bf16": {"enabled": True}} if precision == "bf16" else {}
+    fused = stepfx.parallelize({**CODEGEN, **extra})(lm_step)
+    plain = stepfx.parallelize({**CODEGEN, "stepfx": {"codegen": False}})(lm_step)
+    tol = 2e-2 if precision == "bf16" else 1e-5
+    worst = 0.0
+    for (batch,) in token_batches(20 if precision == "bf16" else 6):
+        a, b = fused(model, opts[0], batch.cuda()), plain(ref, opts[1], batch.cuda())
+        worst = max(worst, abs(a.item() - b.item()) / abs(b.item()))
+    print(f"\ncuda codegen tiny gpt adamw {precision}: worst loss rel {worst:.2e}; kernels {sorted(set(kernel_calls(fused)))}")
+    assert worst <= tol
+    names = kernel_calls(fused)
+    assert "adam_step" in names and "layer_norm" in names and "layer_norm_backward" in names
+    assert "linear_cross_entropy" in names
+
+
+@pytest.mark.multigpu
+@multigpu
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_codegen_under_zero_on_two_gpus(rank_pool, stage):
+    config = {**CODEGEN, "zero_optimization": {"stage": stage, "reduce_bucket_size": 500, "stage3_param_persistence_threshold": 0}}
+    report = assert_data_parallel_equivalent(
+        rank_pool(2, "nccl"), lm_step, cuda_tiny_gpt_nodrop, sgd, dp_batches(2, steps=3), config=config, clip_norm=1.0,
+        rtol=1e-5, atol=1e-7,
+    )
+    print(f"\nnccl codegen stage {stage}: {report}")
+    assert "sgd_step" in report.explains[0] and "layer_norm" in report.explains[0]
