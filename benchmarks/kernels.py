@@ -5,9 +5,10 @@ optimizer update) torch's fused AdamW, in one run on one GPU.
 
 Each case (from ``kernels_optimizer.py``, ``kernels_norm.py``,
 ``kernels_cross_entropy.py``) names the minimum bytes the operation must
-move; the report gives each implementation's median time over timed
-iterations (CUDA events, after warm-up, which includes torch.compile's
-compilation), its GB/s and fraction of the H200's ~4.3 TB/s copy bandwidth
+move; the report gives each implementation's device time per call
+(CUDA-graph replays of 10 calls, after warm-up, which includes torch.compile's
+compilation; ``*_call_ms``: CUDA events around single calls, host launch
+overhead included), its GB/s and fraction of the H200's ~4.3 TB/s copy bandwidth
 (BENCHMARKS.md), peak memory, and the ratios stepfx / peer. JSON lines go
 to ``$OUT/kernels.jsonl``; a table to stdout.
 """
@@ -46,6 +47,29 @@ def time_ms(fn, warmup: int, iters: int) -> float:
     return statistics.median(times)
 
 
+def graph_ms(fn, iters: int, reps: int = 10) -> float:
+    """Device time per call: ``reps`` calls captured in one CUDA graph, the
+    median replay over ``iters`` divided by ``reps``. Host launch overhead
+    (Python wrappers, Triton's launcher) is out: in a training step the host
+    runs ahead of the GPU, so device time is what a kernel costs there."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    ms = time_ms(graph.replay, 1, iters) / reps
+    del graph
+    return ms
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT"))
@@ -78,13 +102,21 @@ def main() -> None:
                 except Exception as exc:  # a peer that cannot run this case is reported, not fatal
                     row[f"{impl}_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
                     continue
+                row[f"{impl}_call_ms"] = round(ms, 4)  # events around each call: launch overhead included
+                row[f"{impl}_extra_peak_MiB"] = round((torch.cuda.max_memory_allocated() - base) / 2**20, 1)
+                try:
+                    ms = graph_ms(fn, args.iters)
+                except Exception as exc:  # not capturable: the per-call time stands
+                    row[f"{impl}_graph_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                    torch.cuda.synchronize()
                 row[f"{impl}_ms"] = round(ms, 4)
                 row[f"{impl}_GBps"] = round(case["bytes"] / ms / 1e6, 1)
                 row[f"{impl}_of_copy_bw"] = round(case["bytes"] / (ms / 1e3) / COPY_BANDWIDTH, 3)
-                row[f"{impl}_extra_peak_MiB"] = round((torch.cuda.max_memory_allocated() - base) / 2**20, 1)
             for peer in IMPLEMENTATIONS[1:]:
                 if f"{peer}_ms" in row and "stepfx_ms" in row:
                     row[f"speedup_vs_{peer}"] = round(row[f"{peer}_ms"] / row["stepfx_ms"], 3)
+                if f"{peer}_call_ms" in row and "stepfx_call_ms" in row:
+                    row[f"call_speedup_vs_{peer}"] = round(row[f"{peer}_call_ms"] / row["stepfx_call_ms"], 3)
             rows.append(row)
             print(json.dumps(row), flush=True)
             if args.out:  # line by line: a run cut short keeps what it measured

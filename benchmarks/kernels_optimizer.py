@@ -94,7 +94,9 @@ def _adam_case(name, n, grad_dtype, device, fused=True):
     if fused:
         fp = torch.nn.Parameter(p.clone())
         fp.grad = g.float()
-        opt = torch.optim.AdamW([fp], lr=LR, betas=(BETA1, BETA2), eps=EPS, weight_decay=WD, fused=True)
+        # capturable: its step and lr on the device, so a CUDA graph can hold it (as stepfx's kernels can)
+        opt = torch.optim.AdamW([fp], lr=torch.tensor(LR, device=device), betas=(BETA1, BETA2), eps=EPS,
+                                weight_decay=WD, fused=True, capturable=True)
         case["fused"] = opt.step
     return case
 

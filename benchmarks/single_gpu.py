@@ -62,6 +62,44 @@ def sync(device) -> None:
         torch.cuda.synchronize()
 
 
+def profile(kind: str, step, model, optimizer, batches, args) -> dict:
+    """Three steps under torch.profiler: the top kernels by device time to
+    ``$OUT/profile_<system>.txt``; returned: device busy ms per step by kind
+    of kernel (matmul, attention, stepfx's Triton kernels, other)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    steps = 3
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            step(model, optimizer, batches[i % 4])
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    groups = {"matmul": 0.0, "attention": 0.0, "stepfx_triton": 0.0, "triton_other": 0.0, "other": 0.0}
+    for e in events:
+        name = e.name.lower()
+        us = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+        if any(k in name for k in ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas")):
+            groups["matmul"] += us
+        elif any(k in name for k in ("flash", "fmha", "attention", "cudnn")):
+            groups["attention"] += us
+        elif any(k in name for k in ("_adam_kernel", "_sgd_kernel", "_layer_norm", "_rms_norm", "_lce_", "_sum_squares",
+                                     "_cast_pack", "_sum_partials")):
+            groups["stepfx_triton"] += us
+        elif name.startswith("triton"):
+            groups["triton_other"] += us
+        else:
+            groups["other"] += us
+    if args.out:
+        table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=45, max_name_column_width=70)
+        with open(os.path.join(args.out, f"profile_{kind}.txt"), "w") as f:
+            f.write(table)
+    out = {k: round(v / 1e3 / steps, 2) for k, v in groups.items()}
+    out["device_busy_ms"] = round(sum(groups.values()) / 1e3 / steps, 2)
+    return out
+
+
 def run(kind: str, args) -> dict:
     torch.manual_seed(0)
     cfg = gpt_config(args.size, seq_len=args.seq)
@@ -103,6 +141,8 @@ def run(kind: str, args) -> dict:
         "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2) if device.type == "cuda" else None,
         "warmup_s": round(warmup_s, 1), "final_loss": round(float(loss), 4),
     }
+    if args.profile and device.type == "cuda":
+        row["profile"] = profile(kind, step, model, optimizer, batches, args)
     if kind.startswith("stepfx"):
         row["captures"] = len(step.plans)
         if kind == "stepfx-codegen":
@@ -126,6 +166,7 @@ def main() -> None:
     ap.add_argument("--systems", default="eager,compile,stepfx,stepfx-codegen")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of the script (tiny sizes)")
     ap.add_argument("--out", default=os.environ.get("OUT"))
+    ap.add_argument("--profile", action="store_true", help="also profile 3 steps of each system (after the timed ones)")
     args = ap.parse_args()
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     meta = {"date": datetime.date.today().isoformat(), "gpu": gpu, "torch": torch.__version__,

@@ -38,13 +38,31 @@ def _adam_args(lr, beta1, beta2, step, step_is_new):
 
 
 def adam_step(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, step, grad_factor=None, found_inf=None, *,
-              step_is_new: bool, eps: float, weight_decay: float, decoupled: bool, maximize: bool, inplace: bool):
+              step_is_new: bool, eps: float, weight_decay: float, decoupled: bool, maximize: bool, inplace: bool,
+              step_on_device: bool = False):
     """One Adam/AdamW update of a parameter (or ZeRO piece): the fused kernel.
     ``step`` is the step counter before this step's increment unless
-    ``step_is_new``. Returns (param, exp_avg, exp_avg_sq)."""
+    ``step_is_new``; with ``step_on_device`` it is :func:`adam_scalars`'s
+    result instead (lr, betas and step then unused). Returns (param,
+    exp_avg, exp_avg_sq)."""
+    if step_on_device:
+        return _kernels("optimizer_kernels").adam_update(
+            param, grad, exp_avg, exp_avg_sq, eps=eps, weight_decay=weight_decay, decoupled=decoupled,
+            maximize=maximize, grad_factor=grad_factor, found_inf=found_inf, inplace=inplace,
+            lr=host_float(lr), beta1=host_float(beta1), beta2=host_float(beta2), step=None, device_scalars=step)
     return _kernels("optimizer_kernels").adam_update(
         param, grad, exp_avg, exp_avg_sq, eps=eps, weight_decay=weight_decay, decoupled=decoupled, maximize=maximize,
         grad_factor=grad_factor, found_inf=found_inf, inplace=inplace, **_adam_args(lr, beta1, beta2, step, step_is_new))
+
+
+def adam_scalars(step, lr, beta1, beta2, *, step_is_new: bool):
+    """Adam's step size and bias correction from a step counter that lives on
+    the device (fp16 loss scaling keeps it there: a skipped step leaves it
+    unchanged), computed there once per step for every parameter's kernel."""
+    if not step_is_new:
+        step = step + 1
+    return _kernels("optimizer_kernels").adam_device_scalars(
+        step, lr=host_float(lr), beta1=host_float(beta1), beta2=host_float(beta2))
 
 
 def adam_step_reference(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, step, grad_factor=None, found_inf=None, *,

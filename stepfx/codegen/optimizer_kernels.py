@@ -30,7 +30,7 @@ import triton.language as tl
 
 from .registry import register
 
-__all__ = ["adam_update", "adam_update_reference", "sgd_update", "sgd_update_reference"]
+__all__ = ["adam_device_scalars", "adam_update", "adam_update_reference", "sgd_update", "sgd_update_reference"]
 
 # Elements per program: 2048 fp32 over 8 warps is 8 per thread, two 16-byte
 # vector accesses per stream; 64M elements make 32K programs.
@@ -49,6 +49,7 @@ def _adam_kernel(
     p_ptr, g_ptr, m_ptr, v_ptr,  # inputs: fp32, grad dtype, fp32, fp32
     p_out, m_out, v_out,  # outputs: the inputs themselves when INPLACE
     grad_factor_ptr, found_inf_ptr,  # 0-d device tensors (dummies when absent)
+    scalars_ptr,  # [-step_size, 1/sqrt(bc2)] on the device (DEVICE_SCALARS; a dummy otherwise)
     n,
     decay,  # 1 - lr * weight_decay (decoupled) or weight_decay (coupled)
     lerp_w,  # 1 - beta1
@@ -58,7 +59,7 @@ def _adam_kernel(
     neg_step_size,  # -lr / (1 - beta1**step)
     COUPLED_WD: tl.constexpr, DECOUPLED_WD: tl.constexpr, MAXIMIZE: tl.constexpr,
     HAS_GRAD_FACTOR: tl.constexpr, HAS_FOUND_INF: tl.constexpr, INPLACE: tl.constexpr,
-    BLOCK: tl.constexpr,
+    DEVICE_SCALARS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     # One Adam/AdamW step per element, fp32 math:
     #   g = grad * grad_factor;  g = -g if maximize
@@ -99,6 +100,9 @@ def _adam_kernel(
     # exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
     v = tl.fma(one_minus_beta2, g * g, v0 * beta2)
     # denom = (exp_avg_sq.sqrt() / bc2_sqrt).add_(eps); param.addcdiv_(m, denom, value=-step_size)
+    if DEVICE_SCALARS:  # the step count lives on the device (fp16 skipped steps): scalars from there
+        neg_step_size = tl.load(scalars_ptr)
+        inv_bc2_sqrt = tl.load(scalars_ptr + 1)
     denom = tl.sqrt_rn(v) * inv_bc2_sqrt + eps
     p = tl.fma(neg_step_size, tl.div_rn(m, denom), p)
 
@@ -188,9 +192,10 @@ def adam_update_reference(param, grad, exp_avg, exp_avg_sq, *, lr: float, beta1:
 @register("adam_update", reference=adam_update_reference, jit=(_adam_kernel,),
           what="Adam/AdamW step over a flat buffer: grad factor and overflow skip folded in, one launch")
 def adam_update(param, grad, exp_avg, exp_avg_sq, *, lr: float, beta1: float, beta2: float, eps: float,
-                weight_decay: float, step: float, decoupled: bool, maximize: bool = False,
+                weight_decay: float, step: float | None, decoupled: bool, maximize: bool = False,
                 grad_factor: torch.Tensor | None = None, found_inf: torch.Tensor | None = None,
-                inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                inplace: bool = False, device_scalars: torch.Tensor | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One Adam (``decoupled=False``) or AdamW (``decoupled=True``) step, one Triton launch.
 
     ``step`` is the step count after this step's increment. ``grad`` (fp32,
@@ -200,7 +205,14 @@ def adam_update(param, grad, exp_avg, exp_avg_sq, *, lr: float, beta1: float, be
     inputs); the flag is read inside the kernel, never on the host. Returns
     ``(param, exp_avg, exp_avg_sq)``: the inputs, updated, when ``inplace``,
     else new tensors (inputs untouched).
+
+    ``device_scalars`` (from :func:`adam_device_scalars`, when the step count
+    is a device tensor) replaces ``step``: the kernel loads the step size and
+    bias correction from the device instead of receiving them from the host.
     """
+    if device_scalars is not None:
+        _check_tensor("device_scalars", device_scalars, (torch.float32,), 2, param.device)
+        step = 1.0 if step is None else step  # unused: the kernel reads the scalars
     _check_adam(param, grad, exp_avg, exp_avg_sq, step, grad_factor, found_inf)
     if inplace:
         outs = (param, exp_avg, exp_avg_sq)
@@ -224,14 +236,33 @@ def adam_update(param, grad, exp_avg, exp_avg_sq, *, lr: float, beta1: float, be
             param, grad, exp_avg, exp_avg_sq, *outs,
             grad_factor if grad_factor is not None else param,
             found_inf if found_inf is not None else param,
+            device_scalars if device_scalars is not None else param,
             n,
             weight_decay if coupled else 1 - lr * weight_decay,
             1 - beta1, beta2, 1 - beta2, 1.0 / bias_correction2_sqrt, eps, -step_size,
             COUPLED_WD=coupled, DECOUPLED_WD=decoupled_wd, MAXIMIZE=bool(maximize),
             HAS_GRAD_FACTOR=grad_factor is not None, HAS_FOUND_INF=found_inf is not None, INPLACE=bool(inplace),
-            BLOCK=BLOCK, num_warps=NUM_WARPS, enable_fp_fusion=False,
+            DEVICE_SCALARS=device_scalars is not None, BLOCK=BLOCK, num_warps=NUM_WARPS, enable_fp_fusion=False,
         )
     return outs
+
+
+def adam_device_scalars(step: torch.Tensor, *, lr: float, beta1: float, beta2: float) -> torch.Tensor:
+    """``[-lr / (1 - beta1**step), 1 / sqrt(1 - beta2**step)]`` as an fp32
+    tensor on ``step``'s device, for :func:`adam_update`'s ``device_scalars``.
+
+    ``step`` (0-d, the count after this step's increment) stays on the
+    device: under fp16 loss scaling a skipped step leaves it unchanged, which
+    the host learns only later, so reading it would sync every step. The
+    arithmetic is the host's, in fp64 (torch's optimizer computes these in
+    Python doubles), rounded to fp32 once at the end: the values the host
+    path passes. A few 0-d launches, once per step for all parameters.
+    """
+    lr, beta1, beta2 = float(lr), float(beta1), float(beta2)
+    s = step.detach().reshape(()).to(torch.float64)
+    step_size = lr / (1 - torch.pow(beta1, s))
+    inv_bc2_sqrt = 1.0 / (1 - torch.pow(beta2, s)).sqrt()
+    return torch.stack([-step_size, inv_bc2_sqrt]).to(torch.float32)
 
 
 # --------------------------------------------------------------------------- SGD

@@ -38,7 +38,7 @@ from ..graph import META_DONATED, META_PARAM, META_PHASE, Phase, Role, StepGraph
 from ..graph.build import clone_step_graph
 from ..graph.ops import has_side_effect, is_collective, is_view
 from ..graph.update_rule import UPDATE_RULES_KEY, UpdateRule
-from .collectives import make_node
+from .collectives import fake_like, make_node
 from .manager import PassOptions, PassResult
 from .shard_optimizer_update import META_PIECE_OF
 
@@ -366,6 +366,16 @@ def _replace(graph: StepGraph, region: _Region, rule: UpdateRule):
         return 0, "its inputs are made after its results are read"
     donate = _donatable(graph, region, roles, at, order)
     graph_args = tuple(region.leaves[r] if r in region.leaves else _constant(r, rule) for r in args)
+    on_device = _device_step(region) if rule.kind == "adam" else None
+    if on_device is not None:
+        # the step count is a device tensor: the kernels read the step size and
+        # bias correction from one node computed there, not from a host read
+        step_node, is_new = on_device
+        at_step = next(i for i, r in enumerate(args) if r in ("step_new", "step_old"))
+        lr_beta = tuple(graph_args[args.index(r)] for r in ("lr", "beta1", "beta2"))
+        scalars = _scalars_node(g, step_node, lr_beta, is_new, region)
+        graph_args = graph_args[:at_step] + (scalars,) + graph_args[at_step + 1:]
+        kwargs = {**kwargs, "step_on_device": True}
     vals = tuple(expected_val for expected_val in _fake_outputs(region, outputs))
     anchor = region.roots[0]
     with g.inserting_before(at):
@@ -380,6 +390,39 @@ def _replace(graph: StepGraph, region: _Region, rule: UpdateRule):
     for root, role in roles.items():
         root.replace_all_uses_with(results[role], delete_user_cb=lambda user: user not in region.nodes)
     return int(donate), None
+
+
+def _device_step(region: _Region):
+    """(the step counter's input node, False: not yet incremented) when the
+    step count lives on the device, else None. Every region names the same
+    node, so one ``adam_scalars`` serves all parameters."""
+    leaf = region.leaves.get("step_new")
+    if leaf is not None:
+        inner = leaf.args[0]  # _local_scalar_dense(add(step, 1)): the counter itself, not yet incremented
+        return None if _on_host(inner.meta["val"]) else (inner.args[0], False)
+    leaf = region.leaves.get("step_old")
+    if isinstance(leaf, fx.Node) and isinstance(leaf.meta.get("val"), torch.Tensor) and not _on_host(leaf.meta["val"]):
+        return leaf, False
+    return None
+
+
+def _on_host(val: torch.Tensor) -> bool:
+    return val.device.type == "cpu"
+
+
+def _scalars_node(g: fx.Graph, step: fx.Node, lr_beta: tuple, is_new: bool, region: _Region) -> fx.Node:
+    """The one ``adam_scalars`` node for this step counter and lr/betas (made on first use, right after its inputs)."""
+    from ..codegen import graph_ops
+
+    for user in step.users:
+        if user.target is graph_ops.adam_scalars and user.args[1:] == lr_beta and user.kwargs["step_is_new"] == is_new:
+            return user
+    order = {n: i for i, n in enumerate(g.nodes)}
+    last = max((a for a in (step, *lr_beta) if isinstance(a, fx.Node)), key=order.__getitem__)
+    with g.inserting_after(last):
+        return make_node(g, graph_ops.adam_scalars, (step, *lr_beta), {"step_is_new": is_new},
+                         val=fake_like(step.meta["val"], (2,), torch.float32), like=step, phase=Phase.OPTIMIZER,
+                         name="adam_scalars")
 
 
 def _fake_outputs(region: _Region, outputs):

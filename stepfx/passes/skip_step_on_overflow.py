@@ -117,8 +117,14 @@ def skip_step_on_overflow(graph: StepGraph, options: PassOptions) -> PassResult:
             if slot.role not in (Role.PARAM, Role.OPTIMIZER_STATE) or old is None or values[i] is old:
                 continue
             val = values[i].meta["val"]
+            # a 0-d host counter (the optimizer's step) selected by the device
+            # flag lands on the device, as where() does at run time: it stays
+            # there, so reading it never waits for the step that decides it
+            dev = flag.meta["val"].device if val.dim() == 0 and val.device.type == "cpu" else val.device
+            with val.fake_mode:
+                kept = torch.empty((), dtype=val.dtype, device=dev) if dev != val.device else fake_like(val, val.shape)
             values[i] = make_node(
-                g, aten.where.self, (flag, old, values[i]), val=fake_like(val, val.shape), name="kept_if_overflow",
+                g, aten.where.self, (flag, old, values[i]), val=kept, name="kept_if_overflow",
                 param=slot.name, **meta,  # part of the parameter's update (a fused kernel folds it in)
             )
             guarded += 1

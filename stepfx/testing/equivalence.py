@@ -86,7 +86,10 @@ def compare_tensors(
                 f"(normwise rel diff {rel_max:.3g})"
             )
         return abs_max, rel_max
-    rel = diff / b.abs().clamp_min(torch.finfo(torch.float32).tiny)
+    # the relative difference reported: over elements above atol (below it the
+    # absolute bound is the one that applies, and 0 vs 3e-8 would read as 1e26)
+    big = b.abs() > atol
+    rel = diff[big] / b.abs()[big]
     rel_max = rel.max().item() if rel.numel() else 0.0
     bad = diff > atol + rtol * b.abs()
     if bool(bad.any()):

@@ -283,3 +283,23 @@ def test_adam_cuda_vs_torch(grad_dtype):
         torch.testing.assert_close(v, state["exp_avg_sq"], **TOL_V)
     skipped = adam_update(p, g, m, v, **ADAM, found_inf=torch.ones((), dtype=torch.bool, device="cuda"))
     assert all(torch.equal(a, b) for a, b in zip(skipped, (p, m, v)))
+
+
+@pytest.mark.parametrize("step", [1.0, 7.0, 1234.0])
+def test_adam_device_scalars_equal_the_host_path(step):
+    """The step count as a 0-d tensor (on the device under fp16 loss scaling):
+    the step size and bias correction computed from it in fp64 and read by
+    the kernel give the same bits as the host path's Python doubles."""
+    from stepfx.codegen.optimizer_kernels import adam_device_scalars
+
+    p, g, m, v = _adam_inputs(grad_dtype=torch.bfloat16)
+    hyper = {k: x for k, x in ADAM.items() if k != "step"}
+    scalars = adam_device_scalars(torch.tensor(step, device=DEVICE), lr=hyper["lr"], beta1=hyper["beta1"],
+                                  beta2=hyper["beta2"])
+    assert scalars.dtype == torch.float32 and scalars.shape == (2,) and scalars.device == p.device
+    host = adam_update(p, g, m, v, **hyper, step=step)
+    device = adam_update(p, g, m, v, **hyper, step=None, device_scalars=scalars)
+    for a, b in zip(device, host):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="device_scalars has 3 elements"):
+        adam_update(p, g, m, v, **hyper, step=None, device_scalars=torch.zeros(3, device=DEVICE))

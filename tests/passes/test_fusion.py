@@ -128,6 +128,47 @@ def test_fp16_overflow_skips_bit_for_bit_with_fused_kernels():
     assert all(torch.equal(state[n][k], after[n][k]) for n in state for k in state[n])
 
 
+def test_step_counter_on_the_device_is_read_there(monkeypatch):
+    """Under fp16 on CUDA a skipped step leaves the step counter unchanged on
+    the device, so the fused updates take Adam's step size and bias
+    correction from one ``adam_scalars`` node computed there, never from a
+    host read. On CPU the counter is a host tensor: pretend it is not, and
+    the results must be bit-identical to the host path's, skipped steps too."""
+    from stepfx.passes import fuse_optimizer_update as fou
+
+    def scaled(model, optimizer, x, y, blowup):
+        loss = F.cross_entropy(model(x).float(), y) * blowup
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    config = {"stepfx": {"codegen": True}, "gradient_clipping": 0.5,
+              "fp16": {"enabled": True, "auto_cast": True, "initial_scale_power": 8, "hysteresis": 1}}
+    (x, y), = mlp_batches(1)
+    runs = []
+    for device_path in (False, True):
+        if device_path:
+            monkeypatch.setattr(fou, "_on_host", lambda val: False)
+        torch.manual_seed(0)
+        model = MLP((8, 24, 4))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        step = stepfx.parallelize(config)(scaled)
+        losses = [step(model, opt, x, y, torch.tensor(b)) for b in (1.0, 1.0, 1e30, 1.0, 1.0)]
+        runs.append((step, [p.detach().clone() for p in model.parameters()], losses))
+    (host, host_params, host_losses), (dev, dev_params, dev_losses) = runs
+    assert dev.skipped_steps == 1 and _fused(dev)[0] == 4
+    assert all(torch.equal(a, b) for a, b in zip(host_params, dev_params))
+    assert all(torch.equal(a, b) for a, b in zip(host_losses, dev_losses))
+    nodes = [n for n in dev.plan.graph.gm.graph.nodes if n.op == "call_function"]
+    scalars = [n for n in nodes if getattr(n.target, "__name__", "") == "adam_scalars"]
+    assert len(scalars) == 1, [n.format_node() for n in scalars]  # once per step, for every parameter's kernel
+    assert all(n.kwargs.get("step_on_device") and n.args[7] is scalars[0]
+               for n in nodes if getattr(n.target, "__name__", "") == "adam_step")
+    assert not any(n.target is torch.ops.aten._local_scalar_dense.default and n.args[0].meta["val"].dtype != torch.float64
+                   for n in nodes), "the step counter is still read on the host"
+
+
 def test_the_check_refuses_ops_that_compute_another_rule(monkeypatch):
     # capture records eps=1e-8; claim 1e-3: the update ops no longer match the kernel's reference
     from stepfx.capture import trace
