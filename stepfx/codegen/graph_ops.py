@@ -118,11 +118,19 @@ def linear_cross_entropy(hidden, weight, target, *, ignore_index: int, reduction
         hidden, weight, target, ignore_index=ignore_index, reduction=reduction, logits_dtype=logits_dtype)
 
 
+def cast(x, *, dtype):
+    """``x.to(dtype)`` (fp32 -> bf16/fp16, round to nearest even) by stepfx's
+    vectorized kernel: torch's dtype-converting copy runs an unrolled,
+    unvectorized loop (~1.6 TB/s on an H200 against ~3.5)."""
+    return _kernels("reduction_kernels").cast_pack([(x, 0)], x.numel(), dtype).view(x.shape)
+
+
 # graph function -> (its kernel module, the registered kernels it launches), for explain() and the dumps
 KERNELS_OF = {
     adam_step: ("optimizer_kernels", ("adam_update",)),
     sgd_step: ("optimizer_kernels", ("sgd_update",)),
     sum_squares: ("reduction_kernels", ("sum_squares",)),
+    cast: ("reduction_kernels", ("cast_pack",)),
     layer_norm: ("norm_kernels", ("layer_norm_forward",)),
     layer_norm_backward: ("norm_kernels", ("layer_norm_backward",)),
     linear_cross_entropy: ("cross_entropy_kernels", ("linear_cross_entropy",)),

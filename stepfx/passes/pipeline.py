@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from .drop_profiler_nodes import drop_profiler_nodes
 from .eliminate_dead_code import eliminate_dead_code
+from .fold_gradient_casts import fold_gradient_casts
 from .functionalize_graph import functionalize_graph
+from .fuse_casts import fuse_casts
 from .fuse_layer_norm import fuse_layer_norm
 from .fuse_linear_cross_entropy import fuse_linear_cross_entropy
 from .fuse_optimizer_update import fuse_optimizer_update
@@ -137,8 +139,20 @@ PIPELINE: tuple[PipelineEntry, ...] = (
     PipelineEntry(
         "fuse_optimizer_update",
         fuse_optimizer_update,
-        "last: the update's ops are final (ZeRO pieces, unscale/clip factor, overflow guards) and every collective "
+        "after every pass that shapes the update: its ops are final (ZeRO pieces, unscale/clip factor, overflow guards) and every collective "
         "is placed, so it knows whether the kernel may write in place",
+        applies=codegen_enabled,
+    ),
+    PipelineEntry(
+        "fuse_casts",
+        fuse_casts,
+        "codegen: after fuse_optimizer_update, whose check runs the update's ops on CPU samples: a swap by identity (the 16-bit compute copies of parameters and ZeRO shards)",
+        applies=codegen_enabled,
+    ),
+    PipelineEntry(
+        "fold_gradient_casts",
+        fold_gradient_casts,
+        "after the fusions: only then are the fused kernels the fp32 gradient copies' sole readers",
         applies=codegen_enabled,
     ),
 )

@@ -169,6 +169,80 @@ def test_step_counter_on_the_device_is_read_there(monkeypatch):
                    for n in nodes), "the step counter is still read on the host"
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_fused_kernels_read_16_bit_gradients(precision):
+    """Mixed precision: the fp32 copies of the 16-bit gradients are dropped
+    and the kernels read the gradients themselves: the same bits as with
+    the copies (widening is exact), one kernel and 6 B/element fewer."""
+    cfg = {"bf16": {"enabled": True}} if precision == "bf16" else {
+        "fp16": {"enabled": True, "auto_cast": True, "initial_scale_power": 8}}
+    runs = []
+    for disable in ([], ["fold_gradient_casts"]):
+        torch.manual_seed(0)
+        model = tiny_gpt()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        step = stepfx.parallelize({**CODEGEN, **cfg, "gradient_clipping": 1.0, "stepfx": {"codegen": True, "disable": disable}})(lm_step)
+        losses = [step(model, opt, *batch) for batch in token_batches(3)]
+        runs.append((step, losses, [p.detach().clone() for p in model.parameters()]))
+    (folded, losses, params), (kept, kept_losses, kept_params) = runs
+    assert all(torch.equal(a, b) for a, b in zip(losses, kept_losses))
+    assert all(torch.equal(a, b) for a, b in zip(params, kept_params))
+
+    def grad_copies(step):
+        return [n for n in step.plan.graph.gm.graph.nodes if n.target is torch.ops.aten._to_copy.default
+                and str(n.meta["phase"]) == "backward"  # (not the forward's upcast of fp16 logits)
+                and n.meta["val"].dtype == torch.float32 and n.args[0].meta["val"].dtype != torch.float32]
+
+    n_params = len(list(tiny_gpt().parameters()))
+    assert len(grad_copies(kept)) >= n_params and grad_copies(folded) == []
+    kernels = [n for n in folded.plan.graph.gm.graph.nodes if getattr(n.target, "__name__", "") in ("adam_step", "sum_squares")]
+    grads = [n.args[1] if n.target.__name__ == "adam_step" else n.args[0] for n in kernels]
+    assert len(kernels) == 2 * n_params and all(g.meta["val"].dtype != torch.float32 for g in grads)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_parameter_casts_by_the_cast_kernel(monkeypatch, stage):
+    """bf16's compute copies of the parameters (whole, or ZeRO-3 shards
+    planned for one rank) by the vectorized cast kernel: the same bits as
+    aten's cast (every size here, not only the large ones the pass picks)."""
+    from stepfx.passes import fuse_casts
+
+    monkeypatch.setattr(fuse_casts, "MIN_NUMEL", 0)
+    runs = []
+    for disable in ([], ["fuse_casts"]):
+        torch.manual_seed(0)
+        model = tiny_gpt()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        config = {**CODEGEN, "bf16": {"enabled": True}, "stepfx": {"codegen": True, "disable": disable}}
+        if stage:
+            # one rank's plan of a 2-rank ZeRO-3 step, run alone: the shards' casts
+            from stepfx.capture import capture_step
+            from stepfx.capture.trace import CaptureOptions
+            from stepfx.config import load_config
+            from stepfx.passes import PIPELINE, PassManager, PassOptions
+
+            lm_step(model, opt, *token_batches(1)[0])
+            graph = capture_step(lm_step, model, opt, token_batches(1)[0], {},
+                                 options=CaptureOptions(compute_dtype=torch.bfloat16))
+            options = PassOptions(config=load_config({**config, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}),
+                                  world_size=2, rank=0, group_name="test", device_type="cpu")
+            records = PassManager(PIPELINE, disable=disable).run(graph, options)
+            casts = [n for n in records[-1].graph.gm.graph.nodes if getattr(n.target, "__name__", "") == "cast"]
+            runs.append(casts)
+            continue
+        step = stepfx.parallelize(config)(lm_step)
+        losses = [step(model, opt, *batch) for batch in token_batches(3)]
+        casts = [n for n in step.plan.graph.gm.graph.nodes if getattr(n.target, "__name__", "") == "cast"]
+        runs.append((losses, [p.detach().clone() for p in model.parameters()], casts))
+    if stage:
+        assert len(runs[0]) > 0 and runs[1] == []
+        return
+    (losses, params, casts), (kept_losses, kept_params, kept_casts) = runs
+    assert len(casts) == len(list(model.parameters())) and kept_casts == []
+    assert all(torch.equal(a, b) for a, b in zip(losses, kept_losses))
+    assert all(torch.equal(a, b) for a, b in zip(params, kept_params))
+
+
 def test_the_check_refuses_ops_that_compute_another_rule(monkeypatch):
     # capture records eps=1e-8; claim 1e-3: the update ops no longer match the kernel's reference
     from stepfx.capture import trace
