@@ -15,6 +15,15 @@ def ce_step(model, optimizer, x, y):
     return loss
 
 
+def scaled_ce_step(model, optimizer, x, y, blowup):
+    """ce_step with the loss multiplied by ``blowup`` (a tensor): 1e30 overflows fp16 gradients."""
+    loss = F.cross_entropy(model(x).float(), y) * blowup
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
 def lm_step(model, optimizer, idx):
     logits = model(idx[:, :-1])
     loss = lm_loss(logits, idx[:, 1:])

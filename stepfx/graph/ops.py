@@ -22,6 +22,7 @@ __all__ = [
     "is_random",
     "is_view",
     "is_collective",
+    "dtype_cast",
     "SYMBOLIC_SCALAR_FUNCTIONS",
 ]
 
@@ -192,3 +193,19 @@ def has_side_effect(node: fx.Node) -> bool:
     if node.op != "call_function":
         return False
     return is_mutating(node) or is_random(node) or is_collective(node)
+
+
+def dtype_cast(node: fx.Node) -> "tuple[torch.Tensor, torch.Tensor] | None":
+    """(input value, output value) when ``node`` is ``aten._to_copy`` that
+    changes only the dtype (same device, strided layout), else None."""
+    if node.op != "call_function" or node.target is not torch.ops.aten._to_copy.default or len(node.args) != 1:
+        return None
+    src, out = node.args[0].meta.get("val"), node.meta.get("val")
+    if not (isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor)):
+        return None
+    extra = {k: v for k, v in node.kwargs.items() if k != "dtype"}
+    if set(extra) - {"layout", "device"} or extra.get("layout", torch.strided) != torch.strided:
+        return None
+    if extra.get("device", src.device) != src.device or out.shape != src.shape:
+        return None
+    return src, out

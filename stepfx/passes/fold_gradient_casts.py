@@ -27,6 +27,7 @@ import torch.fx as fx
 
 from ..graph import StepGraph
 from ..graph.build import clone_step_graph
+from ..graph.ops import dtype_cast
 from .manager import PassOptions, PassResult
 
 __all__ = ["fold_gradient_casts"]
@@ -50,16 +51,11 @@ def _grad_position(user: fx.Node, cast: fx.Node) -> bool:
 
 
 def _foldable(node: fx.Node) -> bool:
-    if node.op != "call_function" or node.target is not aten._to_copy.default or len(node.args) != 1:
+    vals = dtype_cast(node)
+    if vals is None:
         return False
-    src, out = node.args[0].meta.get("val"), node.meta.get("val")
-    if not (isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor)):
-        return False
-    extra = {k: v for k, v in node.kwargs.items() if k != "dtype"}
-    same_place = extra.get("layout", torch.strided) == torch.strided and extra.get("device", src.device) == src.device
-    if set(extra) - {"layout", "device"} or not same_place:
-        return False
-    return (src.dtype in _NARROW and out.dtype == torch.float32 and src.is_contiguous() and out.shape == src.shape
+    src, out = vals
+    return (src.dtype in _NARROW and out.dtype == torch.float32 and src.is_contiguous()
             and bool(node.users) and all(_grad_position(u, node) for u in node.users))
 
 

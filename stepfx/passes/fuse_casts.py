@@ -24,25 +24,19 @@ import torch.fx as fx
 
 from ..graph import StepGraph
 from ..graph.build import clone_step_graph
+from ..graph.ops import dtype_cast
 from .manager import PassOptions, PassResult
 
 __all__ = ["fuse_casts", "MIN_NUMEL"]
 
-aten = torch.ops.aten
 MIN_NUMEL = 1 << 18  # 256K elements: ~1 MB of fp32, a few microseconds of traffic
 
 
 def _castable(node: fx.Node) -> bool:
-    if node.op != "call_function" or node.target is not aten._to_copy.default or len(node.args) != 1:
+    vals = dtype_cast(node)
+    if vals is None:
         return False
-    src, out = node.args[0].meta.get("val"), node.meta.get("val")
-    if not (isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor)):
-        return False
-    extra = {k: v for k, v in node.kwargs.items() if k != "dtype"}
-    if set(extra) - {"layout", "device"} or extra.get("layout", torch.strided) != torch.strided:
-        return False
-    if extra.get("device", src.device) != src.device:
-        return False
+    src, out = vals
     return (src.dtype == torch.float32 and out.dtype in (torch.bfloat16, torch.float16) and src.is_contiguous()
             and src.numel() >= MIN_NUMEL)
 

@@ -15,7 +15,7 @@ import torch
 
 from stepfx.testing.equivalence import assert_data_parallel_equivalent, assert_step_equivalent
 from tests.steps import adamw_single_tensor as adamw
-from tests.steps import dp_batches, hf_gpt2, hf_step, lm_step, tiny_gpt, token_batches
+from tests.steps import dp_batches, hf_gpt2, hf_step, lm_step, scaled_ce_step, tiny_gpt, token_batches
 from tests.steps import sgd_single_tensor as sgd
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -111,16 +111,7 @@ def test_bf16_zero3_on_two_gpus_equals_the_mixed_precision_reference(rank_pool):
 def test_fp16_config_optimizer_and_schedule_on_cuda():
     """The loss scaler's counters reach the host without a per-step sync
     (pinned copy + event); the scheduler skips overflowed steps."""
-    import torch.nn.functional as F
-
     import stepfx
-
-    def step_fn(model, optimizer, x, y, blowup):
-        loss = F.cross_entropy(model(x).float(), y) * blowup
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        return loss
 
     from stepfx.testing.models import MLP
 
@@ -130,7 +121,7 @@ def test_fp16_config_optimizer_and_schedule_on_cuda():
               "gradient_clipping": 1.0,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
               "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5, "warmup_type": "linear"}}}
-    step = stepfx.parallelize(config)(step_fn)
+    step = stepfx.parallelize(config)(scaled_ce_step)
     x, y = torch.randn(16, 8, device="cuda"), torch.randint(0, 4, (16,), device="cuda")
     pattern = [1.0, 1e30, 1.0, 1.0, 1e30, 1.0]
     for blowup in pattern:

@@ -21,7 +21,7 @@ from stepfx.graph import META_DONATED
 from stepfx.graph.update_rule import UPDATE_RULES_KEY
 from stepfx.passes.fuse_optimizer_update import FUSION_REPORT_KEY
 from stepfx.testing.equivalence import assert_step_equivalent
-from tests.steps import MLP, lm_step, mlp_batches, tiny_gpt, token_batches
+from tests.steps import MLP, lm_step, mlp_batches, scaled_ce_step, tiny_gpt, token_batches
 
 CODEGEN = {"stepfx": {"codegen": True}, "gradient_clipping": 0}
 
@@ -104,17 +104,10 @@ def test_fp16_overflow_skips_bit_for_bit_with_fused_kernels():
     config = {"stepfx": {"codegen": True}, "gradient_clipping": 0,
               "fp16": {"enabled": True, "auto_cast": True, "initial_scale_power": 8, "hysteresis": 1}}
 
-    def scaled(model, optimizer, x, y, blowup):
-        loss = F.cross_entropy(model(x).float(), y) * blowup
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        return loss
-
     torch.manual_seed(0)
     model = MLP((8, 24, 4))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    step = stepfx.parallelize(config)(scaled)
+    step = stepfx.parallelize(config)(scaled_ce_step)
     (x, y), = mlp_batches(1)
     for _ in range(2):
         step(model, opt, x, y, torch.tensor(1.0))
@@ -136,13 +129,6 @@ def test_step_counter_on_the_device_is_read_there(monkeypatch):
     the results must be bit-identical to the host path's, skipped steps too."""
     from stepfx.passes import fuse_optimizer_update as fou
 
-    def scaled(model, optimizer, x, y, blowup):
-        loss = F.cross_entropy(model(x).float(), y) * blowup
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        return loss
-
     config = {"stepfx": {"codegen": True}, "gradient_clipping": 0.5,
               "fp16": {"enabled": True, "auto_cast": True, "initial_scale_power": 8, "hysteresis": 1}}
     (x, y), = mlp_batches(1)
@@ -153,7 +139,7 @@ def test_step_counter_on_the_device_is_read_there(monkeypatch):
         torch.manual_seed(0)
         model = MLP((8, 24, 4))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-        step = stepfx.parallelize(config)(scaled)
+        step = stepfx.parallelize(config)(scaled_ce_step)
         losses = [step(model, opt, x, y, torch.tensor(b)) for b in (1.0, 1.0, 1e30, 1.0, 1.0)]
         runs.append((step, [p.detach().clone() for p in model.parameters()], losses))
     (host, host_params, host_losses), (dev, dev_params, dev_losses) = runs
