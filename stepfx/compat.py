@@ -224,3 +224,10 @@ def graph_module(root: torch.nn.Module, graph: fx.Graph) -> fx.GraphModule:
         return fx.GraphModule(root, graph)
     return _LazyGraphModule(root, graph)
 
+
+
+def compile_region(gm: fx.GraphModule) -> Callable[..., Any]:
+    """``gm`` (aten ops, positional tensor inputs, a tuple out) compiled by
+    inductor, through the public ``torch.compile``: static shapes, one graph
+    (a region that does not compile whole raises here, not later)."""
+    return torch.compile(gm, backend="inductor", fullgraph=True, dynamic=False)

@@ -180,7 +180,30 @@ def explain_plan(step, plan) -> str:
         for name, text in sources.items():
             lines.append(f"# -- kernel {name} " + "-" * max(0, 60 - len(name)))
             lines.append(text)
+    regions = _region_sources(graph)
+    if regions:
+        lines.append("")
+        lines.append("generic regions handed to inductor (the fx code it compiles):")
+        for key, text in regions.items():
+            lines.append(f"# -- {key} " + "-" * max(0, 60 - len(key)))
+            lines.append(text.strip())
     return "\n".join(lines)
+
+
+def _region_keys(graph) -> list[str]:
+    from .codegen.graph_ops import run_region
+
+    keys = []
+    for node in graph.gm.graph.nodes:
+        if node.op == "call_function" and node.target is run_region and node.args[0] not in keys:
+            keys.append(node.args[0])
+    return keys
+
+
+def _region_sources(graph) -> dict[str, str]:
+    from .codegen.regions import REGIONS
+
+    return {key: REGIONS[key].source() for key in _region_keys(graph) if key in REGIONS}
 
 
 def kernel_calls(graph) -> collections.Counter:
@@ -211,6 +234,11 @@ def _kernels_section(step, graph) -> list[str]:
         lines.append(f"  {name:<24} x{count}")
     if donated:
         lines.append(f"  ({donated} kernel calls write in place into the state they update)")
+    regions = graph.signature.extra.get("generic_regions", ())
+    if regions:
+        distinct = len({key for key, _ in regions})
+        lines.append(f"  {len(regions)} generic regions ({sum(n for _, n in regions)} ops) handed to inductor, "
+                     f"{distinct} distinct (compiled once each; their code is at the end)")
     report = graph.signature.extra.get(FUSION_REPORT_KEY, ())
     if report:
         lines.append("  not fused:")

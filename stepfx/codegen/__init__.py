@@ -11,11 +11,16 @@ Which regions go where, and why:
   (``reduction_kernels.cast_pack``); LayerNorm / RMSNorm forward and
   backward (``norm_kernels``); linear + cross-entropy in row chunks that
   never materialize the full fp32 logits (``cross_entropy_kernels``).
+- **Handed to inductor** — the generic rest: chains of pointwise ops and
+  the row reductions between them (an RMSNorm written out by hand, rotary
+  embeddings, activation backward chains). Inductor fuses those well and a
+  second hand-written inductor is not the goal: ``fuse_generic_regions``
+  cuts them out as small fx graphs and :mod:`.regions` compiles each once
+  (identical layers share it); a region inductor cannot compile runs as
+  its ops. On CUDA only by default (inductor's CPU backend compiles C++).
 - **Left to torch** — matmuls and attention (cuBLAS and flash attention are
-  already at the hardware's limit), and the remaining generic pointwise
-  work, which stepfx does not re-implement: a second hand-written inductor
-  is not the goal (see the passes' ``explain()`` record of what was not
-  fused and why).
+  already at the hardware's limit), and single pointwise ops (one aten
+  kernel already).
 
 Every kernel is registered in :data:`KERNELS` with its eager reference and
 its Triton source, which ``explain()`` and the dumps show. Triton caches

@@ -125,6 +125,14 @@ def cast(x, *, dtype):
     return _kernels("reduction_kernels").cast_pack([(x, 0)], x.numel(), dtype).view(x.shape)
 
 
+def run_region(key: str, *inputs):
+    """A generic region of the step (pointwise ops and row reductions), compiled by inductor: see
+    :mod:`stepfx.codegen.regions`. Returns the region's outputs as a tuple."""
+    from .regions import REGIONS
+
+    return REGIONS[key](*inputs)
+
+
 # graph function -> (its kernel module, the registered kernels it launches), for explain() and the dumps
 KERNELS_OF = {
     adam_step: ("optimizer_kernels", ("adam_update",)),

@@ -7,6 +7,7 @@ from .eliminate_dead_code import eliminate_dead_code
 from .fold_gradient_casts import fold_gradient_casts
 from .functionalize_graph import functionalize_graph
 from .fuse_casts import fuse_casts
+from .fuse_generic_regions import fuse_generic_regions, regions_apply
 from .fuse_layer_norm import fuse_layer_norm
 from .fuse_linear_cross_entropy import fuse_linear_cross_entropy
 from .fuse_optimizer_update import fuse_optimizer_update
@@ -154,6 +155,12 @@ PIPELINE: tuple[PipelineEntry, ...] = (
         fold_gradient_casts,
         "after the fusions: only then are the fused kernels the fp32 gradient copies' sole readers",
         applies=codegen_enabled,
+    ),
+    PipelineEntry(
+        "fuse_generic_regions",
+        fuse_generic_regions,
+        "last: what stepfx's own kernels did not take is generic, and goes to inductor",
+        applies=regions_apply,
     ),
 )
 

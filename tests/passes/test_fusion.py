@@ -229,6 +229,60 @@ def test_parameter_casts_by_the_cast_kernel(monkeypatch, stage):
     assert all(torch.equal(a, b) for a, b in zip(params, kept_params))
 
 
+def test_generic_regions_go_to_inductor(monkeypatch):
+    """Hugging Face Llama's hand-written RMSNorm (with the residual add
+    before it), its backward chains and the rotary embedding's pointwise
+    ops become inductor regions; the step still equals eager per step within
+    1e-5 (SGD: inductor's CPU code vectorizes and fuses multiply-adds).
+    Regions on CPU only here: inductor's CPU backend compiles C++."""
+    from stepfx.codegen.regions import REGIONS
+    from stepfx.passes import fuse_generic_regions
+    from tests.steps import hf_llama, hf_step
+
+    monkeypatch.setattr(fuse_generic_regions, "ON_CPU", True)
+    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    report = assert_step_equivalent(hf_step, hf_llama, sgd, token_batches(3), config=CODEGEN, rtol=1e-5, atol=1e-7,
+                                    resync=True)
+    assert report.steps == 3
+    torch.manual_seed(0)
+    model = hf_llama()
+    opt = sgd(model)
+    step = stepfx.parallelize(CODEGEN)(hf_step)
+    for batch in token_batches(2):
+        step(model, opt, *batch)
+    regions = step.plan.graph.signature.extra["generic_regions"]
+    keys = [key for key, _ in regions]
+    assert len(set(keys)) < len(keys)  # identical layers share one compiled region
+    rms = [key for key in set(keys) if {"aten.mean.dim", "aten.rsqrt.default", "aten.pow.Tensor_Scalar"} <= set(REGIONS[key].ops)]
+    assert rms, "the RMSNorm chain is not one region"
+    nodes = list(step.plan.graph.gm.graph.nodes)
+    assert not any(n.target is torch.ops.aten.rsqrt.default for n in nodes)
+    text = step.explain()
+    assert "handed to inductor" in text and f"# -- {rms[0]}" in text and "torch.ops.aten.rsqrt.default" in text
+    assert all(REGIONS[key].failed is None for key in keys)
+
+
+def test_a_region_inductor_cannot_compile_runs_as_its_ops(monkeypatch, caplog):
+    from stepfx import compat
+    from stepfx.codegen import regions
+    from stepfx.passes import fuse_generic_regions
+
+    def broken(gm):
+        def run(*args):
+            raise RuntimeError("no backend today")
+        return run
+
+    monkeypatch.setattr(fuse_generic_regions, "ON_CPU", True)
+    monkeypatch.setattr(compat, "compile_region", broken)
+    monkeypatch.setattr(regions, "REGIONS", {})  # fresh: nothing compiled by earlier tests
+    from tests.steps import hf_llama, hf_step
+
+    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    assert_step_equivalent(hf_step, hf_llama, sgd, token_batches(2), config=CODEGEN, rtol=1e-6, atol=1e-7)
+    assert regions.REGIONS and all("no backend today" in r.failed for r in regions.REGIONS.values())
+    assert "runs as aten ops" in caplog.text
+
+
 def test_the_check_refuses_ops_that_compute_another_rule(monkeypatch):
     # capture records eps=1e-8; claim 1e-3: the update ops no longer match the kernel's reference
     from stepfx.capture import trace

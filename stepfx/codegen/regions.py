@@ -1,0 +1,82 @@
+"""Generic regions handed to torch's inductor.
+
+stepfx writes kernels only for what is specific to a training step (see
+this package's docstring). Chains of pointwise ops and the row reductions
+between them (an RMSNorm written out by hand, rotary embeddings, SwiGLU,
+their backward) are what inductor already fuses well, so the pass
+``fuse_generic_regions`` cuts them out of the step graph as small fx
+graphs and this module compiles each with inductor (``torch.compile``) on
+first use. Regions are keyed by their code and their inputs' shapes and
+dtypes: the 24 identical blocks of a model share one compiled region.
+
+``REGIONS`` maps a key to its :class:`Region`; the graph calls
+``graph_ops.run_region(key, *inputs)``, which looks it up. Both explain()
+and the dumps show each region's fx code (what inductor was given).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from .. import compat
+
+__all__ = ["REGIONS", "Region", "register_region"]
+
+log = logging.getLogger("stepfx")
+
+
+class Region:
+    """One region: its fx graph (positional tensor inputs, a tuple of
+    outputs) and, once first run, inductor's compiled form."""
+
+    def __init__(self, key: str, gm: fx.GraphModule, ops: tuple[str, ...]):
+        self.key = key
+        self.gm = gm
+        self.ops = ops
+        self._compiled = None
+        self._lock = threading.Lock()
+        self.failed: str | None = None  # why inductor could not compile it
+
+    def source(self) -> str:
+        return self.gm.code
+
+    def __call__(self, *args: torch.Tensor) -> tuple:
+        if self._compiled is None:
+            with self._lock:
+                if self._compiled is None:
+                    return self._first_call(args)
+        return self._compiled(*args)
+
+    def _first_call(self, args) -> tuple:
+        """Compile and run; if inductor cannot, the region runs as the ops it
+        was made of (the same results, eager speed), logged once."""
+        compiled = compat.compile_region(self.gm)
+        try:
+            out = compiled(*args)
+        except Exception as exc:  # inductor's failure is not the user's: keep the step running
+            self.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+            log.warning("stepfx: inductor could not compile %s (%s); it runs as aten ops", self.key, self.failed)
+            self._compiled = self.gm
+            return self.gm(*args)
+        self._compiled = compiled
+        return out
+
+
+REGIONS: dict[str, Region] = {}
+
+
+def register_region(gm: fx.GraphModule, inputs: list[Any]) -> str:
+    """The key of ``gm`` (with inputs like the fake tensors ``inputs``),
+    registering it on first sight."""
+    described = "\n".join(f"{tuple(v.shape)} {tuple(v.stride())} {v.dtype} {v.device.type}" for v in inputs)
+    digest = hashlib.sha1((gm.code + described).encode()).hexdigest()[:12]
+    key = f"region_{digest}"
+    if key not in REGIONS:
+        ops = tuple(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        REGIONS[key] = Region(key, gm, ops)
+    return key
