@@ -16,7 +16,7 @@ mkdir -p "$OUT"
 start=$(date +%s)
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpus.txt" 2>&1
 (
-  CUDA_VISIBLE_DEVICES=0 timeout "${SINGLE_S:-300}" python3 benchmarks/single_gpu.py --systems "${SYSTEMS:-eager,stepfx-codegen,compile,stepfx}" --warmup 3 --steps 15 ${PROFILE:+--profile} --out "$OUT" > "$OUT/single_gpu.log" 2>&1
+  CUDA_VISIBLE_DEVICES=0 timeout "${SINGLE_S:-300}" python3 benchmarks/single_gpu.py --systems "${SYSTEMS:-eager,stepfx-codegen,compile,stepfx}" --warmup 5 --steps 20 ${PROFILE:+--profile} --out "$OUT" > "$OUT/single_gpu.log" 2>&1
   echo "single_gpu rc=$? at $(( $(date +%s) - start ))s" >> "$OUT/timeline.txt"
   CUDA_VISIBLE_DEVICES=0 timeout 180 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu > "$OUT/gpu_tests.log" 2>&1
   echo "gpu_tests rc=$? at $(( $(date +%s) - start ))s" >> "$OUT/timeline.txt"
