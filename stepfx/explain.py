@@ -229,11 +229,13 @@ def _kernels_section(step, graph) -> list[str]:
     codegen = getattr(step.config.stepfx, "codegen", None)
     lines = [f"codegen: {'on' if codegen else 'off'}" + ("" if codegen else " (stepfx.codegen; on by default on CUDA)")]
     calls = kernel_calls(graph)
-    donated = sum(1 for n in graph.gm.graph.nodes if n.meta.get(META_DONATED))
+    # updates written in place (a multi-tensor call counts its tensors: its first argument)
+    donated = sum(n.args[0] if getattr(n.target, "__name__", "") == "adam_step_many" else 1
+                  for n in graph.gm.graph.nodes if n.meta.get(META_DONATED))
     for name, count in sorted(calls.items()):
         lines.append(f"  {name:<24} x{count}")
     if donated:
-        lines.append(f"  ({donated} kernel calls write in place into the state they update)")
+        lines.append(f"  ({donated} updates write in place into the state they update)")
     regions = graph.signature.extra.get("generic_regions", ())
     if regions:
         distinct = len({key for key, _ in regions})

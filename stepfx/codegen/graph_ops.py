@@ -55,6 +55,26 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, step, grad_fac
         grad_factor=grad_factor, found_inf=found_inf, inplace=inplace, **_adam_args(lr, beta1, beta2, step, step_is_new))
 
 
+def adam_step_many(count: int, *flat, step_is_new: bool, eps: float, weight_decay: float, decoupled: bool,
+                   maximize: bool, step_on_device: bool = False):
+    """``count`` in-place Adam/AdamW updates in one launch per gradient dtype.
+    ``flat``: the params, then the grads, the exp_avgs, the exp_avg_sqs
+    (``count`` each), then lr, beta1, beta2, step, grad_factor, found_inf as
+    :func:`adam_step` takes them. Returns (param, exp_avg, exp_avg_sq) of
+    each tensor in turn, flat: the inputs, updated."""
+    ps, gs, ms, vs = (list(flat[i * count:(i + 1) * count]) for i in range(4))
+    lr, beta1, beta2, step, grad_factor, found_inf = flat[4 * count:]
+    kernels = _kernels("optimizer_kernels")
+    common = dict(eps=eps, weight_decay=weight_decay, decoupled=decoupled, maximize=maximize,
+                  grad_factor=grad_factor, found_inf=found_inf)
+    if step_on_device:
+        kernels.adam_update_many(ps, gs, ms, vs, lr=host_float(lr), beta1=host_float(beta1), beta2=host_float(beta2),
+                                 step=None, device_scalars=step, **common)
+    else:
+        kernels.adam_update_many(ps, gs, ms, vs, **common, **_adam_args(lr, beta1, beta2, step, step_is_new))
+    return tuple(t for i in range(count) for t in (ps[i], ms[i], vs[i]))
+
+
 def adam_scalars(step, lr, beta1, beta2, *, step_is_new: bool):
     """Adam's step size and bias correction from a step counter that lives on
     the device (fp16 loss scaling keeps it there: a skipped step leaves it
@@ -100,6 +120,11 @@ def sum_squares(x):
     return _kernels("reduction_kernels").sum_squares(x)
 
 
+def sum_squares_many(*xs):
+    """``stack([sum_squares(x) for x in xs])`` in two launches per dtype: the fused kernel."""
+    return _kernels("reduction_kernels").sum_squares_many(*xs)
+
+
 def layer_norm(input, normalized_shape, weight, bias, eps):
     """``aten.native_layer_norm``'s contract: (out, mean, rstd), by stepfx's kernel."""
     return _kernels("norm_kernels").layer_norm_forward(input, normalized_shape, weight, bias, eps)
@@ -136,8 +161,10 @@ def run_region(key: str, *inputs):
 # graph function -> (its kernel module, the registered kernels it launches), for explain() and the dumps
 KERNELS_OF = {
     adam_step: ("optimizer_kernels", ("adam_update",)),
+    adam_step_many: ("optimizer_kernels", ("adam_update_many",)),
     sgd_step: ("optimizer_kernels", ("sgd_update",)),
     sum_squares: ("reduction_kernels", ("sum_squares",)),
+    sum_squares_many: ("reduction_kernels", ("sum_squares_many",)),
     cast: ("reduction_kernels", ("cast_pack",)),
     layer_norm: ("norm_kernels", ("layer_norm_forward",)),
     layer_norm_backward: ("norm_kernels", ("layer_norm_backward",)),

@@ -30,7 +30,7 @@ import triton.language as tl
 
 from .registry import register
 
-__all__ = ["adam_device_scalars", "adam_update", "adam_update_reference", "sgd_update", "sgd_update_reference"]
+__all__ = ["adam_device_scalars", "adam_update", "adam_update_many", "adam_update_many_reference", "adam_update_reference", "sgd_update", "sgd_update_reference"]
 
 # Elements per program: 2048 fp32 over 8 warps is 8 per thread, two 16-byte
 # vector accesses per stream; 64M elements make 32K programs.
@@ -42,6 +42,34 @@ _FLAG_DTYPES = (torch.bool, torch.float32, torch.bfloat16, torch.float16)
 
 
 # --------------------------------------------------------------------------- Adam
+
+
+@triton.jit
+def _adam_math(p0, g, m0, v0, grad_factor_ptr, scalars_ptr, decay, lerp_w, beta2, one_minus_beta2, inv_bc2_sqrt, eps,
+               neg_step_size, COUPLED_WD: tl.constexpr, DECOUPLED_WD: tl.constexpr, MAXIMIZE: tl.constexpr,
+               HAS_GRAD_FACTOR: tl.constexpr, DEVICE_SCALARS: tl.constexpr):
+    """The new (p, m, v) of one block of elements: the update both Adam kernels run."""
+    if HAS_GRAD_FACTOR:
+        g = g * tl.load(grad_factor_ptr).to(tl.float32)
+    if MAXIMIZE:
+        g = -g
+    p = p0
+    if DECOUPLED_WD:
+        p = p * decay  # param.mul_(1 - lr * wd)
+    if COUPLED_WD:
+        g = tl.fma(decay, p, g)  # grad.add(param, alpha=wd)
+    # exp_avg.lerp_(g, w): torch's two-sided formula, chosen by |w| < 0.5.
+    diff = g - m0
+    m = tl.where(tl.abs(lerp_w) < 0.5, tl.fma(lerp_w, diff, m0), tl.fma(-diff, 1.0 - lerp_w, g))
+    # exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    v = tl.fma(one_minus_beta2, g * g, v0 * beta2)
+    # denom = (exp_avg_sq.sqrt() / bc2_sqrt).add_(eps); param.addcdiv_(m, denom, value=-step_size)
+    if DEVICE_SCALARS:  # the step count lives on the device (fp16 skipped steps): scalars from there
+        neg_step_size = tl.load(scalars_ptr)
+        inv_bc2_sqrt = tl.load(scalars_ptr + 1)
+    denom = tl.sqrt_rn(v) * inv_bc2_sqrt + eps
+    p = tl.fma(neg_step_size, tl.div_rn(m, denom), p)
+    return p, m, v
 
 
 @triton.jit
@@ -84,27 +112,9 @@ def _adam_kernel(
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     m0 = tl.load(m_ptr + offs, mask=mask, other=0.0)
     v0 = tl.load(v_ptr + offs, mask=mask, other=0.0)
-
-    if HAS_GRAD_FACTOR:
-        g = g * tl.load(grad_factor_ptr).to(tl.float32)
-    if MAXIMIZE:
-        g = -g
-    p = p0
-    if DECOUPLED_WD:
-        p = p * decay  # param.mul_(1 - lr * wd)
-    if COUPLED_WD:
-        g = tl.fma(decay, p, g)  # grad.add(param, alpha=wd)
-    # exp_avg.lerp_(g, w): torch's two-sided formula, chosen by |w| < 0.5.
-    diff = g - m0
-    m = tl.where(tl.abs(lerp_w) < 0.5, tl.fma(lerp_w, diff, m0), tl.fma(-diff, 1.0 - lerp_w, g))
-    # exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    v = tl.fma(one_minus_beta2, g * g, v0 * beta2)
-    # denom = (exp_avg_sq.sqrt() / bc2_sqrt).add_(eps); param.addcdiv_(m, denom, value=-step_size)
-    if DEVICE_SCALARS:  # the step count lives on the device (fp16 skipped steps): scalars from there
-        neg_step_size = tl.load(scalars_ptr)
-        inv_bc2_sqrt = tl.load(scalars_ptr + 1)
-    denom = tl.sqrt_rn(v) * inv_bc2_sqrt + eps
-    p = tl.fma(neg_step_size, tl.div_rn(m, denom), p)
+    p, m, v = _adam_math(p0, g, m0, v0, grad_factor_ptr, scalars_ptr, decay, lerp_w, beta2, one_minus_beta2,
+                         inv_bc2_sqrt, eps, neg_step_size, COUPLED_WD, DECOUPLED_WD, MAXIMIZE, HAS_GRAD_FACTOR,
+                         DEVICE_SCALARS)
 
     if HAS_FOUND_INF:
         if not INPLACE:
@@ -189,7 +199,7 @@ def adam_update_reference(param, grad, exp_avg, exp_avg_sq, *, lr: float, beta1:
     return p, m, v
 
 
-@register("adam_update", reference=adam_update_reference, jit=(_adam_kernel,),
+@register("adam_update", reference=adam_update_reference, jit=(_adam_math, _adam_kernel),
           what="Adam/AdamW step over a flat buffer: grad factor and overflow skip folded in, one launch")
 def adam_update(param, grad, exp_avg, exp_avg_sq, *, lr: float, beta1: float, beta2: float, eps: float,
                 weight_decay: float, step: float | None, decoupled: bool, maximize: bool = False,
@@ -245,6 +255,148 @@ def adam_update(param, grad, exp_avg, exp_avg_sq, *, lr: float, beta1: float, be
             DEVICE_SCALARS=device_scalars is not None, BLOCK=BLOCK, num_warps=NUM_WARPS, enable_fp_fusion=False,
         )
     return outs
+
+
+@triton.jit
+def _adam_many_kernel(
+    table_ptr,  # int64 [T, 4]: addresses of param, grad, exp_avg, exp_avg_sq of tensor t
+    blocks_ptr,  # int64 [B, 2]: (tensor, first element) of each program's block
+    numels_ptr,  # int64 [T]
+    grad_factor_ptr, found_inf_ptr, scalars_ptr,
+    decay, lerp_w, beta2, one_minus_beta2, inv_bc2_sqrt, eps, neg_step_size,
+    GRAD_DTYPE: tl.constexpr,
+    COUPLED_WD: tl.constexpr, DECOUPLED_WD: tl.constexpr, MAXIMIZE: tl.constexpr,
+    HAS_GRAD_FACTOR: tl.constexpr, HAS_FOUND_INF: tl.constexpr, DEVICE_SCALARS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # _adam_kernel's update, in place, over many tensors in one launch: each
+    # program takes one block of one tensor, whose addresses it reads from
+    # the table (multi-tensor apply). Same math, same bits per element.
+    pid = tl.program_id(0).to(tl.int64)
+    t = tl.load(blocks_ptr + 2 * pid)
+    start = tl.load(blocks_ptr + 2 * pid + 1)
+    n = tl.load(numels_ptr + t)
+    p_ptr = tl.load(table_ptr + 4 * t).to(tl.pointer_type(tl.float32), bitcast=True)
+    g_ptr = tl.load(table_ptr + 4 * t + 1).to(tl.pointer_type(GRAD_DTYPE), bitcast=True)
+    m_ptr = tl.load(table_ptr + 4 * t + 2).to(tl.pointer_type(tl.float32), bitcast=True)
+    v_ptr = tl.load(table_ptr + 4 * t + 3).to(tl.pointer_type(tl.float32), bitcast=True)
+    offs = start + tl.arange(0, BLOCK)
+    n_live = n
+    if HAS_FOUND_INF:
+        n_live = tl.where(tl.load(found_inf_ptr) != 0, 0, n)
+    mask = offs < n_live
+    p0 = tl.load(p_ptr + offs, mask=mask, other=0.0)
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    m0 = tl.load(m_ptr + offs, mask=mask, other=0.0)
+    v0 = tl.load(v_ptr + offs, mask=mask, other=0.0)
+    p, m, v = _adam_math(p0, g, m0, v0, grad_factor_ptr, scalars_ptr, decay, lerp_w, beta2, one_minus_beta2,
+                         inv_bc2_sqrt, eps, neg_step_size, COUPLED_WD, DECOUPLED_WD, MAXIMIZE, HAS_GRAD_FACTOR,
+                         DEVICE_SCALARS)
+    tl.store(p_ptr + offs, p, mask=mask)
+    tl.store(m_ptr + offs, m, mask=mask)
+    tl.store(v_ptr + offs, v, mask=mask)
+
+
+_TRITON_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+class _Tables:
+    """Device copies of the address and block tables of the last calls,
+    reused while the tensors' addresses are the same (parameters and states
+    are updated in place; gradients come back at the same addresses once the
+    allocator is warm). New tables travel from pinned memory without a sync."""
+
+    def __init__(self, size: int = 8):
+        self._cache: dict = {}
+        self._size = size
+
+    def get(self, key, build):
+        hit = self._cache.get(key)
+        if hit is None:
+            if len(self._cache) >= self._size:
+                self._cache.pop(next(iter(self._cache)))
+            hit = self._cache[key] = build()
+        return hit
+
+
+_TABLES = _Tables()
+
+
+def _device_table(rows: list, device: torch.device) -> torch.Tensor:
+    host = torch.tensor(rows, dtype=torch.int64, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
+
+
+def adam_update_many_reference(params, grads, exp_avgs, exp_avg_sqs, **kwargs) -> None:
+    """The spec: :func:`adam_update_reference` in place on each tensor in turn."""
+    for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs, strict=True):
+        adam_update_reference(p, g, m, v, inplace=True, **kwargs)
+
+
+@register("adam_update_many", reference=adam_update_many_reference, jit=(_adam_math, _adam_many_kernel),
+          what="Adam/AdamW over many tensors in one launch per gradient dtype (addresses from a table)")
+def adam_update_many(params, grads, exp_avgs, exp_avg_sqs, *, lr: float, beta1: float, beta2: float, eps: float,
+                     weight_decay: float, step: float | None, decoupled: bool, maximize: bool = False,
+                     grad_factor: torch.Tensor | None = None, found_inf: torch.Tensor | None = None,
+                     device_scalars: torch.Tensor | None = None) -> None:
+    """:func:`adam_update` in place over lists of tensors, one launch per
+    gradient dtype: the same bits as one call per tensor, without the
+    launches (hundreds per step for a transformer's parameters)."""
+    count = len(params)
+    if not (len(grads) == len(exp_avgs) == len(exp_avg_sqs) == count):
+        raise ValueError(f"adam_update_many: {count} params, {len(grads)} grads, {len(exp_avgs)} exp_avg, "
+                         f"{len(exp_avg_sqs)} exp_avg_sq")
+    if count == 0:
+        return
+    device = params[0].device
+    for i in range(count):
+        for name, t in (("param", params[i]), ("grad", grads[i]), ("exp_avg", exp_avgs[i]), ("exp_avg_sq", exp_avg_sqs[i])):
+            if not (isinstance(t, torch.Tensor) and t.is_contiguous() and t.device == device):
+                raise ValueError(f"adam_update_many: {name} #{i} must be a contiguous tensor on {device}")
+            if t.numel() != params[i].numel():
+                raise ValueError(f"adam_update_many: {name} #{i} has {t.numel()} elements; param has {params[i].numel()}")
+        if params[i].dtype != torch.float32 or exp_avgs[i].dtype != torch.float32 or exp_avg_sqs[i].dtype != torch.float32:
+            raise ValueError(f"adam_update_many: tensor #{i}: param and state must be float32")
+        if grads[i].dtype not in _GRAD_DTYPES:
+            raise ValueError(f"adam_update_many: grad #{i} has dtype {grads[i].dtype}")
+    if device_scalars is not None:
+        _check_tensor("device_scalars", device_scalars, (torch.float32,), 2, device)
+        step = 1.0 if step is None else step
+    _check_scalars(params[0], grad_factor, found_inf)
+    lr, beta1, beta2, eps, weight_decay, step = map(float, (lr, beta1, beta2, eps, weight_decay, step))
+    if not step >= 1:
+        raise ValueError(f"step must be >= 1 (the step count after this step's increment), got {step}")
+    coupled = weight_decay != 0 and not decoupled
+    decoupled_wd = weight_decay != 0 and decoupled
+    bias_correction2_sqrt = (1 - beta2**step) ** 0.5
+    step_size = lr / (1 - beta1**step)
+    by_dtype: dict = {}
+    for i in range(count):
+        if params[i].numel():
+            by_dtype.setdefault(grads[i].dtype, []).append(i)
+    for dtype, members in by_dtype.items():
+        ptrs = tuple(t.data_ptr() for i in members for t in (params[i], grads[i], exp_avgs[i], exp_avg_sqs[i]))
+        numels = tuple(params[i].numel() for i in members)
+
+        def blocks():
+            rows = [[j, start] for j, n in enumerate(numels) for start in range(0, n, BLOCK)]
+            return _device_table(rows, device), _device_table(list(numels), device)
+
+        block_table, numel_table = _TABLES.get(("blocks", numels, device), blocks)
+        table = _TABLES.get(("ptrs", ptrs, device), lambda: _device_table([list(ptrs[k:k + 4]) for k in range(0, len(ptrs), 4)], device))
+        with _device_guard(params[0]):
+            _adam_many_kernel[(block_table.shape[0],)](
+                table, block_table, numel_table,
+                grad_factor if grad_factor is not None else params[0],
+                found_inf if found_inf is not None else params[0],
+                device_scalars if device_scalars is not None else params[0],
+                weight_decay if coupled else 1 - lr * weight_decay,
+                1 - beta1, beta2, 1 - beta2, 1.0 / bias_correction2_sqrt, eps, -step_size,
+                GRAD_DTYPE=_TRITON_DTYPES[dtype], COUPLED_WD=coupled, DECOUPLED_WD=decoupled_wd,
+                MAXIMIZE=bool(maximize), HAS_GRAD_FACTOR=grad_factor is not None,
+                HAS_FOUND_INF=found_inf is not None, DEVICE_SCALARS=device_scalars is not None,
+                BLOCK=BLOCK, num_warps=NUM_WARPS, enable_fp_fusion=False,
+            )
 
 
 def adam_device_scalars(step: torch.Tensor, *, lr: float, beta1: float, beta2: float) -> torch.Tensor:

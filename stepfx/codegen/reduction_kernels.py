@@ -16,7 +16,8 @@ import triton.language as tl
 
 from .registry import register
 
-__all__ = ["sum_squares", "sum_squares_reference", "cast_pack", "cast_pack_reference"]
+__all__ = ["sum_squares", "sum_squares_reference", "sum_squares_many", "sum_squares_many_reference", "cast_pack",
+           "cast_pack_reference"]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -86,6 +87,111 @@ def sum_squares(x: torch.Tensor) -> torch.Tensor:
     with _device_guard(x):
         _sum_squares_kernel[(programs,)](x, partials, n, BLOCK=SUM_BLOCK, ITERS=SUM_ITERS, num_warps=NUM_WARPS)
     return partials.sum() if programs > 1 else partials.reshape(())
+
+
+@triton.jit
+def _sum_squares_many_kernel(table_ptr, chunks_ptr, partial_ptr, X_DTYPE: tl.constexpr, BLOCK: tl.constexpr,
+                             ITERS: tl.constexpr):
+    # _sum_squares_kernel over many tensors in one launch: program c takes
+    # chunk (tensor t, first element, number of elements n, slot in
+    # partials) from the chunk table and the tensor's address from the
+    # address table; the same lanes, order and tree as the one-tensor kernel.
+    c = tl.program_id(0).to(tl.int64)
+    t = tl.load(chunks_ptr + 4 * c)
+    base = tl.load(chunks_ptr + 4 * c + 1)
+    n = tl.load(chunks_ptr + 4 * c + 2)
+    slot = tl.load(chunks_ptr + 4 * c + 3)
+    x_ptr = tl.load(table_ptr + t).to(tl.pointer_type(X_DTYPE), bitcast=True)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for i in range(ITERS):
+        offs = base + i * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+        acc += x * x
+    tl.store(partial_ptr + slot, tl.sum(acc, axis=0))
+
+
+@triton.jit
+def _segment_sum_kernel(partial_ptr, segments_ptr, out_ptr, BLOCK: tl.constexpr):
+    # out[t] = the sum of tensor t's partials, lanes then a tree: deterministic
+    t = tl.program_id(0).to(tl.int64)
+    start = tl.load(segments_ptr + 2 * t)
+    count = tl.load(segments_ptr + 2 * t + 1)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for i in range(0, count, BLOCK):
+        offs = i + tl.arange(0, BLOCK)
+        acc += tl.load(partial_ptr + start + offs, mask=offs < count, other=0.0)
+    tl.store(out_ptr + t, tl.sum(acc, axis=0))
+
+
+_TRITON_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+_TABLES: dict = {}
+
+
+def _device_table(rows, device: torch.device) -> torch.Tensor:
+    """An int64 table on ``device``, sent from pinned memory without a sync."""
+    host = torch.tensor(rows, dtype=torch.int64, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
+
+
+def _cached(key, build):
+    """Tables by what they hold (addresses, sizes): a warm step reuses them."""
+    if key not in _TABLES:
+        if len(_TABLES) >= 16:
+            _TABLES.pop(next(iter(_TABLES)))
+        _TABLES[key] = build()
+    return _TABLES[key]
+
+
+def sum_squares_many_reference(*xs: torch.Tensor) -> torch.Tensor:
+    """Eager: ``torch.stack([(x.float() ** 2).sum() for x in xs])``."""
+    return torch.stack([sum_squares_reference(x) for x in xs])
+
+
+@register("sum_squares_many", reference=sum_squares_many_reference, jit=(_sum_squares_many_kernel, _segment_sum_kernel),
+          what="sums of squares of many tensors, one launch per dtype plus one for the per-tensor sums")
+def sum_squares_many(*xs: torch.Tensor) -> torch.Tensor:
+    """fp32 tensor ``[len(xs)]`` of each ``(x.float() ** 2).sum()``: two
+    launches per input dtype however many tensors (the clipping norm of a
+    transformer's ~300 gradients), deterministic, inf/nan propagate."""
+    if not xs:
+        raise ValueError("sum_squares_many needs at least one tensor")
+    device = xs[0].device
+    for i, x in enumerate(xs):
+        _check_input(f"x #{i}", x)
+        if x.device != device:
+            raise ValueError(f"x #{i} is on {x.device}; x #0 is on {device}")
+    chunk = SUM_BLOCK * SUM_ITERS
+    out = torch.zeros(len(xs), dtype=torch.float32, device=device)
+    by_dtype: dict = {}
+    for i, x in enumerate(xs):
+        if x.numel():
+            by_dtype.setdefault(x.dtype, []).append(i)
+    for dtype, members in by_dtype.items():
+        numels = tuple(xs[i].numel() for i in members)
+
+        def tables():
+            chunks, segments, slot = [], [], 0
+            for j, n in enumerate(numels):
+                count = triton.cdiv(n, chunk)
+                segments.append([slot, count])
+                chunks.extend([j, k * chunk, n, slot + k] for k in range(count))
+                slot += count
+            return _device_table(chunks, device), _device_table(segments, device), slot, len(chunks)
+
+        chunk_table, segment_table, slots, programs = _cached(("chunks", numels, device), tables)
+        ptrs = tuple(xs[i].data_ptr() for i in members)
+        table = _cached(("ptrs", ptrs, device), lambda: _device_table(list(ptrs), device))
+        partials = torch.empty(slots, dtype=torch.float32, device=device)
+        sums = torch.empty(len(members), dtype=torch.float32, device=device)
+        with _device_guard(xs[0]):
+            _sum_squares_many_kernel[(programs,)](table, chunk_table, partials, X_DTYPE=_TRITON_DTYPES[dtype],
+                                                  BLOCK=SUM_BLOCK, ITERS=SUM_ITERS, num_warps=NUM_WARPS)
+            _segment_sum_kernel[(len(members),)](partials, segment_table, sums, BLOCK=1024, num_warps=4)
+        if len(members) == len(xs):
+            return sums  # one dtype, no empty tensor: the usual case
+        index = _cached(("index", tuple(members), device), lambda: _device_table(members, device))
+        out.index_copy_(0, index, sums)
+    return out
 
 
 # --------------------------------------------------------------------------- cast_pack

@@ -2,6 +2,8 @@
 for its place. ``disable=`` in the config turns passes off by name."""
 from __future__ import annotations
 
+from .batch_optimizer_updates import batch_optimizer_updates
+from .batch_sum_squares import batch_sum_squares
 from .drop_profiler_nodes import drop_profiler_nodes
 from .eliminate_dead_code import eliminate_dead_code
 from .fold_gradient_casts import fold_gradient_casts
@@ -154,6 +156,18 @@ PIPELINE: tuple[PipelineEntry, ...] = (
         "fold_gradient_casts",
         fold_gradient_casts,
         "after the fusions: only then are the fused kernels the fp32 gradient copies' sole readers",
+        applies=codegen_enabled,
+    ),
+    PipelineEntry(
+        "batch_optimizer_updates",
+        batch_optimizer_updates,
+        "after fold_gradient_casts (which reads single updates' gradient arguments): hundreds of launches become one",
+        applies=codegen_enabled,
+    ),
+    PipelineEntry(
+        "batch_sum_squares",
+        batch_sum_squares,
+        "after fold_gradient_casts (so the sums read the 16-bit gradients): hundreds of launches become two",
         applies=codegen_enabled,
     ),
     PipelineEntry(

@@ -303,3 +303,38 @@ def test_adam_device_scalars_equal_the_host_path(step):
         assert torch.equal(a, b)
     with pytest.raises(ValueError, match="device_scalars has 3 elements"):
         adam_update(p, g, m, v, **hyper, step=None, device_scalars=torch.zeros(3, device=DEVICE))
+
+
+@pytest.mark.parametrize("variant", ["plain", "factor-and-flag", "flag-set", "device-scalars"])
+def test_adam_many_equals_one_call_per_tensor(variant):
+    """One launch for many tensors (odd sizes, fp32 and bf16 gradients, an
+    empty one): bit-identical to adam_update on each in turn."""
+    from stepfx.codegen.optimizer_kernels import adam_device_scalars, adam_update_many
+
+    gen = torch.Generator().manual_seed(5)
+    shapes = [(9,), (41, 3), (4231,), (0,), (2048,), (2049,)]
+    dtypes = [torch.float32, torch.bfloat16, torch.bfloat16, torch.float32, torch.float32, torch.float16]
+    tensors = []
+    for shape, dtype in zip(shapes, dtypes):
+        p, m = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen) * 0.1
+        v, g = torch.rand(shape, generator=gen) * 1e-3, torch.randn(shape, generator=gen).to(dtype)
+        tensors.append(tuple(t.to(DEVICE) for t in (p, g, m, v)))
+    hyper = {k: x for k, x in ADAM.items()}
+    if variant in ("factor-and-flag", "flag-set"):
+        hyper["grad_factor"] = torch.tensor(0.37, device=DEVICE)
+        hyper["found_inf"] = torch.tensor(variant == "flag-set", device=DEVICE)
+    if variant == "device-scalars":
+        hyper["device_scalars"] = adam_device_scalars(torch.tensor(hyper["step"], device=DEVICE), lr=hyper["lr"],
+                                                      beta1=hyper["beta1"], beta2=hyper["beta2"])
+        hyper["step"] = None
+    singles = [tuple(t.clone() for t in group) for group in tensors]
+    for p, g, m, v in singles:
+        adam_update(p, g, m, v, inplace=True, **hyper)
+    many = [tuple(t.clone() for t in group) for group in tensors]
+    params, grads, ms, vs = (list(x) for x in zip(*many))
+    adam_update_many(params, grads, ms, vs, **hyper)
+    for (p, _, m, v), (sp, _, sm, sv), (p0, _, m0, v0) in zip(many, singles, tensors):
+        assert torch.equal(p, sp) and torch.equal(m, sm) and torch.equal(v, sv)
+        assert torch.equal(p, p0) == (variant == "flag-set" or p.numel() == 0)
+    with pytest.raises(ValueError, match="grad #1 must be a contiguous tensor"):
+        adam_update_many(params[:2], [grads[0], torch.zeros(41, 6, device=DEVICE)[:, ::2]], ms[:2], vs[:2], **hyper)

@@ -134,3 +134,29 @@ def test_cuda(dtype):
     for out in DTYPES:
         torch.testing.assert_close(cast_pack(parts, 5800, out), _cat_pack(parts, 5800, out),
                                    rtol=0, atol=0, equal_nan=True)
+
+
+def test_sum_squares_many():
+    """Many tensors (dtypes mixed, an empty one, sizes across chunk edges):
+    each sum no worse than twice eager's own error against fp64; inf/nan
+    propagate to their own entry only; deterministic."""
+    from stepfx.codegen.reduction_kernels import sum_squares_many
+
+    gen = torch.Generator().manual_seed(7)
+    shapes = [(9,), (41, 3), (16384,), (16385,), (0,), (50_000,), (341,)]
+    dtypes = [torch.float32, torch.bfloat16, torch.float32, torch.float32, torch.float16, torch.bfloat16, torch.float16]
+    xs = [(torch.randn(s, generator=gen) * 3).to(d).to(DEVICE) for s, d in zip(shapes, dtypes)]
+    got = sum_squares_many(*xs)
+    assert got.shape == (len(xs),) and got.dtype == torch.float32
+    for i, x in enumerate(xs):
+        truth, eager = (x.double() ** 2).sum(), (x.float() ** 2).sum()
+        err, eager_err = (got[i].double() - truth).abs(), (eager.double() - truth).abs()
+        assert err <= 2 * eager_err + 2 * EPS32 * truth, f"tensor {i}: error {err:.3g}, eager {eager_err:.3g}"
+    assert torch.equal(sum_squares_many(*xs), got), "not deterministic"
+    bad = [x.clone() for x in xs]
+    bad[3][7], bad[5][100] = float("inf"), float("nan")
+    out = sum_squares_many(*bad)
+    assert torch.isinf(out[3]) and torch.isnan(out[5])
+    assert torch.isfinite(out[[0, 1, 2, 4, 6]]).all()
+    with pytest.raises(ValueError, match="x #1 has dtype torch.int32"):
+        sum_squares_many(xs[0], torch.zeros(3, dtype=torch.int32, device=DEVICE))

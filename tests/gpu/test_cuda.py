@@ -130,7 +130,8 @@ def test_fp16_config_optimizer_and_schedule_on_cuda():
     # the step count lives on the device (a skipped step leaves it unchanged):
     # the fused update reads it there, nothing reads it on the host
     assert not host_reads_of_device_values(step)
-    assert "adam_scalars" in kernel_calls(step) and "adam_step" in kernel_calls(step)
+    # (per-parameter device counters are not known equal without a read: one update per parameter here)
+    assert "adam_scalars" in kernel_calls(step) and {"adam_step", "adam_step_many"} & set(kernel_calls(step))
     assert step.lr_scheduler.last_batch_iteration == 4 - 1  # four applied updates, from -1
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
@@ -183,7 +184,7 @@ def test_codegen_adamw_on_cuda_tracks_the_losses():
     print(f"\ncuda codegen tiny gpt adamw fp32: worst loss rel {worst:.2e}; kernels {sorted(set(kernel_calls(fused)))}")
     assert worst <= 1e-5
     names = kernel_calls(fused)
-    assert "adam_step" in names and "layer_norm" in names and "layer_norm_backward" in names
+    assert "adam_step_many" in names and "layer_norm" in names and "layer_norm_backward" in names
     assert "linear_cross_entropy" in names and not host_reads_of_device_values(fused)
 
 
@@ -214,7 +215,7 @@ def test_codegen_bf16_on_cuda_is_no_further_from_fp32_than_unfused_bf16():
     print(f"\ncuda codegen bf16 vs fp32: worst {max(errs[0]):.2e} (unfused bf16 {max(errs[1]):.2e}), "
           f"mean {sum(errs[0]) / 20:.2e} (unfused {sum(errs[1]) / 20:.2e})")
     assert max(errs[0]) <= 2 * max(errs[1]) and sum(errs[0]) / 20 <= 2e-2
-    assert "adam_step" in kernel_calls(steps[0]) and not host_reads_of_device_values(steps[0])
+    assert "adam_step_many" in kernel_calls(steps[0]) and not host_reads_of_device_values(steps[0])
 
 
 @pytest.mark.multigpu

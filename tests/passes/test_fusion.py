@@ -49,8 +49,11 @@ def _fused(step) -> tuple[int, int, list]:
     """(fused update calls, of them in place, not-fused records) of the latest plan."""
     nodes = [n for n in step.plan.graph.gm.graph.nodes if n.op == "call_function"]
     calls = [n for n in nodes if getattr(n.target, "__name__", "") in ("adam_step", "sgd_step")]
+    many = [n for n in nodes if getattr(n.target, "__name__", "") == "adam_step_many"]  # batch_optimizer_updates
     report = [r for r in step.plan.graph.signature.extra.get(FUSION_REPORT_KEY, ()) if r[0] == "fuse_optimizer_update"]
-    return len(calls), sum(1 for n in calls if n.meta.get(META_DONATED)), report
+    updates = len(calls) + sum(n.args[0] for n in many)
+    in_place = sum(1 for n in calls if n.meta.get(META_DONATED)) + sum(n.args[0] for n in many if n.meta.get(META_DONATED))
+    return updates, in_place, report
 
 
 @pytest.mark.parametrize("name", list(_optimizers()))
@@ -92,12 +95,12 @@ def test_clipping_and_fp16_fold_into_the_kernel():
     calls, in_place, report = _fused(step)
     assert calls == 4 and in_place == 4 and report == []
     nodes = [n for n in step.plan.graph.gm.graph.nodes if n.op == "call_function"]
-    targets = [n.target for n in nodes]
     # the overflow skip of parameters and state is inside the kernel; only the step counters keep theirs
     assert all(n.meta["val"].numel() == 1 for n in nodes if n.target is torch.ops.aten.where.self)
-    assert sum(getattr(t, "__name__", "") == "sum_squares" for t in targets) == 4
+    many = [n for n in nodes if getattr(n.target, "__name__", "") == "sum_squares_many"]  # batch_sum_squares
+    assert len(many) == 1 and len(many[0].args) == 4
     text = step.explain()
-    assert "adam_step" in text and "x4" in text and "@triton.jit" in text  # the kernels' source is shown
+    assert "adam_step_many" in text and "(4 updates write in place" in text and "@triton.jit" in text  # the kernels' source is shown
 
 
 def test_fp16_overflow_skips_bit_for_bit_with_fused_kernels():
@@ -149,8 +152,9 @@ def test_step_counter_on_the_device_is_read_there(monkeypatch):
     nodes = [n for n in dev.plan.graph.gm.graph.nodes if n.op == "call_function"]
     scalars = [n for n in nodes if getattr(n.target, "__name__", "") == "adam_scalars"]
     assert len(scalars) == 1, [n.format_node() for n in scalars]  # once per step, for every parameter's kernel
-    assert all(n.kwargs.get("step_on_device") and n.args[7] is scalars[0]
-               for n in nodes if getattr(n.target, "__name__", "") == "adam_step")
+    many = [n for n in nodes if getattr(n.target, "__name__", "") == "adam_step_many"]
+    assert len(many) == 1 and many[0].kwargs.get("step_on_device")
+    assert many[0].args[1 + 4 * many[0].args[0] + 3] is scalars[0]  # the step argument
     assert not any(n.target is torch.ops.aten._local_scalar_dense.default and n.args[0].meta["val"].dtype != torch.float64
                    for n in nodes), "the step counter is still read on the host"
 
@@ -181,9 +185,18 @@ def test_fused_kernels_read_16_bit_gradients(precision):
 
     n_params = len(list(tiny_gpt().parameters()))
     assert len(grad_copies(kept)) >= n_params and grad_copies(folded) == []
-    kernels = [n for n in folded.plan.graph.gm.graph.nodes if getattr(n.target, "__name__", "") in ("adam_step", "sum_squares")]
-    grads = [n.args[1] if n.target.__name__ == "adam_step" else n.args[0] for n in kernels]
-    assert len(kernels) == 2 * n_params and all(g.meta["val"].dtype != torch.float32 for g in grads)
+    grads = []
+    for n in folded.plan.graph.gm.graph.nodes:
+        name = getattr(n.target, "__name__", "")
+        if name == "sum_squares":
+            grads.append(n.args[0])
+        elif name == "sum_squares_many":  # batch_sum_squares
+            grads.extend(n.args)
+        elif name == "adam_step":
+            grads.append(n.args[1])
+        elif name == "adam_step_many":  # batch_optimizer_updates: count, params, grads, ...
+            grads.extend(n.args[1 + n.args[0]:1 + 2 * n.args[0]])
+    assert len(grads) == 2 * n_params and all(g.meta["val"].dtype != torch.float32 for g in grads)
 
 
 @pytest.mark.parametrize("stage", [0, 3])
@@ -281,6 +294,28 @@ def test_a_region_inductor_cannot_compile_runs_as_its_ops(monkeypatch, caplog):
     assert_step_equivalent(hf_step, hf_llama, sgd, token_batches(2), config=CODEGEN, rtol=1e-6, atol=1e-7)
     assert regions.REGIONS and all("no backend today" in r.failed for r in regions.REGIONS.values())
     assert "runs as aten ops" in caplog.text
+
+
+def test_updates_batched_into_one_launch_are_bit_identical():
+    """batch_optimizer_updates: every in-place Adam update of the step in
+    one multi-tensor call (the tied embedding's too, whose step argument
+    comes in the other form), the same bits as one call per parameter."""
+    runs = []
+    for disable in ([], ["batch_optimizer_updates"]):
+        torch.manual_seed(0)
+        model = tiny_gpt()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        step = stepfx.parallelize({**CODEGEN, "bf16": {"enabled": True}, "gradient_clipping": 1.0,
+                                   "stepfx": {"codegen": True, "disable": disable}})(lm_step)
+        losses = [step(model, opt, *batch) for batch in token_batches(4)]
+        names = [getattr(n.target, "__name__", "") for n in step.plan.graph.gm.graph.nodes]
+        runs.append((losses, [p.detach().clone() for p in model.parameters()], names))
+    (losses, params, names), (kept_losses, kept_params, kept_names) = runs
+    n_params = len(params)
+    assert names.count("adam_step_many") == 1 and "adam_step" not in names
+    assert kept_names.count("adam_step") == n_params and "adam_step_many" not in kept_names
+    assert all(torch.equal(a, b) for a, b in zip(losses, kept_losses))
+    assert all(torch.equal(a, b) for a, b in zip(params, kept_params))
 
 
 def test_the_check_refuses_ops_that_compute_another_rule(monkeypatch):

@@ -241,5 +241,5 @@ def test_codegen_under_zero(rank_pool, stage):
     )
     explain = report.explains[0]
     assert "adam_step" in explain and "sum_squares" in explain
-    in_place = "kernel calls write in place" in explain
+    in_place = "updates write in place" in explain
     assert in_place == (stage in (0, 3))  # stages 1-2 all-gather after the update: new tensors instead
