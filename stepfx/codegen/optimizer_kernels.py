@@ -23,12 +23,15 @@ the spec, written with the torch ops torch's optimizer uses, in its order.
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import torch
 import triton
 import triton.language as tl
 
 from .registry import register
+
+log = logging.getLogger("stepfx")
 
 __all__ = ["adam_device_scalars", "adam_update", "adam_update_many", "adam_update_many_reference", "adam_update_reference", "sgd_update", "sgd_update_reference"]
 
@@ -298,6 +301,15 @@ def _adam_many_kernel(
 
 
 _TRITON_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+# Why the multi-tensor kernel could not be built here (then adam_update_many
+# launches the one-tensor kernel per tensor: the same results, more launches).
+MANY_FALLBACK: str | None = None
+
+
+def _many_failed(exc: Exception) -> None:
+    global MANY_FALLBACK
+    MANY_FALLBACK = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+    log.warning("stepfx: the multi-tensor Adam kernel failed (%s); updating one tensor per launch", MANY_FALLBACK)
 
 
 class _Tables:
@@ -384,19 +396,28 @@ def adam_update_many(params, grads, exp_avgs, exp_avg_sqs, *, lr: float, beta1: 
 
         block_table, numel_table = _TABLES.get(("blocks", numels, device), blocks)
         table = _TABLES.get(("ptrs", ptrs, device), lambda: _device_table([list(ptrs[k:k + 4]) for k in range(0, len(ptrs), 4)], device))
-        with _device_guard(params[0]):
-            _adam_many_kernel[(block_table.shape[0],)](
-                table, block_table, numel_table,
-                grad_factor if grad_factor is not None else params[0],
-                found_inf if found_inf is not None else params[0],
-                device_scalars if device_scalars is not None else params[0],
-                weight_decay if coupled else 1 - lr * weight_decay,
-                1 - beta1, beta2, 1 - beta2, 1.0 / bias_correction2_sqrt, eps, -step_size,
-                GRAD_DTYPE=_TRITON_DTYPES[dtype], COUPLED_WD=coupled, DECOUPLED_WD=decoupled_wd,
-                MAXIMIZE=bool(maximize), HAS_GRAD_FACTOR=grad_factor is not None,
-                HAS_FOUND_INF=found_inf is not None, DEVICE_SCALARS=device_scalars is not None,
-                BLOCK=BLOCK, num_warps=NUM_WARPS, enable_fp_fusion=False,
-            )
+        if MANY_FALLBACK is None:
+            try:
+                with _device_guard(params[0]):
+                    _adam_many_kernel[(block_table.shape[0],)](
+                        table, block_table, numel_table,
+                        grad_factor if grad_factor is not None else params[0],
+                        found_inf if found_inf is not None else params[0],
+                        device_scalars if device_scalars is not None else params[0],
+                        weight_decay if coupled else 1 - lr * weight_decay,
+                        1 - beta1, beta2, 1 - beta2, 1.0 / bias_correction2_sqrt, eps, -step_size,
+                        GRAD_DTYPE=_TRITON_DTYPES[dtype], COUPLED_WD=coupled, DECOUPLED_WD=decoupled_wd,
+                        MAXIMIZE=bool(maximize), HAS_GRAD_FACTOR=grad_factor is not None,
+                        HAS_FOUND_INF=found_inf is not None, DEVICE_SCALARS=device_scalars is not None,
+                        BLOCK=BLOCK, num_warps=NUM_WARPS, enable_fp_fusion=False,
+                    )
+                continue
+            except Exception as exc:  # a Triton that cannot build it: the per-tensor kernel does the same work
+                _many_failed(exc)
+        for i in members:
+            adam_update(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                        weight_decay=weight_decay, step=step, decoupled=decoupled, maximize=maximize,
+                        grad_factor=grad_factor, found_inf=found_inf, inplace=True, device_scalars=device_scalars)
 
 
 def adam_device_scalars(step: torch.Tensor, *, lr: float, beta1: float, beta2: float) -> torch.Tensor:

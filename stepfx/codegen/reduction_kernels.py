@@ -9,12 +9,15 @@ once and the buffer written once.
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import torch
 import triton
 import triton.language as tl
 
 from .registry import register
+
+log = logging.getLogger("stepfx")
 
 __all__ = ["sum_squares", "sum_squares_reference", "sum_squares_many", "sum_squares_many_reference", "cast_pack",
            "cast_pack_reference"]
@@ -125,6 +128,15 @@ def _segment_sum_kernel(partial_ptr, segments_ptr, out_ptr, BLOCK: tl.constexpr)
 
 _TRITON_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 _TABLES: dict = {}
+# Why the multi-tensor kernels could not be built here (then sum_squares_many
+# launches the one-tensor kernel per tensor: the same sums, more launches).
+MANY_FALLBACK: str | None = None
+
+
+def _many_failed(exc: Exception) -> None:
+    global MANY_FALLBACK
+    MANY_FALLBACK = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+    log.warning("stepfx: the multi-tensor sum-of-squares kernel failed (%s); one tensor per launch", MANY_FALLBACK)
 
 
 def _device_table(rows, device: torch.device) -> torch.Tensor:
@@ -181,12 +193,20 @@ def sum_squares_many(*xs: torch.Tensor) -> torch.Tensor:
         chunk_table, segment_table, slots, programs = _cached(("chunks", numels, device), tables)
         ptrs = tuple(xs[i].data_ptr() for i in members)
         table = _cached(("ptrs", ptrs, device), lambda: _device_table(list(ptrs), device))
-        partials = torch.empty(slots, dtype=torch.float32, device=device)
-        sums = torch.empty(len(members), dtype=torch.float32, device=device)
-        with _device_guard(xs[0]):
-            _sum_squares_many_kernel[(programs,)](table, chunk_table, partials, X_DTYPE=_TRITON_DTYPES[dtype],
-                                                  BLOCK=SUM_BLOCK, ITERS=SUM_ITERS, num_warps=NUM_WARPS)
-            _segment_sum_kernel[(len(members),)](partials, segment_table, sums, BLOCK=1024, num_warps=4)
+        sums = None
+        if MANY_FALLBACK is None:
+            partials = torch.empty(slots, dtype=torch.float32, device=device)
+            sums = torch.empty(len(members), dtype=torch.float32, device=device)
+            try:
+                with _device_guard(xs[0]):
+                    _sum_squares_many_kernel[(programs,)](table, chunk_table, partials, X_DTYPE=_TRITON_DTYPES[dtype],
+                                                          BLOCK=SUM_BLOCK, ITERS=SUM_ITERS, num_warps=NUM_WARPS)
+                    _segment_sum_kernel[(len(members),)](partials, segment_table, sums, BLOCK=1024, num_warps=4)
+            except Exception as exc:  # a Triton that cannot build it: the one-tensor kernel does the same work
+                _many_failed(exc)
+                sums = None
+        if sums is None:
+            sums = torch.stack([sum_squares(xs[i]) for i in members])
         if len(members) == len(xs):
             return sums  # one dtype, no empty tensor: the usual case
         index = _cached(("index", tuple(members), device), lambda: _device_table(members, device))
