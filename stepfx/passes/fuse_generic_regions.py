@@ -8,11 +8,12 @@ embeddings, SwiGLU, GELU after a bias, their backward — is what inductor
 already fuses well, so it goes there (see :mod:`stepfx.codegen.regions`).
 
 A region grows in graph order from a candidate op: a candidate joins the
-region of the candidate it reads when every other value it reads was made
-before the region's first op. That keeps the graph acyclic when the region
-becomes one call placed where its first op was (its inputs all exist
-there; its outputs are read only after). Regions of one op are left
-alone: a single pointwise op is one aten kernel already.
+region of the candidate it reads when the region can still become one call
+placed either where its first op was (every value it reads from outside
+was made before that) or where its last op is (nothing outside reads its
+values before that: SwiGLU's ``silu(gate) * up``, whose ``up`` is made
+after ``silu``). Either keeps the graph acyclic. Regions of one op are
+left alone: a single pointwise op is one aten kernel already.
 
 Candidates, by op identity: ops tagged ``torch.Tag.pointwise``, dtype-only
 ``_to_copy``, ``mean.dim`` and ``sum.dim_IntList``; in the forward and
@@ -81,26 +82,37 @@ def _candidate(node: fx.Node) -> bool:
     return all(isinstance(a.meta.get("val"), torch.Tensor) for a in node.all_input_nodes)
 
 
-def _regions(g: fx.Graph) -> list[list[fx.Node]]:
+@dataclasses.dataclass
+class _Region:
+    nodes: list
+    at_first: bool = True  # every value it reads from outside exists before its first op
+    at_last: bool = True  # nothing outside reads its values before its last op
+
+
+def _regions(g: fx.Graph) -> list[_Region]:
     order = {n: i for i, n in enumerate(g.nodes)}
-    region_of: dict[fx.Node, int] = {}
-    regions: list[list[fx.Node]] = []
+    region_of: dict[fx.Node, _Region] = {}
+    regions: list[_Region] = []
     for node in g.nodes:
         if not _candidate(node):
             continue
-        owners = {region_of[a] for a in node.all_input_nodes if a in region_of}
+        owners = {id(region_of[a]): region_of[a] for a in node.all_input_nodes if a in region_of}
         joined = None
         if len(owners) == 1:
-            r = owners.pop()
-            first = order[regions[r][0]]
-            if all(a in region_of and region_of[a] == r or order[a] < first for a in node.all_input_nodes):
+            (r,) = owners.values()
+            first = order[r.nodes[0]]
+            at_first = r.at_first and all(region_of.get(a) is r or order[a] < first for a in node.all_input_nodes)
+            at_last = r.at_last and all(u is node or region_of.get(u) is r or order[u] > order[node]
+                                        for m in r.nodes for u in m.users)
+            if at_first or at_last:
+                r.at_first, r.at_last = at_first, at_last
                 joined = r
         if joined is None:
-            joined = len(regions)
-            regions.append([])
-        regions[joined].append(node)
+            joined = _Region([])
+            regions.append(joined)
+        joined.nodes.append(node)
         region_of[node] = joined
-    return [r for r in regions if len(r) > 1]
+    return [r for r in regions if len(r.nodes) > 1]
 
 
 def _cut(g: fx.Graph, nodes: list[fx.Node]):
@@ -133,11 +145,13 @@ def fuse_generic_regions(graph: StepGraph, options: PassOptions) -> PassResult:
     graph = clone_step_graph(graph)
     g = graph.gm.graph
     record = []
-    for nodes in _regions(g):
+    for region in _regions(g):
+        nodes = region.nodes
         gm, inputs, outputs = _cut(g, nodes)
         key = register_region(gm, [a.meta["val"] for a in inputs])
         vals = tuple(n.meta["val"] for n in outputs)
-        with g.inserting_before(nodes[0]):
+        # where every input exists and no outside reader has come yet
+        with g.inserting_before(nodes[0] if region.at_first else nodes[-1]):
             call = make_node(g, graph_ops.run_region, (key, *inputs), val=vals, like=nodes[0], name="region")
             results = [make_node(g, operator.getitem, (call, i), val=v, like=n, name=f"{n.name}_out")
                        for i, (n, v) in enumerate(zip(outputs, vals))]

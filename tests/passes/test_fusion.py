@@ -244,8 +244,8 @@ def test_parameter_casts_by_the_cast_kernel(monkeypatch, stage):
 
 def test_generic_regions_go_to_inductor(monkeypatch):
     """Hugging Face Llama's hand-written RMSNorm (with the residual add
-    before it), its backward chains and the rotary embedding's pointwise
-    ops become inductor regions; the step still equals eager per step within
+    before it), SwiGLU, their backward chains and the rotary embedding's
+    pointwise ops become inductor regions; the step still equals eager per step within
     1e-5 (SGD: inductor's CPU code vectorizes and fuses multiply-adds).
     Regions on CPU only here: inductor's CPU backend compiles C++."""
     from stepfx.codegen.regions import REGIONS
@@ -268,6 +268,8 @@ def test_generic_regions_go_to_inductor(monkeypatch):
     assert len(set(keys)) < len(keys)  # identical layers share one compiled region
     rms = [key for key in set(keys) if {"aten.mean.dim", "aten.rsqrt.default", "aten.pow.Tensor_Scalar"} <= set(REGIONS[key].ops)]
     assert rms, "the RMSNorm chain is not one region"
+    # SwiGLU: silu(gate) * up, with up made after silu (the region goes where its last op was)
+    assert any({"aten.silu.default", "aten.mul.Tensor"} <= set(REGIONS[key].ops) for key in set(keys))
     nodes = list(step.plan.graph.gm.graph.nodes)
     assert not any(n.target is torch.ops.aten.rsqrt.default for n in nodes)
     text = step.explain()
