@@ -46,8 +46,10 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import stepfx  # noqa: E402
+from single_gpu import stepfx_step  # noqa: E402
 from stepfx.testing.models import GPT, gpt_config, lm_loss  # noqa: E402
 
 PEAK_FLOPS = 989e12  # H200 dense bf16
@@ -55,14 +57,6 @@ ADAMW = dict(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
 MICRO_BATCH = {"350M": 8, "1.3B": 4, "6.6B": 2}
 ALL = ("stepfx-0,stepfx-1,stepfx-2,stepfx-3,ddp,fsdp2,fsdp2-compile,deepspeed-1,deepspeed-2,deepspeed-3,"
        "single-eager,single-compile")
-
-
-def stepfx_step(model, optimizer, tokens):
-    loss = lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss
 
 
 class Unavailable(Exception):
@@ -73,9 +67,11 @@ def autocast(device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16)
 
 
-def eager_train_step(model, optimizer, device):
+def eager_train_step(model, optimizer, device, mixed: bool = True):
+    """One eager step: autocast(bf16) unless the model computes in bf16
+    itself (``mixed=False``: FSDP2's bf16 parameters), clipping, update."""
     def run(tokens):
-        with autocast(device):
+        with autocast(device) if mixed else contextlib.nullcontext():
             loss = lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -134,16 +130,7 @@ def build(kind: str, cfg, args, device, world: int):
             fully_shard(block, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
         optimizer = adamw(model.parameters(), device, fused=False)  # foreach over DTensors
-
-        def run(tokens):
-            loss = lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            return loss
-
-        return run, None
+        return eager_train_step(model, optimizer, device, mixed=False), None
     if kind.startswith("deepspeed-"):
         try:
             import deepspeed

@@ -23,15 +23,13 @@ the spec, written with the torch ops torch's optimizer uses, in its order.
 from __future__ import annotations
 
 import contextlib
-import logging
 
 import torch
 import triton
 import triton.language as tl
 
+from . import multi_tensor
 from .registry import register
-
-log = logging.getLogger("stepfx")
 
 __all__ = ["adam_device_scalars", "adam_update", "adam_update_many", "adam_update_many_reference", "adam_update_reference", "sgd_update", "sgd_update_reference"]
 
@@ -300,45 +298,6 @@ def _adam_many_kernel(
     tl.store(v_ptr + offs, v, mask=mask)
 
 
-_TRITON_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-# Why the multi-tensor kernel could not be built here (then adam_update_many
-# launches the one-tensor kernel per tensor: the same results, more launches).
-MANY_FALLBACK: str | None = None
-
-
-def _many_failed(exc: Exception) -> None:
-    global MANY_FALLBACK
-    MANY_FALLBACK = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
-    log.warning("stepfx: the multi-tensor Adam kernel failed (%s); updating one tensor per launch", MANY_FALLBACK)
-
-
-class _Tables:
-    """Device copies of the address and block tables of the last calls,
-    reused while the tensors' addresses are the same (parameters and states
-    are updated in place; gradients come back at the same addresses once the
-    allocator is warm). New tables travel from pinned memory without a sync."""
-
-    def __init__(self, size: int = 8):
-        self._cache: dict = {}
-        self._size = size
-
-    def get(self, key, build):
-        hit = self._cache.get(key)
-        if hit is None:
-            if len(self._cache) >= self._size:
-                self._cache.pop(next(iter(self._cache)))
-            hit = self._cache[key] = build()
-        return hit
-
-
-_TABLES = _Tables()
-
-
-def _device_table(rows: list, device: torch.device) -> torch.Tensor:
-    host = torch.tensor(rows, dtype=torch.int64, pin_memory=device.type == "cuda")
-    return host.to(device, non_blocking=True)
-
-
 def adam_update_many_reference(params, grads, exp_avgs, exp_avg_sqs, **kwargs) -> None:
     """The spec: :func:`adam_update_reference` in place on each tensor in turn."""
     for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs, strict=True):
@@ -392,11 +351,12 @@ def adam_update_many(params, grads, exp_avgs, exp_avg_sqs, *, lr: float, beta1: 
 
         def blocks():
             rows = [[j, start] for j, n in enumerate(numels) for start in range(0, n, BLOCK)]
-            return _device_table(rows, device), _device_table(list(numels), device)
+            return multi_tensor.device_table(rows, device), multi_tensor.device_table(list(numels), device)
 
-        block_table, numel_table = _TABLES.get(("blocks", numels, device), blocks)
-        table = _TABLES.get(("ptrs", ptrs, device), lambda: _device_table([list(ptrs[k:k + 4]) for k in range(0, len(ptrs), 4)], device))
-        if MANY_FALLBACK is None:
+        block_table, numel_table = multi_tensor.cached(("adam blocks", numels, device), blocks)
+        table = multi_tensor.cached(("adam ptrs", ptrs, device), lambda: multi_tensor.device_table(
+            [list(ptrs[k:k + 4]) for k in range(0, len(ptrs), 4)], device))
+        if multi_tensor.FALLBACK is None:
             try:
                 with _device_guard(params[0]):
                     _adam_many_kernel[(block_table.shape[0],)](
@@ -406,14 +366,14 @@ def adam_update_many(params, grads, exp_avgs, exp_avg_sqs, *, lr: float, beta1: 
                         device_scalars if device_scalars is not None else params[0],
                         weight_decay if coupled else 1 - lr * weight_decay,
                         1 - beta1, beta2, 1 - beta2, 1.0 / bias_correction2_sqrt, eps, -step_size,
-                        GRAD_DTYPE=_TRITON_DTYPES[dtype], COUPLED_WD=coupled, DECOUPLED_WD=decoupled_wd,
+                        GRAD_DTYPE=multi_tensor.TRITON_DTYPES[dtype], COUPLED_WD=coupled, DECOUPLED_WD=decoupled_wd,
                         MAXIMIZE=bool(maximize), HAS_GRAD_FACTOR=grad_factor is not None,
                         HAS_FOUND_INF=found_inf is not None, DEVICE_SCALARS=device_scalars is not None,
                         BLOCK=BLOCK, num_warps=NUM_WARPS, enable_fp_fusion=False,
                     )
                 continue
             except Exception as exc:  # a Triton that cannot build it: the per-tensor kernel does the same work
-                _many_failed(exc)
+                multi_tensor.failed("Adam", exc)
         for i in members:
             adam_update(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                         weight_decay=weight_decay, step=step, decoupled=decoupled, maximize=maximize,

@@ -9,15 +9,13 @@ once and the buffer written once.
 from __future__ import annotations
 
 import contextlib
-import logging
 
 import torch
 import triton
 import triton.language as tl
 
+from . import multi_tensor
 from .registry import register
-
-log = logging.getLogger("stepfx")
 
 __all__ = ["sum_squares", "sum_squares_reference", "sum_squares_many", "sum_squares_many_reference", "cast_pack",
            "cast_pack_reference"]
@@ -126,34 +124,6 @@ def _segment_sum_kernel(partial_ptr, segments_ptr, out_ptr, BLOCK: tl.constexpr)
     tl.store(out_ptr + t, tl.sum(acc, axis=0))
 
 
-_TRITON_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-_TABLES: dict = {}
-# Why the multi-tensor kernels could not be built here (then sum_squares_many
-# launches the one-tensor kernel per tensor: the same sums, more launches).
-MANY_FALLBACK: str | None = None
-
-
-def _many_failed(exc: Exception) -> None:
-    global MANY_FALLBACK
-    MANY_FALLBACK = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
-    log.warning("stepfx: the multi-tensor sum-of-squares kernel failed (%s); one tensor per launch", MANY_FALLBACK)
-
-
-def _device_table(rows, device: torch.device) -> torch.Tensor:
-    """An int64 table on ``device``, sent from pinned memory without a sync."""
-    host = torch.tensor(rows, dtype=torch.int64, pin_memory=device.type == "cuda")
-    return host.to(device, non_blocking=True)
-
-
-def _cached(key, build):
-    """Tables by what they hold (addresses, sizes): a warm step reuses them."""
-    if key not in _TABLES:
-        if len(_TABLES) >= 16:
-            _TABLES.pop(next(iter(_TABLES)))
-        _TABLES[key] = build()
-    return _TABLES[key]
-
-
 def sum_squares_many_reference(*xs: torch.Tensor) -> torch.Tensor:
     """Eager: ``torch.stack([(x.float() ** 2).sum() for x in xs])``."""
     return torch.stack([sum_squares_reference(x) for x in xs])
@@ -188,28 +158,28 @@ def sum_squares_many(*xs: torch.Tensor) -> torch.Tensor:
                 segments.append([slot, count])
                 chunks.extend([j, k * chunk, n, slot + k] for k in range(count))
                 slot += count
-            return _device_table(chunks, device), _device_table(segments, device), slot, len(chunks)
+            return multi_tensor.device_table(chunks, device), multi_tensor.device_table(segments, device), slot, len(chunks)
 
-        chunk_table, segment_table, slots, programs = _cached(("chunks", numels, device), tables)
+        chunk_table, segment_table, slots, programs = multi_tensor.cached(("sumsq chunks", numels, device), tables)
         ptrs = tuple(xs[i].data_ptr() for i in members)
-        table = _cached(("ptrs", ptrs, device), lambda: _device_table(list(ptrs), device))
+        table = multi_tensor.cached(("sumsq ptrs", ptrs, device), lambda: multi_tensor.device_table(list(ptrs), device))
         sums = None
-        if MANY_FALLBACK is None:
+        if multi_tensor.FALLBACK is None:
             partials = torch.empty(slots, dtype=torch.float32, device=device)
             sums = torch.empty(len(members), dtype=torch.float32, device=device)
             try:
                 with _device_guard(xs[0]):
-                    _sum_squares_many_kernel[(programs,)](table, chunk_table, partials, X_DTYPE=_TRITON_DTYPES[dtype],
+                    _sum_squares_many_kernel[(programs,)](table, chunk_table, partials, X_DTYPE=multi_tensor.TRITON_DTYPES[dtype],
                                                           BLOCK=SUM_BLOCK, ITERS=SUM_ITERS, num_warps=NUM_WARPS)
                     _segment_sum_kernel[(len(members),)](partials, segment_table, sums, BLOCK=1024, num_warps=4)
             except Exception as exc:  # a Triton that cannot build it: the one-tensor kernel does the same work
-                _many_failed(exc)
+                multi_tensor.failed("sum-of-squares", exc)
                 sums = None
         if sums is None:
             sums = torch.stack([sum_squares(xs[i]) for i in members])
         if len(members) == len(xs):
             return sums  # one dtype, no empty tensor: the usual case
-        index = _cached(("index", tuple(members), device), lambda: _device_table(members, device))
+        index = multi_tensor.cached(("sumsq index", tuple(members), device), lambda: multi_tensor.device_table(members, device))
         out.index_copy_(0, index, sums)
     return out
 

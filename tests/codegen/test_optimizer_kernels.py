@@ -336,9 +336,9 @@ def test_adam_many_equals_one_call_per_tensor(variant):
     for (p, _, m, v), (sp, _, sm, sv), (p0, _, m0, v0) in zip(many, singles, tensors):
         assert torch.equal(p, sp) and torch.equal(m, sm) and torch.equal(v, sv)
         assert torch.equal(p, p0) == (variant == "flag-set" or p.numel() == 0)
-    from stepfx.codegen import optimizer_kernels
+    from stepfx.codegen import multi_tensor
 
-    assert optimizer_kernels.MANY_FALLBACK is None  # the multi-tensor kernel ran, not the per-tensor fallback
+    assert multi_tensor.FALLBACK is None  # the multi-tensor kernel ran, not the per-tensor fallback
     with pytest.raises(ValueError, match="grad #1 must be a contiguous tensor"):
         adam_update_many(params[:2], [grads[0], torch.zeros(41, 6, device=DEVICE)[:, ::2]], ms[:2], vs[:2], **hyper)
 
@@ -346,7 +346,7 @@ def test_adam_many_equals_one_call_per_tensor(variant):
 def test_adam_many_falls_back_to_one_launch_per_tensor(monkeypatch):
     """A Triton that cannot build the multi-tensor kernel: the same bits from
     the one-tensor kernel, and the reason is kept."""
-    from stepfx.codegen import optimizer_kernels
+    from stepfx.codegen import multi_tensor, optimizer_kernels
     from stepfx.codegen.optimizer_kernels import adam_update_many
 
     class Broken:
@@ -356,11 +356,11 @@ def test_adam_many_falls_back_to_one_launch_per_tensor(monkeypatch):
             return launch
 
     monkeypatch.setattr(optimizer_kernels, "_adam_many_kernel", Broken())
-    monkeypatch.setattr(optimizer_kernels, "MANY_FALLBACK", None)
+    monkeypatch.setattr(multi_tensor, "FALLBACK", None)
     p, g, m, v = _adam_inputs(grad_dtype=torch.bfloat16)
     singles = [t.clone() for t in (p, m, v)]
     adam_update(singles[0], g, singles[1], singles[2], **ADAM, inplace=True)
     many = [t.clone() for t in (p, m, v)]
     adam_update_many([many[0]], [g], [many[1]], [many[2]], **ADAM)
     assert all(torch.equal(a, b) for a, b in zip(many, singles))
-    assert "no inttoptr here" in optimizer_kernels.MANY_FALLBACK
+    assert "no inttoptr here" in multi_tensor.FALLBACK
