@@ -299,7 +299,8 @@ def _adam_many_kernel(
 
 
 def adam_update_many_reference(params, grads, exp_avgs, exp_avg_sqs, **kwargs) -> None:
-    """The spec: :func:`adam_update_reference` in place on each tensor in turn."""
+    """The spec: :func:`adam_update_reference` in place on each tensor in turn
+    (host ``step`` only: the reference has no ``device_scalars``)."""
     for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs, strict=True):
         adam_update_reference(p, g, m, v, inplace=True, **kwargs)
 

@@ -63,6 +63,8 @@ def regions_apply(options) -> bool:
     from .pipeline import codegen_enabled
 
     return codegen_enabled(options) and (options.device_type == "cuda" or ON_CPU)
+
+
 _REDUCTIONS = frozenset({aten.mean.dim, aten.sum.dim_IntList})
 
 
