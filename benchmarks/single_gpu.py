@@ -22,6 +22,7 @@ peak memory is reset after warm-up. MFU = (6N + 12 L d seq) x tokens/s /
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
@@ -47,8 +48,10 @@ def stepfx_step(model, optimizer, tokens):
     return loss
 
 
-def eager_step(model, optimizer, tokens):
-    with torch.autocast(tokens.device.type, dtype=torch.bfloat16):
+def eager_step(model, optimizer, tokens, mixed: bool = True):
+    """One eager step: autocast(bf16) unless the model computes in bf16
+    itself (``mixed=False``: FSDP2's bf16 parameters), clipping, update."""
+    with torch.autocast(tokens.device.type, dtype=torch.bfloat16) if mixed else contextlib.nullcontext():
         loss = lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

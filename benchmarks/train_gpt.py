@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import gc
 import json
 import os
@@ -49,7 +50,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import stepfx  # noqa: E402
-from single_gpu import stepfx_step  # noqa: E402
+from single_gpu import eager_step, stepfx_step  # noqa: E402
 from stepfx.testing.models import GPT, gpt_config, lm_loss  # noqa: E402
 
 PEAK_FLOPS = 989e12  # H200 dense bf16
@@ -63,23 +64,9 @@ class Unavailable(Exception):
     """A peer that cannot run here (not installed, no such API in this torch)."""
 
 
-def autocast(device: torch.device):
-    return torch.autocast(device.type, dtype=torch.bfloat16)
-
-
 def eager_train_step(model, optimizer, device, mixed: bool = True):
-    """One eager step: autocast(bf16) unless the model computes in bf16
-    itself (``mixed=False``: FSDP2's bf16 parameters), clipping, update."""
-    def run(tokens):
-        with autocast(device) if mixed else contextlib.nullcontext():
-            loss = lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss
-
-    return run
+    """single_gpu.py's eager step on ``model`` (DDP, FSDP2 or plain)."""
+    return functools.partial(eager_step, model, optimizer, mixed=mixed)
 
 
 def adamw(params, device, fused: bool = True):
