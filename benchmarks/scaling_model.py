@@ -2,7 +2,7 @@
 H200s for GPT-shaped models of 1.3B, 8B and 70B parameters, and what it
 would need to stay compute-bound.
 
-    python3 benchmarks/scaling_model.py [--check results/2026-11-29_overlap_bf16_h200x2.jsonl]
+    python3 benchmarks/scaling_model.py [--check results/2026-11-30_train_gpt_1.3B_h200x2.jsonl]
 
 The model (every number is an assumption stated here; no GPU is used):
 
@@ -36,8 +36,9 @@ The model (every number is an assumption stated here; no GPU is used):
   inside the node, then all-reduced across nodes on the 1/8 shard. Only the
   last crosses the network: 2 x 4 x N/8 bytes per GPU per step (fp32).
 
-``--check`` compares the model with stepfx's measured 2-GPU bf16 ZeRO-3 run
-(NCCL kernel time per step, from ``overlap_profile.py``).
+``--check`` compares the model with stepfx's measured 2-GPU runs: the bf16
+ZeRO-3 run of ``overlap_profile.py`` (NCCL kernel time per step) or the
+1.3B rows of ``train_gpt.py`` (step time, MFU, memory per stage).
 """
 from __future__ import annotations
 
@@ -165,12 +166,17 @@ def min_bucket(across: bool) -> float:
 
 
 def check(path: str) -> list[str]:
-    """The model against stepfx's measured 2-GPU bf16 ZeRO-3 run."""
+    """The model against stepfx's measured 2-GPU runs: ``overlap_profile.py``'s
+    bf16 ZeRO-3 rows (collective time) and ``train_gpt.py``'s stepfx rows
+    for the 1.3B (step time, MFU, memory, and collective time where profiled)."""
     lines = []
     for line in open(path):
         if not line.startswith("{"):
             continue
         r = json.loads(line)
+        if str(r.get("system", "")).startswith("stepfx-") and "step_ms" in r:
+            lines.append(_check_train(r))
+            continue
         if r.get("stage") != 3 or not r.get("overlap") or "nccl_kernel_ms_per_step" not in r:
             continue
         # "GPT d1024 L8 seq1024 batch4 bf16"
@@ -184,6 +190,24 @@ def check(path: str) -> list[str]:
                      f"(x{r['nccl_kernel_ms_per_step'] / predicted:.1f}: kernels also count their wait for the peer, "
                      f"and small buckets run below peak bandwidth)")
     return lines
+
+
+def _check_train(r: dict) -> str:
+    """One ``train_gpt.py`` row (stepfx at one ZeRO stage) against the model."""
+    stage = int(r["system"].split("-")[1])
+    m = next(x for x in MODELS if x.name == r["size"])
+    m = Model(m.name, m.d, m.layers, seq=r["seq"], micro_batch=r["micro_batch"])
+    est = estimate(m, r["world"], stage, bucket=50e6 * 4)
+    step_ms = (est["compute_s"] + est["exposed_s"]) * 1e3
+    measured = r.get("timing", {}).get("median_ms", r["step_ms"])
+    out = (f"{r['size']} stepfx ZeRO-{stage} on {r['world']} GPUs: step predicted {step_ms:.1f} ms, measured "
+           f"{measured:.1f} (median; x{measured / step_ms:.2f}), MFU {est['mfu']:.1%} vs {r['mfu']:.1%}, "
+           f"memory {est['memory_gb']:.1f} GB vs {r.get('peak_alloc_gib', float('nan')) * 2**30 / 1e9:.1f} GB")
+    nccl = r.get("profile", {}).get("nccl")
+    if nccl:
+        out += (f", collectives {(est['gather_s'] + est['reduce_s']) * 1e3:.1f} ms at full bandwidth vs {nccl:.1f} ms "
+                "of NCCL kernels (under the profiler; kernels include their wait for the peer)")
+    return out
 
 
 def main() -> None:

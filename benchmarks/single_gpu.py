@@ -24,9 +24,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import gc
+import gzip
 import json
 import os
+import shutil
 import sys
 import time
 
@@ -65,21 +68,25 @@ def sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def profile(kind: str, step, model, optimizer, batches, args) -> dict:
-    """Three steps under torch.profiler: the top kernels by device time to
-    ``$OUT/profile_<system>.txt``; returned: device busy ms per step by kind
-    of kernel (matmul, attention, stepfx's Triton kernels, other)."""
+def profile(kind: str, one_step, args, trace: bool = False) -> dict:
+    """Three steps (``one_step(i)``) under torch.profiler: the top kernels by
+    device time to ``$OUT/profile_<system>.txt`` (and the Chrome trace,
+    gzipped, with ``trace``); returned: device busy ms per step by kind of
+    kernel (matmul, attention, collectives, stepfx's Triton kernels, other)
+    and the step's wall time under the profiler."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     steps = 3
     torch.cuda.synchronize()
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
         for i in range(steps):
-            step(model, optimizer, batches[i % 4])
+            one_step(i)
         torch.cuda.synchronize()
+        wall = time.perf_counter() - start
     events = [e for e in prof.events() if e.device_type.name == "CUDA"]
-    groups = {"matmul": 0.0, "attention": 0.0, "stepfx_triton": 0.0, "triton_other": 0.0, "other": 0.0}
+    groups = {"matmul": 0.0, "attention": 0.0, "nccl": 0.0, "stepfx_triton": 0.0, "triton_other": 0.0, "other": 0.0}
     for e in events:
         name = e.name.lower()
         us = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
@@ -87,8 +94,10 @@ def profile(kind: str, step, model, optimizer, batches, args) -> dict:
             groups["matmul"] += us
         elif any(k in name for k in ("flash", "fmha", "attention", "cudnn")):
             groups["attention"] += us
-        elif any(k in name for k in ("_adam_kernel", "_sgd_kernel", "_layer_norm", "_rms_norm", "_lce_", "_sum_squares",
-                                     "_cast_pack", "_sum_partials")):
+        elif "nccl" in name:
+            groups["nccl"] += us
+        elif any(k in name for k in ("_adam_kernel", "_adam_many_kernel", "_sgd_kernel", "_layer_norm", "_rms_norm",
+                                     "_lce_", "_sum_squares", "_segment_sum", "_cast_pack", "_sum_partials")):
             groups["stepfx_triton"] += us
         elif name.startswith("triton"):
             groups["triton_other"] += us
@@ -98,9 +107,49 @@ def profile(kind: str, step, model, optimizer, batches, args) -> dict:
         table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=45, max_name_column_width=70)
         with open(os.path.join(args.out, f"profile_{kind}.txt"), "w") as f:
             f.write(table)
+        if trace:
+            path = os.path.join(args.out, f"trace_{kind}.json")
+            prof.export_chrome_trace(path)
+            with open(path, "rb") as src, gzip.open(path + ".gz", "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            os.remove(path)
     out = {k: round(v / 1e3 / steps, 2) for k, v in groups.items()}
-    out["device_busy_ms"] = round(sum(groups.values()) / 1e3 / steps, 2)
+    out["device_busy_ms"] = round(sum(v for k, v in groups.items() if k != "nccl") / 1e3 / steps, 2)
+    out["wall_ms"] = round(wall * 1e3 / steps, 2)
     return out
+
+
+def timed(one_step, steps: int, device) -> tuple[dict, object]:
+    """Run ``one_step(i)`` ``steps`` times; (times, the last result). Times:
+    ``step_ms`` (wall, start to the device's end, over the steps),
+    ``host_ms`` (the mean time the host spent in a call: near ``step_ms``
+    means host-bound), and on CUDA each step's time on the device's clock
+    (events between steps, no synchronization) as min / median / max, so a
+    one-off compilation inside the timed steps shows as an outlier."""
+    cuda = device.type == "cuda"
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)] if cuda else []
+    host = 0.0
+    sync(device)
+    start = time.perf_counter()
+    if cuda:
+        events[0].record()
+    for i in range(steps):
+        t = time.perf_counter()
+        out = one_step(i)
+        host += time.perf_counter() - t
+        if cuda:
+            events[i + 1].record()
+    sync(device)
+    wall = time.perf_counter() - start
+    times = {"step_ms": round(wall * 1e3 / steps, 2), "host_ms": round(host * 1e3 / steps, 2)}
+    if cuda:
+        each = sorted(events[i].elapsed_time(events[i + 1]) for i in range(steps))
+        times.update(min_ms=round(each[0], 2), median_ms=round(each[len(each) // 2], 2), max_ms=round(each[-1], 2))
+    return times, out
+
+
+def _indexed_step(step, model, optimizer, batches, i: int):
+    return step(model, optimizer, batches[i % len(batches)])
 
 
 def run(kind: str, args) -> dict:
@@ -111,7 +160,9 @@ def run(kind: str, args) -> dict:
     adamw = dict(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
     if kind.startswith("stepfx"):
         optimizer = torch.optim.AdamW(model.parameters(), **adamw)
-        config = {"bf16": {"enabled": True}, "gradient_clipping": 1.0, "stepfx": {"codegen": kind == "stepfx-codegen"}}
+        base, _, off = kind.partition("-no:")  # stepfx-codegen-no:pass_a+pass_b disables those passes
+        config = {"bf16": {"enabled": True}, "gradient_clipping": 1.0,
+                  "stepfx": {"codegen": base == "stepfx-codegen", "disable": off.split("+") if off else []}}
         step = stepfx.parallelize(config)(stepfx_step)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), fused=device.type == "cuda", **adamw)
@@ -128,11 +179,8 @@ def run(kind: str, args) -> dict:
     warmup_s = time.perf_counter() - start
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    for i in range(args.steps):
-        loss = step(model, optimizer, batches[i % 4])
-    sync(device)
-    step_s = (time.perf_counter() - start) / args.steps
+    times, loss = timed(functools.partial(_indexed_step, step, model, optimizer, batches), args.steps, device)
+    step_s = times["step_ms"] / 1e3
     tokens = args.batch * args.seq
     n = model.matmul_params()
     flops_per_token = 6 * n + 12 * cfg.n_layers * cfg.d_model * args.seq
@@ -142,16 +190,22 @@ def run(kind: str, args) -> dict:
         "mfu": round(flops_per_token * tps / PEAK_FLOPS, 4),
         "peak_alloc_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None,
         "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2) if device.type == "cuda" else None,
-        "warmup_s": round(warmup_s, 1), "final_loss": round(float(loss), 4),
+        "warmup_s": round(warmup_s, 1), "final_loss": round(float(loss), 4), "timing": times,
     }
     if args.profile and device.type == "cuda":
-        row["profile"] = profile(kind, step, model, optimizer, batches, args)
+        row["profile"] = profile(kind, functools.partial(_indexed_step, step, model, optimizer, batches), args)
     if kind.startswith("stepfx"):
         row["captures"] = len(step.plans)
-        if kind == "stepfx-codegen":
+        if kind.startswith("stepfx-codegen"):
             text = step.explain()
             section = text.split("codegen:", 1)[1].split("\n\n", 1)[0]
             row["codegen"] = [line.strip() for line in section.splitlines()]
+            from stepfx.codegen import multi_tensor
+            from stepfx.codegen.regions import REGIONS
+
+            row["regions"] = {"compiled": sum(r.failed is None for r in REGIONS.values()),
+                              "failed": [r.failed for r in REGIONS.values() if r.failed]}
+            row["multi_tensor_fallback"] = multi_tensor.FALLBACK
     del step, model, optimizer, batches
     gc.collect()
     if device.type == "cuda":

@@ -50,7 +50,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import stepfx  # noqa: E402
-from single_gpu import eager_step, stepfx_step  # noqa: E402
+from single_gpu import eager_step, profile, stepfx_step, timed  # noqa: E402
 from stepfx.testing.models import GPT, gpt_config, lm_loss  # noqa: E402
 
 PEAK_FLOPS = 989e12  # H200 dense bf16
@@ -170,11 +170,8 @@ def measure(kind: str, cfg, args, device, rank: int, world: int) -> dict:
     warmup_s = time.perf_counter() - start
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    for i in range(args.steps):
-        loss = train(batches[i % 4])
-    sync(device)
-    step_s = (time.perf_counter() - start) / args.steps
+    times, loss = timed(lambda i, train=train: train(batches[i % 4]), args.steps, device)
+    step_s = times["step_ms"] / 1e3
     gpus = 1 if solo else world
     tokens_per_gpu = args.batch * args.seq / step_s
     n = _matmul_params(cfg)
@@ -184,11 +181,13 @@ def measure(kind: str, cfg, args, device, rank: int, world: int) -> dict:
         "tokens_per_s_per_gpu": round(tokens_per_gpu),
         "tflops_per_gpu": round(flops_per_token * tokens_per_gpu / 1e12, 1),
         "mfu": round(flops_per_token * tokens_per_gpu / PEAK_FLOPS, 4), "warmup_s": round(warmup_s, 1),
-        "loss": float(loss.detach().float()),
+        "loss": float(loss.detach().float()), "timing": times,
     })
     if device.type == "cuda":
         row["peak_alloc_gib"] = torch.cuda.max_memory_allocated() / 2**30
         row["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+    if kind in args.profile.split(",") and device.type == "cuda":
+        row["profile"] = profile(f"{kind}_rank{rank}", lambda i, train=train: train(batches[i % 4]), args, trace=args.trace and rank == 0)
     if step is not None:
         from stepfx.graph.accounting import estimate_memory
 
@@ -246,6 +245,8 @@ def main() -> None:
     ap.add_argument("--bucket", type=int, default=50_000_000, help="reduce / prefetch bucket size (elements)")
     ap.add_argument("--persistence", type=int, default=100_000, help="stage3_param_persistence_threshold")
     ap.add_argument("--codegen", choices=("default", "on", "off"), default="default")
+    ap.add_argument("--profile", default="", help="systems to profile for 3 more steps (tables per rank, rank 0's trace)")
+    ap.add_argument("--trace", action="store_true", help="with --profile: also rank 0's Chrome trace (gzipped)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args()

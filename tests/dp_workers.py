@@ -234,7 +234,7 @@ def precision_run(stage: int, precision: str, comm: str | None, steps: int, devi
     moved = {}
     for node in nodes:
         if node.target in COLLECTIVE_OPS and node.args[0].meta["val"].numel() > 1:  # not the overflow flag
-            kind = node.target.__name__.split(".")[0]
+            kind = node.target.__name__.split(".")[0].rstrip("_")  # all_reduce_ (in place) is an all_reduce
             moved.setdefault(kind, set()).add(str(node.args[0].meta["val"].dtype).replace("torch.", ""))
     gathers = [i for i, n in enumerate(nodes) if n.target in COLLECTIVE_OPS and "gather" in str(n.target) and n.meta.get(META_PHASE) is Phase.FORWARD]
     matmuls = [i for i, n in enumerate(nodes) if n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)]

@@ -350,11 +350,11 @@ def adam_update_many(params, grads, exp_avgs, exp_avg_sqs, *, lr: float, beta1: 
         ptrs = tuple(t.data_ptr() for i in members for t in (params[i], grads[i], exp_avgs[i], exp_avg_sqs[i]))
         numels = tuple(params[i].numel() for i in members)
 
-        def blocks():
-            rows = [[j, start] for j, n in enumerate(numels) for start in range(0, n, BLOCK)]
+        def geometry():
+            rows = torch.stack(multi_tensor.blocks(numels, BLOCK), dim=1)
             return multi_tensor.device_table(rows, device), multi_tensor.device_table(list(numels), device)
 
-        block_table, numel_table = multi_tensor.cached(("adam blocks", numels, device), blocks)
+        block_table, numel_table = multi_tensor.cached(("adam blocks", numels, device), geometry, geometry=True)
         table = multi_tensor.cached(("adam ptrs", ptrs, device), lambda: multi_tensor.device_table(
             [list(ptrs[k:k + 4]) for k in range(0, len(ptrs), 4)], device))
         if multi_tensor.FALLBACK is None:

@@ -152,15 +152,18 @@ def sum_squares_many(*xs: torch.Tensor) -> torch.Tensor:
         numels = tuple(xs[i].numel() for i in members)
 
         def tables():
-            chunks, segments, slot = [], [], 0
-            for j, n in enumerate(numels):
-                count = triton.cdiv(n, chunk)
-                segments.append([slot, count])
-                chunks.extend([j, k * chunk, n, slot + k] for k in range(count))
-                slot += count
-            return multi_tensor.device_table(chunks, device), multi_tensor.device_table(segments, device), slot, len(chunks)
+            # chunk rows (tensor, first element, its numel, slot in partials); per tensor (first slot, count)
+            index, first = multi_tensor.blocks(numels, chunk)
+            sizes = torch.tensor(numels, dtype=torch.int64)
+            slots = torch.arange(index.numel(), dtype=torch.int64)
+            counts = torch.bincount(index, minlength=len(numels))
+            chunks = torch.stack([index, first, sizes[index], slots], dim=1)
+            segments = torch.stack([torch.cumsum(counts, 0) - counts, counts], dim=1)
+            n = index.numel()
+            return multi_tensor.device_table(chunks, device), multi_tensor.device_table(segments, device), n, n
 
-        chunk_table, segment_table, slots, programs = multi_tensor.cached(("sumsq chunks", numels, device), tables)
+        chunk_table, segment_table, slots, programs = multi_tensor.cached(("sumsq chunks", numels, device), tables,
+                                                                          geometry=True)
         ptrs = tuple(xs[i].data_ptr() for i in members)
         table = multi_tensor.cached(("sumsq ptrs", ptrs, device), lambda: multi_tensor.device_table(list(ptrs), device))
         sums = None
@@ -179,7 +182,8 @@ def sum_squares_many(*xs: torch.Tensor) -> torch.Tensor:
             sums = torch.stack([sum_squares(xs[i]) for i in members])
         if len(members) == len(xs):
             return sums  # one dtype, no empty tensor: the usual case
-        index = multi_tensor.cached(("sumsq index", tuple(members), device), lambda: multi_tensor.device_table(members, device))
+        index = multi_tensor.cached(("sumsq index", tuple(members), device), lambda: multi_tensor.device_table(members, device),
+                                     geometry=True)
         out.index_copy_(0, index, sums)
     return out
 

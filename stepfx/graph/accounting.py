@@ -52,9 +52,19 @@ class MemoryEstimate:
 
 
 def _aliases(node: fx.Node) -> bool:
-    """Allocates nothing: a view, an alias, or one element of a multi-output
-    op's result (the op itself counted the whole tuple)."""
-    return node.op == "call_function" and (node.target in ALIAS_OPS or node.target is operator.getitem or is_view(node))
+    """Allocates nothing: a view, an alias, one element of a multi-output
+    op's result (the op itself counted the whole tuple), an op that writes
+    its first argument in place and returns it (``all_reduce_``), or the
+    wait for a collective (its result is the collective's buffer)."""
+    if node.op != "call_function":
+        return False
+    if node.target in ALIAS_OPS or node.target is operator.getitem or node.target is c10d.wait_tensor.default or is_view(node):
+        return True
+    schema = getattr(node.target, "_schema", None)
+    returns = schema.returns if schema is not None else ()
+    return (len(returns) == 1 and returns[0].alias_info is not None and returns[0].alias_info.is_write
+            and bool(schema.arguments) and schema.arguments[0].alias_info is not None
+            and schema.arguments[0].alias_info.is_write)
 
 
 def _storage_root(node: fx.Node) -> fx.Node:
@@ -117,7 +127,7 @@ def communication(graph: StepGraph, world_size: int) -> list[CommItem]:
             continue
         inp = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], fx.Node) else None
         size = _nbytes(inp)
-        if node.target is c10d.all_reduce.default:
+        if node.target in (c10d.all_reduce.default, c10d.all_reduce_.default):
             items.append(CommItem("all_reduce", node.name, size, 2 * (n - 1) / n * size))
         elif node.target is c10d.reduce_scatter_tensor.default:
             items.append(CommItem("reduce_scatter", node.name, size, (n - 1) / n * size))

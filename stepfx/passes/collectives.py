@@ -35,7 +35,8 @@ __all__ = [
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
-COLLECTIVE_OPS = (c10d.all_reduce.default, c10d.reduce_scatter_tensor.default, c10d.all_gather_into_tensor.default)
+COLLECTIVE_OPS = (c10d.all_reduce.default, c10d.all_reduce_.default, c10d.reduce_scatter_tensor.default,
+                  c10d.all_gather_into_tensor.default)
 
 
 def fake_like(example, shape, dtype=None):
@@ -141,12 +142,22 @@ def all_reduce_avg(
     val = flat.meta["val"]
     sent = cast(g, flat, comm_dtype, name="to_comm", **meta) if comm_dtype not in (None, val.dtype) else flat
     sval = sent.meta["val"]
-    issued = make_node(g, c10d.all_reduce.default, (sent, "sum", group_name), val=fake_like(sval, sval.shape), name="all_reduce", **meta)
+    # A bucket made here for the collective alone is reduced in place: the
+    # out-of-place all_reduce clones its input first (a copy of every
+    # gradient byte per step, and a second buffer held until the wait).
+    op = c10d.all_reduce_.default if _fresh(sent) else c10d.all_reduce.default
+    issued = make_node(g, op, (sent, "sum", group_name), val=fake_like(sval, sval.shape), name="all_reduce", **meta)
     done = _wait(g, issued, **meta)
     if sent is not flat:
         done = cast(g, done, val.dtype, name="from_comm", **meta)
     avg = make_node(g, aten.div.Tensor, (done, world_size), val=fake_like(val, val.shape), name="grad_avg", **meta)
     return issued, avg
+
+
+def _fresh(node: fx.Node) -> bool:
+    """A buffer just made for a collective (a packed bucket or a dtype
+    conversion) that nothing else reads yet: safe to reduce in place."""
+    return node.op == "call_function" and node.target in (aten.cat.default, aten._to_copy.default) and not node.users
 
 
 def reduce_scatter_avg(

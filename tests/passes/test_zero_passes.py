@@ -81,10 +81,13 @@ def test_each_stage_emits_its_collectives(stage):
     graph = records[-1].graph
     assert verify_step_graph(graph) == []
     t = _targets(graph)
-    assert (c10d.all_reduce.default in t) == (stage in (0, 1))
+    # gradient buckets are all-reduced in place (all_reduce_: no clone of the bucket); the clipping norm out of place
+    assert (c10d.all_reduce_.default in t) == (stage in (0, 1))
     assert (c10d.reduce_scatter_tensor.default in t) == (stage in (2, 3))
     assert (c10d.all_gather_into_tensor.default in t) == (stage >= 1)
-    assert t.count(c10d.wait_tensor.default) == sum(t.count(op) for op in (c10d.all_reduce.default, c10d.reduce_scatter_tensor.default, c10d.all_gather_into_tensor.default))
+    collectives = (c10d.all_reduce.default, c10d.all_reduce_.default, c10d.reduce_scatter_tensor.default,
+                   c10d.all_gather_into_tensor.default)
+    assert t.count(c10d.wait_tensor.default) == sum(t.count(op) for op in collectives)
 
 
 def test_stage_3_gathers_before_forward_and_again_before_backward():

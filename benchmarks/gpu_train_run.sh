@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Issues 5 and 6 on a 2-GPU machine, in one call (device time is scarce):
+# 1. in parallel: GPU 0 times the 1.3B single-GPU step (eager, torch.compile,
+#    stepfx with codegen, same GPU one after another, profiled after timing);
+#    GPU 1 runs the single-GPU CUDA tests and the multi-tensor kernel tests;
+# 2. the ZeRO tests over NCCL on both GPUs (stages 0-3, bitwise / tracking);
+# 3. train_gpt.py on both GPUs: stepfx ZeRO 0-3 and the peers in one torchrun.
+# Everything goes to $WORK (default /tmp/o) and is packed into $OUT/r.tgz
+# (the device tool brings back at most 8 files). Knobs: SYSTEMS (train_gpt's
+# list), TRAIN_S (its time limit), DEEPSPEED wheels are installed from .whl/
+# when present (see benchmarks/README.md).
+set -u
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if ls .whl/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:.
+else
+  export PYTHONPATH=.
+fi
+OUT=${OUT:-/tmp/out}
+W=${WORK:-/tmp/o}
+mkdir -p "$OUT" "$W"
+start=$(date +%s)
+mark() { echo "$1 rc=$2 at $(( $(date +%s) - start ))s" >> "$W/timeline.txt"; }
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$W/gpus.txt" 2>&1
+(
+  CUDA_VISIBLE_DEVICES=0 timeout 170 python3 benchmarks/single_gpu.py --systems eager,compile,stepfx-codegen --warmup 5 --steps 20 --profile --out "$W" > "$W/single_gpu.log" 2>&1
+  mark single_gpu $?
+) &
+(
+  CUDA_VISIBLE_DEVICES=1 timeout 100 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu > "$W/gpu_tests.log" 2>&1
+  mark gpu_tests $?
+  CUDA_VISIBLE_DEVICES=1 timeout 60 python3 -m pytest -q -p no:cacheprovider tests/codegen -k "many or multi" > "$W/codegen_tests.log" 2>&1
+  mark codegen_tests $?
+) &
+wait
+timeout 80 python3 -m pytest -q -s -p no:cacheprovider -m multigpu tests/gpu -k "zero_stages or codegen_under_zero" > "$W/multigpu_tests.log" 2>&1
+mark multigpu_tests $?
+timeout "${TRAIN_S:-300}" torchrun --standalone --nproc_per_node 2 benchmarks/train_gpt.py \
+  --systems "${SYSTEMS:-stepfx-3,fsdp2,stepfx-2,deepspeed-2,stepfx-0,ddp,stepfx-1,deepspeed-1,deepspeed-3,fsdp2-compile}" \
+  --profile stepfx-3,stepfx-0 --out "$W" > "$W/train_gpt.log" 2>&1
+mark train_gpt $?
+tar czf "$OUT/r.tgz" -C "$W" .
+cat "$W/timeline.txt"
+grep -h -o '"system": "[^"]*", "[gs].\{0,150\}' "$W"/*.jsonl

@@ -1,0 +1,51 @@
+"""estimate_memory: what allocates and what does not (the collectives)."""
+from __future__ import annotations
+
+import torch
+
+from stepfx.graph import META_PHASE
+from stepfx.graph.accounting import estimate_memory
+from stepfx.graph.build import clone_step_graph
+from stepfx.passes import PIPELINE, PassManager, PassOptions
+from tests.steps import captured_mlp
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+BIG = 4_000_000  # elements: far above the MLP step's own peak, so the peak is where the bucket lives
+
+
+def _with_bucket(all_reduce_op):
+    """The final MLP graph with, just before its output, a BIG fp32 bucket
+    all-reduced by ``all_reduce_op``, waited for and read by a sum."""
+    graph, *_ = captured_mlp()
+    graph = clone_step_graph(PassManager(PIPELINE).run(graph, PassOptions())[-1].graph)
+    g = graph.gm.graph
+    out = next(n for n in g.nodes if n.op == "output")
+    phase = next(n for n in g.nodes if n.op == "call_function").meta[META_PHASE]
+    fake = next(n for n in g.nodes if n.op == "placeholder").meta["val"]
+    with g.inserting_before(out):
+        bucket = g.call_function(aten.zeros.default, ([BIG],), {"dtype": torch.float32})
+        reduced = g.call_function(all_reduce_op, (bucket, "sum", "0"))
+        done = g.call_function(c10d.wait_tensor.default, (reduced,))
+        total = g.call_function(aten.sum.default, (done,))
+    with fake.fake_mode:
+        big = torch.empty(BIG, dtype=torch.float32)
+        small = torch.empty((), dtype=torch.float32)
+    for node, val in ((bucket, big), (reduced, big), (done, big), (total, small)):
+        node.meta.update(val=val, **{META_PHASE: phase})
+    graph.gm.recompile()
+    return graph
+
+
+def test_in_place_all_reduce_and_its_wait_allocate_nothing():
+    est = estimate_memory(_with_bucket(c10d.all_reduce_.default))
+    # the bucket once (not 3x): the in-place collective and the wait are the bucket itself
+    assert est.resident + 4 * BIG <= est.peak < est.resident + 4 * BIG + 4 * BIG // 4
+    assert est.peak_node.startswith(("zeros", "all_reduce_", "wait_tensor", "sum"))
+
+
+def test_out_of_place_all_reduce_holds_input_and_result():
+    in_place = estimate_memory(_with_bucket(c10d.all_reduce_.default)).peak
+    out_of_place = estimate_memory(_with_bucket(c10d.all_reduce.default)).peak
+    # the clone: a second buffer while the input is still read (less the 4-byte sum, counted after it in place)
+    assert abs(out_of_place - in_place - 4 * BIG) <= 8
