@@ -241,3 +241,27 @@ def precision_run(stage: int, precision: str, comm: str | None, steps: int, devi
     interleaved = bool(gathers) and any(m < gathers[-1] for m in matmuls)
     return {"losses": losses, "moved": {k: sorted(v) for k, v in moved.items()},
             "skipped": step.skipped_steps, "interleaved": interleaved}
+
+
+def bucket_packing_run(stage: int, pack: bool, steps: int = 3) -> dict:
+    """``steps`` bf16 AdamW steps of the tiny GPT under ZeRO ``stage`` with
+    codegen (Triton's interpreter), the buckets packed by cast_pack
+    (``fuse_bucket_packing``, every size) or by aten casts and cat; the
+    losses, the parameters after, and how the final graph built its buckets."""
+    from stepfx.passes import fuse_bucket_packing
+    from tests.steps import adamw
+
+    fuse_bucket_packing.MIN_NUMEL = 0  # this rank process only
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = tiny_gpt()
+    opt = adamw(model)
+    cfg = {"bf16": {"enabled": True}, "gradient_clipping": 1.0,
+           "zero_optimization": {"stage": stage, "reduce_bucket_size": 500, "stage3_param_persistence_threshold": 0},
+           "stepfx": {"codegen": True, "disable": [] if pack else ["fuse_bucket_packing"]}}
+    step = stepfx.parallelize(cfg)(lm_step)
+    losses = [float(step(model, opt, batch)) for (batch,) in token_batches(steps, seed=7 + 1000 * rank)]
+    nodes = [n for n in step.plan.graph.gm.graph.nodes if n.op == "call_function"]
+    return {"losses": losses, "params": [p.detach().clone() for p in model.parameters()],
+            "packs": sum(getattr(n.target, "__name__", "") == "pack" for n in nodes),
+            "cats": sum(n.target is torch.ops.aten.cat.default and n.name.startswith("bucket") for n in nodes)}

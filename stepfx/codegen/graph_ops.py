@@ -150,6 +150,13 @@ def cast(x, *, dtype):
     return _kernels("reduction_kernels").cast_pack([(x, 0)], x.numel(), dtype).view(x.shape)
 
 
+def pack(parts, offsets, total: int, *, dtype):
+    """A new flat ``total``-element bucket of ``dtype``: each part flattened,
+    converted and written at its offset, zeros elsewhere, in one pass
+    (``fuse_bucket_packing``: the collectives' buckets)."""
+    return _kernels("reduction_kernels").cast_pack(list(zip(parts, offsets, strict=True)), total, dtype)
+
+
 def run_region(key: str, *inputs):
     """A generic region of the step (pointwise ops and row reductions), compiled by inductor: see
     :mod:`stepfx.codegen.regions`. Returns the region's outputs as a tuple."""
@@ -166,6 +173,7 @@ KERNELS_OF = {
     sum_squares: ("reduction_kernels", ("sum_squares",)),
     sum_squares_many: ("reduction_kernels", ("sum_squares_many",)),
     cast: ("reduction_kernels", ("cast_pack",)),
+    pack: ("reduction_kernels", ("cast_pack",)),
     layer_norm: ("norm_kernels", ("layer_norm_forward",)),
     layer_norm_backward: ("norm_kernels", ("layer_norm_backward",)),
     linear_cross_entropy: ("cross_entropy_kernels", ("linear_cross_entropy",)),

@@ -8,6 +8,7 @@ from .drop_profiler_nodes import drop_profiler_nodes
 from .eliminate_dead_code import eliminate_dead_code
 from .fold_gradient_casts import fold_gradient_casts
 from .functionalize_graph import functionalize_graph
+from .fuse_bucket_packing import fuse_bucket_packing
 from .fuse_casts import fuse_casts
 from .fuse_generic_regions import fuse_generic_regions, regions_apply
 from .fuse_layer_norm import fuse_layer_norm
@@ -144,6 +145,12 @@ PIPELINE: tuple[PipelineEntry, ...] = (
         fuse_optimizer_update,
         "after every pass that shapes the update: its ops are final (ZeRO pieces, unscale/clip factor, overflow guards) and every collective "
         "is placed, so it knows whether the kernel may write in place",
+        applies=codegen_enabled,
+    ),
+    PipelineEntry(
+        "fuse_bucket_packing",
+        fuse_bucket_packing,
+        "codegen: before fuse_casts, so the conversions into buckets are still aten casts it can take into the pack",
         applies=codegen_enabled,
     ),
     PipelineEntry(

@@ -15,6 +15,7 @@ Tolerances, and why:
 from __future__ import annotations
 
 import pytest
+import torch
 
 from stepfx.testing.equivalence import assert_data_parallel_equivalent
 from tests import dp_workers as W
@@ -243,3 +244,20 @@ def test_codegen_under_zero(rank_pool, stage):
     assert "adam_step" in explain and "sum_squares" in explain
     in_place = "updates write in place" in explain
     assert in_place == (stage in (0, 3))  # stages 1-2 all-gather after the update: new tensors instead
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_buckets_packed_by_the_cast_kernel_are_the_same_bits(rank_pool, stage):
+    """fuse_bucket_packing: bf16 gradients (and at stage 3 the 16-bit
+    parameter shards) cast and packed into their buckets by one cast_pack
+    call each give bitwise the losses and parameters of the aten casts and
+    concatenation they replace."""
+    packed = rank_pool(2).run(W.bucket_packing_run, stage, True)
+    plain = rank_pool(2).run(W.bucket_packing_run, stage, False)
+    for a, b in zip(packed, plain):
+        assert a["losses"] == b["losses"]
+        assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"]))
+        # every bucket with a conversion in it is packed; buckets of fp32 parameters (gathered at stages 1-2,
+        # and at stage 3 those the step uses in fp32: norms, biases) have none and stay concatenations
+        assert a["packs"] > 0 and a["packs"] + a["cats"] == b["cats"] and b["packs"] == 0
+        assert (a["cats"] == 0) == (stage == 0), a["cats"]
