@@ -9,7 +9,10 @@ every parameter that has a gradient, in the model's parameter order, grouped int
 bucket; parameters start at multiples of ``layout.ALIGN`` elements), each
 marked with what it shards for the configured stage. At
 stage 3, parameters smaller than ``param_persistence_threshold`` stay whole
-(buckets with sharding "none"), as DeepSpeed keeps them.
+(buckets with sharding "none"), as DeepSpeed keeps them. Buckets of one
+kind (dtype, device, sharding) take parameters in model order; the small
+whole parameters between sharded ones fill buckets of their own kind, so
+they neither cut the sharded buckets short nor cost a collective each.
 
 The layout depends only on the parameters and the config, never on the
 graph's op order, so every captured variant of a step agrees on it and the
@@ -65,32 +68,37 @@ def plan_zero_layout(graph: StepGraph, options: PassOptions) -> PassResult:
         if slot is not None and slot.role is Role.PARAM and slot.name in graded:
             params.append((slot.name, node.meta["val"]))
 
-    buckets: list[Bucket] = []
-    current: list[BucketParam] = []
-    key = None
-    mode = None
-    offset = 0
+    # One open bucket per (dtype, device, sharding): a run of small
+    # persistent parameters between sharded ones joins the other small ones
+    # instead of closing the sharded bucket and making a bucket of its own
+    # (on a transformer: one all-reduce for all norms and biases instead of
+    # one per layer norm, and sharded buckets cut only by their size).
+    closed: list[tuple[tuple, list[BucketParam]]] = []
+    open_buckets: dict[tuple, tuple[list[BucketParam], int]] = {}
+    position = {name: i for i, (name, _) in enumerate(params)}
 
-    def close():
-        nonlocal current, offset
-        if current:
-            buckets.append(Bucket(len(buckets), tuple(current), mode, options.world_size, str(key[0]), key[1]))
-        current, offset = [], 0
+    def close(group) -> None:
+        closed.append((group, open_buckets.pop(group)[0]))
 
     for name, val in params:
         numel = val.numel()
-        this_mode = _STAGE_SHARDING[stage]
+        mode = _STAGE_SHARDING[stage]
         if (stage == 3 and numel < persist) or val.dim() == 0:
             # small (and 0-d) parameters stay whole: sharding them saves
             # nothing and a 0-d piece is not worth a collective
-            this_mode = Sharding.NONE
-        this_key = (val.dtype, str(val.device))
-        if current and (this_key != key or this_mode != mode or offset + numel > bucket_size):
-            close()
-        key, mode = this_key, this_mode
-        current.append(BucketParam(name, tuple(val.shape), offset))
-        offset = align(offset + numel)
-    close()
+            mode = Sharding.NONE
+        group = (val.dtype, str(val.device), mode)
+        if group in open_buckets and open_buckets[group][1] + numel > bucket_size:
+            close(group)
+        members, offset = open_buckets.setdefault(group, ([], 0))
+        members.append(BucketParam(name, tuple(val.shape), offset))
+        open_buckets[group] = (members, align(offset + numel))
+    for group in list(open_buckets):
+        close(group)
+    # numbered by their first parameter's place in the model
+    closed.sort(key=lambda item: position[item[1][0].name])
+    buckets = [Bucket(i, tuple(members), group[2], options.world_size, str(group[0]), group[1])
+               for i, (group, members) in enumerate(closed)]
 
     layout = ZeroLayout(stage, options.world_size, options.rank, tuple(buckets), updates)
     new_sig = dataclasses.replace(sig, extra={**sig.extra, LAYOUT_KEY: layout})

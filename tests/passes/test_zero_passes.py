@@ -72,7 +72,14 @@ def test_layout_follows_bucket_size_and_persistence_threshold():
         for p in b.params:
             numel = dict(model.named_parameters())[p.name].numel()
             assert (b.sharding is Sharding.NONE) == (numel < 100)
-    assert [p.name for _, p in layout.params()] == [n for n, _ in model.named_parameters()]
+    # every parameter once; buckets of one kind take them in model order, numbered by their first one
+    names = [n for n, _ in model.named_parameters()]
+    assert sorted(p.name for _, p in layout.params()) == sorted(names)
+    for kind in (Sharding.NONE, Sharding.PARAMETERS):
+        mine = [p.name for b, p in layout.params() if b.sharding is kind]
+        assert mine == [n for n in names if n in mine]
+    firsts = [names.index(b.params[0].name) for b in layout.buckets]
+    assert firsts == sorted(firsts) and [b.index for b in layout.buckets] == list(range(len(layout.buckets)))
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
