@@ -20,6 +20,7 @@ from .step_graph import META_GRAD_OF, META_PARAM, META_PHASE, META_SLOT, META_SO
 
 __all__ = [
     "clone_step_graph",
+    "clone_step_graph_mapped",
     "flatten_codegen",
     "placeholder_name",
     "bind_placeholders",
@@ -32,13 +33,20 @@ __all__ = [
 def clone_step_graph(graph: StepGraph) -> StepGraph:
     """A structurally independent copy (node metadata dicts are copied
     shallowly; fake values and constants are shared, never mutated)."""
+    return clone_step_graph_mapped(graph)[0]
+
+
+def clone_step_graph_mapped(graph: StepGraph) -> tuple[StepGraph, dict[fx.Node, fx.Node]]:
+    """:func:`clone_step_graph` and the map from each node of ``graph`` to
+    its copy: a pass finds its matches in the input graph and rewrites
+    their copies."""
     new_graph = fx.Graph()
     val_map: dict[fx.Node, fx.Node] = {}
     out = new_graph.graph_copy(graph.gm.graph, val_map)
     new_graph.output(out)
     new_graph._codegen = graph.gm.graph._codegen
     gm = compat.graph_module(graph.gm, new_graph)
-    return graph.replace(gm=gm)
+    return graph.replace(gm=gm), val_map
 
 
 def flatten_codegen(gm: fx.GraphModule) -> None:

@@ -29,7 +29,7 @@ import torch
 import torch.fx as fx
 
 from ..graph import META_DONATED, StepGraph
-from ..graph.build import clone_step_graph
+from ..graph.build import clone_step_graph_mapped
 from .collectives import make_node
 from .manager import PassOptions, PassResult
 
@@ -75,16 +75,15 @@ def batch_optimizer_updates(graph: StepGraph, options: PassOptions) -> PassResul
     groups: dict = {}
     for node in graph.gm.graph.nodes:
         if _batchable(node, output):
-            groups.setdefault(_key(node), []).append(node.name)
+            groups.setdefault(_key(node), []).append(node)
     groups = {k: v for k, v in groups.items() if len(v) > 1}
     if not groups:
         return PassResult(graph, False)
-    graph = clone_step_graph(graph)
+    graph, copy_of = clone_step_graph_mapped(graph)
     g = graph.gm.graph
-    by_name = {n.name: n for n in g.nodes}
     batched = 0
-    for names in groups.values():
-        nodes = [by_name[n] for n in names]
+    for matches in groups.values():
+        nodes = [copy_of[n] for n in matches]
         count = len(nodes)
         columns = [[n.args[i] for n in nodes] for i in range(4)]  # params, grads, exp_avgs, exp_avg_sqs
         flat = tuple(a for column in columns for a in column) + tuple(nodes[0].args[4:])

@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 
 from ..graph import StepGraph
-from ..graph.build import clone_step_graph
+from ..graph.build import clone_step_graph_mapped
 from .manager import PassOptions, PassResult
 
 __all__ = ["batch_sum_squares"]
@@ -46,15 +46,14 @@ def _stack_of_sums(node: fx.Node) -> bool:
 def batch_sum_squares(graph: StepGraph, options: PassOptions) -> PassResult:
     from ..codegen import graph_ops
 
-    names = [n.name for n in graph.gm.graph.nodes if _stack_of_sums(n)]
-    if not names:
+    found = [n for n in graph.gm.graph.nodes if _stack_of_sums(n)]
+    if not found:
         return PassResult(graph, False)
-    graph = clone_step_graph(graph)
+    graph, copy_of = clone_step_graph_mapped(graph)
     g = graph.gm.graph
-    by_name = {n.name: n for n in g.nodes}
     total = 0
-    for name in names:
-        stack = by_name[name]
+    for match in found:
+        stack = copy_of[match]
         parts = list(stack.args[0])
         with g.inserting_before(stack):
             new = g.create_node("call_function", graph_ops.sum_squares_many, tuple(p.args[0] for p in parts), {},
@@ -66,4 +65,4 @@ def batch_sum_squares(graph: StepGraph, options: PassOptions) -> PassResult:
             g.erase_node(p)
         total += len(parts)
     graph.gm.recompile()
-    return PassResult(graph, True, f"{total} sums of squares in {len(names)} multi-tensor calls")
+    return PassResult(graph, True, f"{total} sums of squares in {len(found)} multi-tensor calls")

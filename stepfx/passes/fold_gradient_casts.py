@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 
 from ..graph import StepGraph
-from ..graph.build import clone_step_graph
+from ..graph.build import clone_step_graph_mapped
 from ..graph.ops import dtype_cast
 from .manager import PassOptions, PassResult
 
@@ -60,15 +60,14 @@ def _foldable(node: fx.Node) -> bool:
 
 
 def fold_gradient_casts(graph: StepGraph, options: PassOptions) -> PassResult:
-    names = [n.name for n in graph.gm.graph.nodes if _foldable(n)]
-    if not names:
+    found = [n for n in graph.gm.graph.nodes if _foldable(n)]
+    if not found:
         return PassResult(graph, False)
-    graph = clone_step_graph(graph)
+    graph, copy_of = clone_step_graph_mapped(graph)
     g = graph.gm.graph
-    by_name = {n.name: n for n in g.nodes}
-    for name in names:
-        cast = by_name[name]
+    for match in found:
+        cast = copy_of[match]
         cast.replace_all_uses_with(cast.args[0])
         g.erase_node(cast)
     graph.gm.recompile()
-    return PassResult(graph, True, f"{len(names)} fp32 gradient copies dropped: the fused kernels read the 16-bit gradients")
+    return PassResult(graph, True, f"{len(found)} fp32 gradient copies dropped: the fused kernels read the 16-bit gradients")

@@ -37,7 +37,7 @@ import torch
 import torch.fx as fx
 
 from ..graph import StepGraph
-from ..graph.build import clone_step_graph
+from ..graph.build import clone_step_graph_mapped
 from ..graph.ops import dtype_cast
 from .fuse_casts import MIN_NUMEL
 from .manager import PassOptions, PassResult
@@ -120,14 +120,13 @@ def _erase_if_unread(node) -> None:
 def fuse_bucket_packing(graph: StepGraph, options: PassOptions) -> PassResult:
     from ..codegen import graph_ops
 
-    names = [n.name for n in graph.gm.graph.nodes if _plan(n) is not None]
-    if not names:
+    found = [n for n in graph.gm.graph.nodes if _plan(n) is not None]
+    if not found:
         return PassResult(graph, False)
-    graph = clone_step_graph(graph)
+    graph, copy_of = clone_step_graph_mapped(graph)
     g = graph.gm.graph
-    by_name = {n.name: n for n in g.nodes}
-    for name in names:
-        bucket = by_name[name]
+    for old in found:
+        bucket = copy_of[old]
         sources, offsets, total = _plan(bucket)
         with g.inserting_before(bucket):
             packed = g.create_node("call_function", graph_ops.pack, (sources, offsets, total),
@@ -139,4 +138,4 @@ def fuse_bucket_packing(graph: StepGraph, options: PassOptions) -> PassResult:
         for part in parts:  # conversions, their flattening views, pads: read by nothing now
             _erase_if_unread(part)
     graph.gm.recompile()
-    return PassResult(graph, True, f"{len(names)} buckets cast and packed in one pass each")
+    return PassResult(graph, True, f"{len(found)} buckets cast and packed in one pass each")

@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 
 from ..graph import StepGraph
-from ..graph.build import clone_step_graph
+from ..graph.build import clone_step_graph_mapped
 from ..graph.ops import dtype_cast
 from .manager import PassOptions, PassResult
 
@@ -44,14 +44,13 @@ def _castable(node: fx.Node) -> bool:
 def fuse_casts(graph: StepGraph, options: PassOptions) -> PassResult:
     from ..codegen import graph_ops
 
-    names = [n.name for n in graph.gm.graph.nodes if _castable(n)]
-    if not names:
+    found = [n for n in graph.gm.graph.nodes if _castable(n)]
+    if not found:
         return PassResult(graph, False)
-    graph = clone_step_graph(graph)
+    graph, copy_of = clone_step_graph_mapped(graph)
     g = graph.gm.graph
-    by_name = {n.name: n for n in g.nodes}
-    for name in names:
-        old = by_name[name]
+    for match in found:
+        old = copy_of[match]
         with g.inserting_before(old):
             new = g.create_node("call_function", graph_ops.cast, (old.args[0],), {"dtype": old.meta["val"].dtype},
                                 name="cast")
@@ -59,4 +58,4 @@ def fuse_casts(graph: StepGraph, options: PassOptions) -> PassResult:
         old.replace_all_uses_with(new)
         g.erase_node(old)
     graph.gm.recompile()
-    return PassResult(graph, True, f"{len(names)} casts by the vectorized cast kernel")
+    return PassResult(graph, True, f"{len(found)} casts by the vectorized cast kernel")

@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 
 from ..graph import StepGraph
-from ..graph.build import clone_step_graph
+from ..graph.build import clone_step_graph_mapped
 from ..graph.ops import has_side_effect
 from .manager import PassOptions, PassResult
 
@@ -55,11 +55,10 @@ def fuse_sum_squares(graph: StepGraph, options: PassOptions) -> PassResult:
     matches = [(n, base) for n, base in matches if base is not None and base.meta["val"].is_contiguous()]
     if not matches:
         return PassResult(graph, False)
-    graph = clone_step_graph(graph)
+    graph, copy_of = clone_step_graph_mapped(graph)
     g = graph.gm.graph
-    by_name = {n.name: n for n in g.nodes}
     for old, base in matches:
-        node, base = by_name[old.name], by_name[base.name]
+        node, base = copy_of[old], copy_of[base]
         with g.inserting_before(node):
             new = g.create_node("call_function", graph_ops.sum_squares, (base,), {}, name="sumsq")
         new.meta.update(node.meta)
