@@ -150,11 +150,12 @@ def cast(x, *, dtype):
     return _kernels("reduction_kernels").cast_pack([(x, 0)], x.numel(), dtype).view(x.shape)
 
 
-def pack(parts, offsets, total: int, *, dtype):
+def pack(parts, offsets, total: int, *, dtype, scale: float | None = None):
     """A new flat ``total``-element bucket of ``dtype``: each part flattened,
-    converted and written at its offset, zeros elsewhere, in one pass
-    (``fuse_bucket_packing``: the collectives' buckets)."""
-    return _kernels("reduction_kernels").cast_pack(list(zip(parts, offsets, strict=True)), total, dtype)
+    converted (multiplied by ``scale`` first, if given) and written at its
+    offset, zeros elsewhere, in one pass (``fuse_bucket_packing``: the
+    collectives' buckets)."""
+    return _kernels("reduction_kernels").cast_pack(list(zip(parts, offsets, strict=True)), total, dtype, scale)
 
 
 def run_region(key: str, *inputs):

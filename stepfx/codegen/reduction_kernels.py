@@ -192,9 +192,10 @@ def sum_squares_many(*xs: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _cast_pack_kernel(src_ptr, out_ptr, src_numel, offset, lo, hi, OUT_BF16: tl.constexpr, BLOCK: tl.constexpr):
-    # out[j] = src[j - offset] cast to out's dtype, for j in [lo, hi);
-    # 0 where j - offset falls outside src (the gaps before and after it).
+def _cast_pack_kernel(src_ptr, out_ptr, src_numel, offset, lo, hi, scale, OUT_BF16: tl.constexpr,
+                      HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+    # out[j] = src[j - offset] (times scale) cast to out's dtype, for j in
+    # [lo, hi); 0 where j - offset falls outside src (the gaps around it).
     # Memory: reads src once, writes out[lo:hi] once; nothing else.
     pid = tl.program_id(0)
     j = lo + pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -202,6 +203,8 @@ def _cast_pack_kernel(src_ptr, out_ptr, src_numel, offset, lo, hi, OUT_BF16: tl.
     # Through fp32 (exact for every input dtype), then one rounding to out's
     # dtype, to nearest even: the same bits as torch's ``.to(dtype)``.
     x = tl.load(src_ptr + k, mask=(k >= 0) & (k < src_numel), other=0.0).to(tl.float32)
+    if HAS_SCALE:
+        x = x * scale
     if OUT_BF16:
         # fp32 -> bf16 by hand, as torch's c10::BFloat16 does it: add half an
         # ulp of bf16 (minus one when the kept lsb is 0, for ties to even) and
@@ -244,21 +247,28 @@ def _check_pack(parts, total: int, dtype: torch.dtype) -> list[tuple[torch.Tenso
     return [(t, offset) for t, offset, _ in live]
 
 
-def cast_pack_reference(parts: list[tuple[torch.Tensor, int]], total: int, dtype: torch.dtype) -> torch.Tensor:
-    """Eager pack: zero buffer, each part flattened and copied (cast) in at its offset."""
+def cast_pack_reference(parts: list[tuple[torch.Tensor, int]], total: int, dtype: torch.dtype,
+                        scale: float | None = None) -> torch.Tensor:
+    """Eager pack: zero buffer, each part flattened and copied (cast; with
+    ``scale``, multiplied by it in fp32 first) in at its offset."""
     live = _check_pack(parts, total, dtype)
     device = parts[0][0].device if parts else None
     out = torch.zeros(total, dtype=dtype, device=device)
     for t, offset in live:
-        out[offset:offset + t.numel()] = t.reshape(-1).to(dtype)
+        flat = t.reshape(-1)
+        out[offset:offset + t.numel()] = (flat.float() * scale if scale is not None else flat).to(dtype)
     return out
 
 
 @register("cast_pack", reference=cast_pack_reference, jit=(_cast_pack_kernel,),
           what="pack pieces into one flat buffer of the collective's dtype, casting; gaps zeroed")
-def cast_pack(parts: list[tuple[torch.Tensor, int]], total: int, dtype: torch.dtype) -> torch.Tensor:
+def cast_pack(parts: list[tuple[torch.Tensor, int]], total: int, dtype: torch.dtype,
+              scale: float | None = None) -> torch.Tensor:
     """New flat ``total``-element tensor of ``dtype``: each ``(tensor, offset)`` is
     flattened, cast and written at ``offset``; every element not covered is 0.
+    ``scale``: each value is multiplied by it in fp32 before the rounding
+    (a power of two, e.g. 1/N before a sum over N ranks, changes no bit of
+    the result beyond the exact scaling, barring under- and overflow).
 
     One launch per non-empty part: part i (by offset) writes from its offset
     (0 for the first) up to the next part's offset (``total`` for the last),
@@ -275,6 +285,7 @@ def cast_pack(parts: list[tuple[torch.Tensor, int]], total: int, dtype: torch.dt
     with _device_guard(out):
         for (t, offset), lo, hi in zip(live, bounds, bounds[1:]):
             _cast_pack_kernel[(triton.cdiv(hi - lo, PACK_BLOCK),)](
-                t, out, t.numel(), offset, lo, hi, OUT_BF16=dtype == torch.bfloat16, BLOCK=PACK_BLOCK,
+                t, out, t.numel(), offset, lo, hi, 1.0 if scale is None else float(scale),
+                OUT_BF16=dtype == torch.bfloat16, HAS_SCALE=scale is not None, BLOCK=PACK_BLOCK,
                 num_warps=NUM_WARPS)
     return out

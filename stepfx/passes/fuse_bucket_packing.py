@@ -22,7 +22,12 @@ parts are all 1-D and each either
 with at least one conversion among them, is one call of
 :func:`stepfx.codegen.graph_ops.pack` (the pads become the gaps the
 kernel zeroes). Matched by op identity; the values are the same bits
-(``cast_pack`` rounds as torch does, tested bitwise).
+(``cast_pack`` rounds as torch does, tested bitwise). When the bucket is
+only summed over N ranks and then divided by N, N a power of two, the pack
+multiplies by 1/N instead and the division (a read and a write of every
+reduced element) goes: scaling by a power of two is exact before the sum
+as after it, so the mean is the same bits (barring under- and overflow,
+where pre-scaling is the safer of the two).
 
 Before / after::
 
@@ -30,6 +35,10 @@ Before / after::
     flat = aten.reshape(g32, [-1])                     ->   bucket = graph_ops.pack([g16, w_grad], [0, 4096], 8192, dtype=torch.float32)
     pad = aten.zeros([64], dtype=torch.float32)
     bucket = aten.cat([flat, pad, w_grad])
+
+    all_reduce = _c10d_functional.all_reduce_(bucket, 'sum', '0')      ->   bucket = graph_ops.pack(..., scale=0.5)
+    wait = _c10d_functional.wait_tensor(all_reduce)                        all_reduce = _c10d_functional.all_reduce_(bucket, 'sum', '0')
+    grad_avg = aten.div.Tensor(wait, 2)                                    wait = _c10d_functional.wait_tensor(all_reduce)
 """
 from __future__ import annotations
 
@@ -45,6 +54,7 @@ from .manager import PassOptions, PassResult
 __all__ = ["fuse_bucket_packing"]
 
 aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _FLATTEN = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
 
@@ -106,6 +116,33 @@ def _plan(bucket: fx.Node):
     return sources, offsets, at
 
 
+_COLLECTIVES = (c10d.all_reduce.default, c10d.all_reduce_.default, c10d.reduce_scatter_tensor.default)
+
+
+def _averaging_division(bucket: fx.Node) -> fx.Node | None:
+    """The ``div(..., N)`` that averages what ``bucket``'s sum over N ranks
+    gave, when N is a power of two and nothing else reads the sum: the
+    bucket alone -> its collective -> the wait (-> the conversion back
+    from the communication dtype) -> the division. Scaling by 1/N is then
+    exact before the sum as after it (barring under- and overflow), so the
+    pack can apply it and the division goes."""
+    (collective,) = bucket.users if len(bucket.users) == 1 else (None,)
+    if collective is None or collective.target not in _COLLECTIVES or len(collective.users) != 1:
+        return None
+    (node,) = collective.users
+    if node.target is not c10d.wait_tensor.default or len(node.users) != 1:
+        return None
+    (node,) = node.users
+    if dtype_cast(node) is not None:
+        if len(node.users) != 1:
+            return None
+        (node,) = node.users
+    if node.target is not aten.div.Tensor or len(node.args) != 2 or node.kwargs:
+        return None
+    n = node.args[1]
+    return node if isinstance(n, int) and not isinstance(n, bool) and n > 1 and n & (n - 1) == 0 else None
+
+
 def _erase_if_unread(node) -> None:
     """Drop ``node`` (a conversion, a flattening view or a pad the bucket
     read) once nothing reads it, and then its flattened conversion."""
@@ -125,6 +162,7 @@ def fuse_bucket_packing(graph: StepGraph, options: PassOptions) -> PassResult:
         return PassResult(graph, False)
     graph, copy_of = clone_step_graph_mapped(graph)
     g = graph.gm.graph
+    folded = 0
     for old in found:
         bucket = copy_of[old]
         sources, offsets, total = _plan(bucket)
@@ -133,9 +171,16 @@ def fuse_bucket_packing(graph: StepGraph, options: PassOptions) -> PassResult:
                                    {"dtype": bucket.meta["val"].dtype}, name="bucket")
         packed.meta.update(bucket.meta)
         parts = list(bucket.args[0])
+        division = _averaging_division(bucket)
         bucket.replace_all_uses_with(packed)
         g.erase_node(bucket)
+        if division is not None:  # 1/N applied by the pack: the sum that arrives is the mean
+            packed.update_kwarg("scale", 1.0 / division.args[1])
+            division.replace_all_uses_with(division.args[0])
+            g.erase_node(division)
+            folded += 1
         for part in parts:  # conversions, their flattening views, pads: read by nothing now
             _erase_if_unread(part)
     graph.gm.recompile()
-    return PassResult(graph, True, f"{len(found)} buckets cast and packed in one pass each")
+    return PassResult(graph, True, f"{len(found)} buckets cast and packed in one pass each, "
+                                   f"{folded} of them scaled by 1/N for the mean (no division after the sum)")

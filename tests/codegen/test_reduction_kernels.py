@@ -90,6 +90,22 @@ def test_cast_pack_exact(dtype):
         torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("scale", [0.5, 0.25, 0.3])
+def test_cast_pack_scaled(dtype, scale):
+    """With ``scale``: each value times scale in fp32, then one rounding (a
+    power of two: exactly the scaled cast; 0.3: the fp32 product rounded)."""
+    parts, total = _pack_parts(), 5800
+    want = (_cat_pack(parts, total, torch.float32) * scale).to(dtype)
+    for got in (cast_pack(parts, total, dtype, scale), cast_pack_reference(parts, total, dtype, scale)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    if scale in (0.5, 0.25):  # a power of two commutes with the rounding (no value here under- or overflows it)
+        exact = [(t, o) for t, o in parts if t.numel() and bool(torch.isfinite(t).all())]
+        torch.testing.assert_close(cast_pack(exact, total, dtype, scale), cast_pack(exact, total, dtype) * scale,
+                                   rtol=0, atol=0)
+
+
 def test_cast_pack_no_parts_and_full_cover():
     assert torch.equal(cast_pack([], 5, torch.bfloat16), torch.zeros(5, dtype=torch.bfloat16))
     x = torch.randn(41, device=DEVICE)

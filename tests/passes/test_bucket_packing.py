@@ -11,10 +11,11 @@ from stepfx.graph import Role, Slot, StepGraph, StepSignature, verify_step_graph
 from stepfx.passes import PassOptions, fuse_bucket_packing
 
 aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
 BF16, F32 = torch.bfloat16, torch.float32
 
 
-def _graph(extra_reader: bool = False, with_cast: bool = True):
+def _graph(extra_reader: bool = False, with_cast: bool = True, divide_by: int | None = None):
     """bucket = cat([flat(cast(a)), pad, b, cast(c)]) of a: bf16 [6, 5], b: fp32 [20], c: bf16 [7]."""
     g = fx.Graph()
     shapes = {"a": ((6, 5), BF16 if with_cast else F32), "b": ((20,), F32), "c": ((7,), BF16 if with_cast else F32)}
@@ -34,6 +35,10 @@ def _graph(extra_reader: bool = False, with_cast: bool = True):
     cc = node(aten._to_copy.default, (ph["c"],), {"dtype": F32}, torch.empty(7), "cast_c") if with_cast else ph["c"]
     bucket = node(aten.cat.default, ([fa, pad, ph["b"], cc],), {}, torch.empty(59), "bucket")
     outs = [bucket]
+    if divide_by is not None:  # summed over ranks in place, waited for, divided: the mean (reduce_gradients' chain)
+        summed = node(c10d.all_reduce_.default, (bucket, "sum", "0"), {}, torch.empty(59), "all_reduce")
+        done = node(c10d.wait_tensor.default, (summed,), {}, torch.empty(59), "wait")
+        outs = [node(aten.div.Tensor, (done, divide_by), {}, torch.empty(59), "grad_avg")]
     slots = [Slot(Role.USER_OUTPUT, "bucket")]
     if extra_reader:
         outs.append(node(aten.mul.Tensor, (cc, 2.0), {}, torch.empty(7), "reader"))
@@ -87,3 +92,17 @@ def test_a_bucket_without_conversions_is_left_to_cat():
 def test_small_buckets_stay_aten(monkeypatch):
     monkeypatch.setattr(fuse_bucket_packing, "MIN_NUMEL", 60)
     assert not fuse_bucket_packing.fuse_bucket_packing(_graph(), PassOptions()).changed
+
+
+@pytest.mark.parametrize("world, folded", [(2, True), (4, True), (3, False)])
+def test_the_mean_over_a_power_of_two_ranks_is_scaled_in_the_pack(world, folded):
+    """sum then divide by N == scale by 1/N then sum, bit for bit, when N is a
+    power of two: the pack scales and the division goes; for N = 3 it stays."""
+    result = fuse_bucket_packing.fuse_bucket_packing(_graph(divide_by=world), PassOptions())
+    assert result.changed and verify_step_graph(result.graph) == []
+    nodes = [n for n in result.graph.gm.graph.nodes if n.op == "call_function"]
+    pack = next(n for n in nodes if getattr(n.target, "__name__", "") == "pack")
+    divisions = [n for n in nodes if n.target is aten.div.Tensor]
+    assert (pack.kwargs.get("scale") == 1.0 / world) == folded and (not divisions) == folded
+    out = next(n for n in result.graph.gm.graph.nodes if n.op == "output").args[0][0]
+    assert out.target is (c10d.wait_tensor.default if folded else aten.div.Tensor)

@@ -251,7 +251,8 @@ def test_buckets_packed_by_the_cast_kernel_are_the_same_bits(rank_pool, stage):
     """fuse_bucket_packing: bf16 gradients (and at stage 3 the 16-bit
     parameter shards) cast and packed into their buckets by one cast_pack
     call each give bitwise the losses and parameters of the aten casts and
-    concatenation they replace."""
+    concatenation they replace, the gradient buckets also scaled by 1/2 in
+    the pack instead of divided by 2 after the sum."""
     packed = rank_pool(2).run(W.bucket_packing_run, stage, True)
     plain = rank_pool(2).run(W.bucket_packing_run, stage, False)
     for a, b in zip(packed, plain):
@@ -261,3 +262,5 @@ def test_buckets_packed_by_the_cast_kernel_are_the_same_bits(rank_pool, stage):
         # and at stage 3 those the step uses in fp32: norms, biases) have none and stay concatenations
         assert a["packs"] > 0 and a["packs"] + a["cats"] == b["cats"] and b["packs"] == 0
         assert (a["cats"] == 0) == (stage == 0), a["cats"]
+        # gradient buckets (all-reduced at 0-1, reduce-scattered at 2-3) are scaled by 1/2 in the pack, not divided after
+        assert a["scaled"] > 0 and a["divisions"] == b["divisions"] - a["scaled"]
