@@ -30,7 +30,7 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$W/gpus.t
 (
   CUDA_VISIBLE_DEVICES=1 timeout 100 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu > "$W/gpu_tests.log" 2>&1
   mark gpu_tests $?
-  CUDA_VISIBLE_DEVICES=1 timeout 60 python3 -m pytest -q -p no:cacheprovider tests/codegen -k "many or multi" > "$W/codegen_tests.log" 2>&1
+  CUDA_VISIBLE_DEVICES=1 timeout 60 python3 -m pytest -q -p no:cacheprovider tests/codegen -k "many or multi or cast_pack" > "$W/codegen_tests.log" 2>&1
   mark codegen_tests $?
 ) &
 wait
