@@ -173,21 +173,21 @@ def explain_plan(step, plan) -> str:
         + " ops):"
     )
     lines.append(format_graph(graph, header=plan.records[-1].provenance()))
-    sources = kernel_sources(graph)
-    if sources:
-        lines.append("")
-        lines.append("Triton source of the kernels this graph launches:")
-        for name, text in sources.items():
-            lines.append(f"# -- kernel {name} " + "-" * max(0, 60 - len(name)))
-            lines.append(text)
-    regions = _region_sources(graph)
-    if regions:
-        lines.append("")
-        lines.append("generic regions handed to inductor (the fx code it compiles):")
-        for key, text in regions.items():
-            lines.append(f"# -- {key} " + "-" * max(0, 60 - len(key)))
-            lines.append(text.strip())
+    _append_sources(lines, "Triton source of the kernels this graph launches:", kernel_sources(graph), prefix="kernel ")
+    _append_sources(lines, "generic regions handed to inductor (the fx code it compiles):",
+                    {key: text.strip() for key, text in _region_sources(graph).items()})
     return "\n".join(lines)
+
+
+def _append_sources(lines: list[str], title: str, sources: dict[str, str], prefix: str = "") -> None:
+    """A titled section of source texts, each under a ``# -- name ---`` rule."""
+    if not sources:
+        return
+    lines.append("")
+    lines.append(title)
+    for name, text in sources.items():
+        lines.append(f"# -- {prefix}{name} " + "-" * max(0, 60 - len(name)))
+        lines.append(text)
 
 
 def _region_keys(graph) -> list[str]:
