@@ -162,6 +162,11 @@ def measure(kind: str, cfg, args, device, rank: int, world: int) -> dict:
     row: dict = {"system": kind}
     if solo and rank != 0:
         return row
+    # what earlier systems left allocated (DeepSpeed's engines keep their
+    # flat buffers alive after they are dropped: ~10 GiB at 1.3B) is not
+    # this system's: peaks are reported above this baseline
+    held_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    reserved_before = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
     train, step = build(kind, cfg, args, device, world)
     start = time.perf_counter()
     for i in range(args.warmup):
@@ -184,8 +189,9 @@ def measure(kind: str, cfg, args, device, rank: int, world: int) -> dict:
         "loss": float(loss.detach().float()), "timing": times,
     })
     if device.type == "cuda":
-        row["peak_alloc_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        row["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+        row["peak_alloc_gib"] = (torch.cuda.max_memory_allocated() - held_before) / 2**30
+        row["peak_reserved_gib"] = (torch.cuda.max_memory_reserved() - reserved_before) / 2**30
+        row["held_before_gib"] = round(held_before / 2**30, 2)
     if kind in args.profile.split(",") and device.type == "cuda":
         row["profile"] = profile(f"{kind}_rank{rank}", lambda i, train=train: train(batches[i % 4]), args, trace=args.trace and rank == 0)
     if step is not None:
@@ -209,7 +215,7 @@ def _matmul_params(cfg) -> int:
 def combine(row: dict, device, world: int) -> dict:
     """Max memory and mean loss over the ranks (a collective: every rank
     calls it, for the systems all ranks ran)."""
-    for key in ("peak_alloc_gib", "peak_reserved_gib", "predicted_peak_gib"):
+    for key in ("peak_alloc_gib", "peak_reserved_gib", "predicted_peak_gib", "held_before_gib"):
         if key in row:
             row[key] = round(reduce(row[key], dist.ReduceOp.MAX, device), 2)
     row["loss"] = reduce(row["loss"], dist.ReduceOp.SUM, device) / world
