@@ -7,7 +7,8 @@
 # 3. train_gpt.py on both GPUs: stepfx ZeRO 0-3 and the peers in one torchrun.
 # Everything goes to $WORK (default /tmp/o) and is packed into $OUT/r.tgz
 # (the device tool brings back at most 8 files). Knobs: SYSTEMS (train_gpt's
-# list), TRAIN_S (its time limit), SINGLE=0 skips the single-GPU timing, DEEPSPEED wheels are installed from .whl/
+# list), TRAIN_S (its time limit), SINGLE=0 skips the single-GPU timing,
+# SINGLE_SYSTEMS its systems, SINGLE_PROFILE=1 profiles them, DEEPSPEED wheels are installed from .whl/
 # when present (see benchmarks/README.md).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -24,17 +25,18 @@ start=$(date +%s)
 mark() { echo "$1 rc=$2 at $(( $(date +%s) - start ))s" >> "$W/timeline.txt"; }
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$W/gpus.txt" 2>&1
 [ "${SINGLE:-1}" = 1 ] && (
-  CUDA_VISIBLE_DEVICES=0 timeout 170 python3 benchmarks/single_gpu.py --systems eager,compile,stepfx-codegen --warmup 5 --steps 20 --profile --out "$W" > "$W/single_gpu.log" 2>&1
+  CUDA_VISIBLE_DEVICES=0 timeout 170 python3 benchmarks/single_gpu.py --systems "${SINGLE_SYSTEMS:-eager,compile,stepfx-codegen,stepfx-codegen-nographs}" \
+    --warmup 5 --steps 20 ${SINGLE_PROFILE:+--profile} --out "$W" > "$W/single_gpu.log" 2>&1
   mark single_gpu $?
 ) &
 (
-  CUDA_VISIBLE_DEVICES=1 timeout 100 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu > "$W/gpu_tests.log" 2>&1
+  CUDA_VISIBLE_DEVICES=1 timeout 130 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu > "$W/gpu_tests.log" 2>&1
   mark gpu_tests $?
   CUDA_VISIBLE_DEVICES=1 timeout 60 python3 -m pytest -q -p no:cacheprovider tests/codegen -k "many or multi or cast_pack" > "$W/codegen_tests.log" 2>&1
   mark codegen_tests $?
 ) &
 wait
-timeout 80 python3 -m pytest -q -s -p no:cacheprovider -m multigpu tests/gpu -k "zero_stages or codegen_under_zero" > "$W/multigpu_tests.log" 2>&1
+timeout 130 python3 -m pytest -q -s -p no:cacheprovider -m multigpu tests/gpu -k "zero_stages or codegen_under_zero or cuda_graph" > "$W/multigpu_tests.log" 2>&1
 mark multigpu_tests $?
 timeout "${TRAIN_S:-300}" torchrun --standalone --nproc_per_node 2 benchmarks/train_gpt.py \
   --systems "${SYSTEMS:-stepfx-3,fsdp2,stepfx-2,deepspeed-2,stepfx-0,ddp,stepfx-1,deepspeed-1,deepspeed-3,fsdp2-compile}" \

@@ -156,13 +156,18 @@ def run(kind: str, args) -> dict:
     torch.manual_seed(0)
     cfg = gpt_config(args.size, seq_len=args.seq)
     device = torch.device(args.device)
+    if device.type == "cuda":  # peaks from here: the warm-up (and a CUDA-graph capture) counts
+        torch.cuda.reset_peak_memory_stats()
     model = GPT(cfg).to(device)
     adamw = dict(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
     if kind.startswith("stepfx"):
         optimizer = torch.optim.AdamW(model.parameters(), **adamw)
         base, _, off = kind.partition("-no:")  # stepfx-codegen-no:pass_a+pass_b disables those passes
+        graphs = not base.endswith("-nographs")  # stepfx-codegen-nographs: no CUDA-graph replay
+        base = base.removesuffix("-nographs")
         config = {"bf16": {"enabled": True}, "gradient_clipping": 1.0,
-                  "stepfx": {"codegen": base == "stepfx-codegen", "disable": off.split("+") if off else []}}
+                  "stepfx": {"codegen": base == "stepfx-codegen", "disable": off.split("+") if off else [],
+                             "cuda_graphs": graphs and device.type == "cuda"}}
         step = stepfx.parallelize(config)(stepfx_step)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), fused=device.type == "cuda", **adamw)
@@ -177,8 +182,6 @@ def run(kind: str, args) -> dict:
         loss = step(model, optimizer, batches[i % 4])
     sync(device)
     warmup_s = time.perf_counter() - start
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
     times, loss = timed(functools.partial(_indexed_step, step, model, optimizer, batches), args.steps, device)
     step_s = times["step_ms"] / 1e3
     tokens = args.batch * args.seq
@@ -196,6 +199,7 @@ def run(kind: str, args) -> dict:
         row["profile"] = profile(kind, functools.partial(_indexed_step, step, model, optimizer, batches), args)
     if kind.startswith("stepfx"):
         row["captures"] = len(step.plans)
+        row["replay"] = step.plan.executor.graphs_note
         if kind.startswith("stepfx-codegen"):
             text = step.explain()
             section = text.split("codegen:", 1)[1].split("\n\n", 1)[0]

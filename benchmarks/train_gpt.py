@@ -78,7 +78,7 @@ def build(kind: str, cfg, args, device, world: int):
     torch.manual_seed(0)
     model = GPT(cfg).to(device)
     if kind.startswith("stepfx-"):
-        stage = int(kind.split("-")[1])
+        stage = int(kind.split("-")[1])  # stepfx-3, or stepfx-3-nographs (no CUDA-graph replay)
         config = {
             "train_micro_batch_size_per_gpu": args.batch,
             "bf16": {"enabled": True},
@@ -87,8 +87,9 @@ def build(kind: str, cfg, args, device, world: int):
                                   "stage3_prefetch_bucket_size": args.bucket,
                                   "stage3_param_persistence_threshold": args.persistence},
         }
+        config["stepfx"] = {"cuda_graphs": not kind.endswith("-nographs") and device.type == "cuda"}
         if args.codegen != "default":
-            config["stepfx"] = {"codegen": args.codegen == "on"}
+            config["stepfx"]["codegen"] = args.codegen == "on"
         optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
         step = stepfx.parallelize(config)(stepfx_step)
         return (lambda tokens: step(model, optimizer, tokens)), step
@@ -167,14 +168,14 @@ def measure(kind: str, cfg, args, device, rank: int, world: int) -> dict:
     # this system's: peaks are reported above this baseline
     held_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     reserved_before = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
+    if device.type == "cuda":  # peaks from here: the warm-up (and a CUDA-graph capture) counts
+        torch.cuda.reset_peak_memory_stats()
     train, step = build(kind, cfg, args, device, world)
     start = time.perf_counter()
     for i in range(args.warmup):
         loss = train(batches[i % 4])
     sync(device)
     warmup_s = time.perf_counter() - start
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
     times, loss = timed(lambda i, train=train: train(batches[i % 4]), args.steps, device)
     step_s = times["step_ms"] / 1e3
     gpus = 1 if solo else world
@@ -199,6 +200,7 @@ def measure(kind: str, cfg, args, device, rank: int, world: int) -> dict:
 
         row["predicted_peak_gib"] = max(estimate_memory(plan.graph).peak for plan in step.plans) / 2**30
         row["captures"] = len(step.plans)
+        row["replay"] = step.plan.executor.graphs_note
     del train, step
     gc.collect()
     if device.type == "cuda":

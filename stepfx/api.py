@@ -112,7 +112,7 @@ class ParallelStep:
         self._calls += 1
         if self._dp is None:
             device_type = _device_type(list(model.parameters()) + list(model.buffers()))
-            self.config = _resolve_codegen(self.config, device_type)
+            self.config = _resolve_cuda_graphs(_resolve_codegen(self.config, device_type), device_type)
             self._dp = data_parallel(device_type)
             self.config = _resolve_batch_sizes(self.config, self._dp.world_size)
         elif self._dp.active and self._dp.group is None:
@@ -240,7 +240,8 @@ class ParallelStep:
         records = manager.run(captured, pass_options, first=first)
         passes_seconds = time.perf_counter() - start
         final = records[-1].graph
-        executor = LocalExecutor(final, ModuleBinding(final.signature, model, optimizer, self._store), dp)
+        executor = LocalExecutor(final, ModuleBinding(final.signature, model, optimizer, self._store), dp,
+                                 cuda_graphs=bool(options.cuda_graphs), device_type=device_type)
         plan = Plan(key, records, executor, capture_seconds, passes_seconds, self._calls, device_type)
         plan.held = _held_specs(captured, final)
         return plan
@@ -444,6 +445,21 @@ def _resolve_codegen(config: Config, device_type: str) -> Config:
         enabled = device_type == "cuda" and ok
         log.info("stepfx: codegen %s (stepfx.codegen unset; on for CUDA)", "on" if enabled else "off")
         return dataclasses.replace(config, stepfx=dataclasses.replace(options, codegen=enabled))
+    return config
+
+
+def _resolve_cuda_graphs(config: Config, device_type: str) -> Config:
+    """``stepfx.cuda_graphs``: None becomes on for CUDA, off elsewhere; an
+    explicit true where there are no CUDA graphs is an error."""
+    from .runtime import graphs
+
+    options = config.stepfx
+    ok = device_type == "cuda" or (graphs.EMULATE and device_type == "cpu")
+    if options.cuda_graphs is True and not ok:
+        raise ConfigError("stepfx.cuda_graphs", f"is true, but the step runs on {device_type}: CUDA graphs need CUDA",
+                          value=True, expected="false (or run on CUDA)")
+    if options.cuda_graphs is None:
+        return dataclasses.replace(config, stepfx=dataclasses.replace(options, cuda_graphs=device_type == "cuda"))
     return config
 
 

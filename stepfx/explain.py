@@ -109,6 +109,7 @@ def explain_plan(step, plan) -> str:
     world = dp.world_size if dp is not None else 1
     rank = dp.rank if dp is not None else 0
     lines.append(f"config: {getattr(cfg, 'source', '<config>')}    device: {plan.device_type}    world size: {world}    rank: {rank}")
+    lines.append(f"replay: {plan.executor.graphs_note}")
     lines.append("")
 
     total = sum(r.seconds for r in plan.records)

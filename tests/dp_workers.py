@@ -268,3 +268,37 @@ def bucket_packing_run(stage: int, pack: bool, steps: int = 3) -> dict:
             "scaled": sum(getattr(n.target, "__name__", "") == "pack" and n.kwargs.get("scale") == 0.5 for n in nodes),
             "divisions": sum(n.target is torch.ops.aten.div.Tensor and n.name.startswith(("grad_avg", "grad_shard"))
                              for n in nodes)}
+
+
+def graphs_run(stage: int, graphs_on: bool, codegen: bool, steps: int = 6, device: str = "cpu") -> dict:
+    """``steps`` AdamW steps (learning rate decayed every step, clipping;
+    the second plan captures on call 4 and replays on calls 5-6) of the
+    tiny GPT under ZeRO ``stage``, replayed as CUDA graphs (on the CPU
+    emulated: runtime/graphs.py's ``EMULATE``) or run eagerly; bf16 with
+    codegen (on the CPU Triton's interpreter) when ``codegen``. Losses
+    (kept across steps), parameters after, and the executor's note."""
+    from stepfx.runtime import graphs
+    from tests.steps import adamw_single_tensor
+
+    rank = dist.get_rank()
+    if device == "cpu":
+        graphs.EMULATE = True  # this rank process only
+    else:
+        device = f"cuda:{torch.cuda.current_device()}"
+    torch.manual_seed(0)
+    model = tiny_gpt().to(device)
+    opt = adamw_single_tensor(model)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.8)
+    cfg = {"gradient_clipping": 1.0, "zero_optimization": {"stage": stage, "reduce_bucket_size": 500,
+                                                           "stage3_param_persistence_threshold": 0},
+           "stepfx": {"codegen": codegen, "cuda_graphs": graphs_on}}
+    if codegen:
+        cfg["bf16"] = {"enabled": True}
+    step = stepfx.parallelize(cfg)(lm_step)
+    losses = []
+    for (batch,) in token_batches(steps, seed=7 + 1000 * rank):
+        losses.append(step(model, opt, batch.to(device)))
+        sched.step()
+    step.sync_model()
+    return {"losses": [float(x) for x in losses], "params": [p.detach().cpu().clone() for p in model.parameters()],
+            "note": step.plan.executor.graphs_note}

@@ -20,7 +20,7 @@ from collections import OrderedDict
 import torch
 import triton.language as tl
 
-__all__ = ["TRITON_DTYPES", "FALLBACK", "blocks", "cached", "device_table", "failed"]
+__all__ = ["TRITON_DTYPES", "FALLBACK", "blocks", "cached", "clear_caches", "device_table", "failed"]
 
 log = logging.getLogger("stepfx")
 
@@ -31,6 +31,14 @@ _CACHE_SIZE = {True: 16, False: 64}
 # Why a multi-tensor kernel could not be built here; its callers then launch
 # the one-tensor kernel per tensor (the same results, more launches).
 FALLBACK: str | None = None
+# Tables a CUDA graph reads (made or looked up while a stream was capturing):
+# kept for the process's life, so that neither the pinned host rows its copy
+# node reads nor the device table is ever handed to another tensor.
+_KEPT_FOR_GRAPHS: list = []
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def device_table(rows, device: torch.device) -> torch.Tensor:
@@ -42,7 +50,10 @@ def device_table(rows, device: torch.device) -> torch.Tensor:
         host = host.pin_memory() if pin else host
     else:
         host = torch.tensor(rows, dtype=torch.int64, pin_memory=pin)
-    return host.to(device, non_blocking=True)
+    table = host.to(device, non_blocking=True)
+    if pin and _capturing():
+        _KEPT_FOR_GRAPHS.append((host, table))
+    return table
 
 
 def blocks(numels, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,11 +77,21 @@ def cached(key, build, *, geometry: bool = False):
     cache = _CACHES[geometry]
     if key in cache:
         cache.move_to_end(key)
-        return cache[key]
-    if len(cache) >= _CACHE_SIZE[geometry]:
-        cache.popitem(last=False)
-    cache[key] = value = build()
+        value = cache[key]
+    else:
+        if len(cache) >= _CACHE_SIZE[geometry]:
+            cache.popitem(last=False)
+        cache[key] = value = build()
+    if _capturing():
+        _KEPT_FOR_GRAPHS.append(value)
     return value
+
+
+def clear_caches() -> None:
+    """Forget every cached table (a failed capture left tables whose copy
+    never ran)."""
+    for cache in _CACHES.values():
+        cache.clear()
 
 
 def failed(what: str, exc: Exception) -> None:

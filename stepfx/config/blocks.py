@@ -153,6 +153,8 @@ class StepfxOptions:
     dump_dir: folder for ``NN_<pass>.py`` dumps after every pass; None = no dumps.
     cache_size: captured variants kept per step (at least 1).
     verify: check the graph invariants after every pass.
+    cuda_graphs: replay each captured variant as CUDA graphs from its third
+        run on; None = on for CUDA (see stepfx/runtime/graphs.py).
     """
 
     codegen: bool | None = spec(None, Optional(Bool()))
@@ -160,6 +162,7 @@ class StepfxOptions:
     dump_dir: str | None = spec(None, Optional(Str()))
     cache_size: int = spec(8, Int(ge=1))
     verify: bool = spec(True, Bool())
+    cuda_graphs: bool | None = spec(None, Optional(Bool()))
 
     def __post_init__(self):
         validate_fields(self, "stepfx")

@@ -13,6 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+import stepfx
+
 from stepfx.testing.equivalence import assert_data_parallel_equivalent, assert_step_equivalent
 from tests.steps import adamw_single_tensor as adamw
 from tests.steps import dp_batches, hf_gpt2, hf_step, lm_step, scaled_ce_step, tiny_gpt, token_batches
@@ -229,3 +231,52 @@ def test_codegen_under_zero_on_two_gpus(rank_pool, stage):
     )
     print(f"\nnccl codegen stage {stage}: {report}")
     assert "sgd_step" in report.explains[0] and "layer_norm" in report.explains[0]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("codegen", [True, False], ids=["codegen", "aten"])
+def test_cuda_graph_replay_equals_the_eager_step(codegen):
+    """Steps replayed as CUDA graphs (captured on the steady plan's third
+    run) against the same steps run eagerly, fp32 AdamW with a learning
+    rate that changes every step: the same kernels on the same addresses,
+    so the same bits (asserted to 1e-6 relative; the largest difference is
+    printed)."""
+    runs = {}
+    for on in (True, False):
+        torch.manual_seed(0)
+        model = cuda_tiny_gpt_nodrop()
+        opt = adamw(model)
+        sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.8)
+        step = stepfx.parallelize({"gradient_clipping": 1.0, "stepfx": {"codegen": codegen, "cuda_graphs": on}})(lm_step)
+        losses = []
+        for (batch,) in token_batches(8):
+            losses.append(step(model, opt, batch.cuda()))
+            sched.step()
+        runs[on] = (torch.stack(losses), [p.detach().clone() for p in model.parameters()], step.plan.executor.graphs_note)
+    (losses, params, note), (eager_losses, eager_params, eager_note) = runs[True], runs[False]
+    assert note.startswith("CUDA graphs (captured)") and eager_note == "off", note
+    worst = max((p - q).abs().max().item() / max(q.abs().max().item(), 1e-30) for p, q in zip(params, eager_params))
+    print(f"\ncuda graphs ({'codegen' if codegen else 'aten'}): {note}; losses {losses.tolist()} vs {eager_losses.tolist()}; "
+          f"worst parameter difference {worst:.2e} relative")
+    torch.testing.assert_close(losses, eager_losses, rtol=1e-6, atol=0)
+    assert worst <= 1e-6
+
+
+@pytest.mark.multigpu
+@multigpu
+@pytest.mark.parametrize("stage,codegen", [(0, True), (2, True), (3, True), (3, False)])
+def test_cuda_graph_replay_under_zero_with_nccl(rank_pool, stage, codegen):
+    """ZeRO steps whose collectives are captured in the graphs (NCCL's
+    stream joins the capture): the same losses and parameters as the eager
+    steps on both ranks."""
+    from tests import dp_workers as W
+
+    graphed = rank_pool(2, "nccl").run(W.graphs_run, stage, True, codegen, 8, "cuda")
+    eager = rank_pool(2, "nccl").run(W.graphs_run, stage, False, codegen, 8, "cuda")
+    for a, b in zip(graphed, eager):
+        print(f"\nnccl stage {stage} codegen {codegen}: {a['note']}; losses {a['losses']} vs {b['losses']}")
+        assert a["note"].startswith("CUDA graphs (captured)"), a["note"]
+        assert a["losses"] == pytest.approx(b["losses"], rel=1e-6, abs=0)
+        worst = max((p - q).abs().max().item() / max(q.abs().max().item(), 1e-30) for p, q in zip(a["params"], b["params"]))
+        assert worst <= 1e-6, worst
