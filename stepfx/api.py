@@ -34,6 +34,7 @@ from .passes import PIPELINE, PassManager, PassOptions, PassRecord, dump_records
 from .runtime import (
     DataParallel,
     LocalExecutor,
+    PoolHolder,
     ModuleBinding,
     RankStore,
     collective_fingerprint,
@@ -95,6 +96,7 @@ class ParallelStep:
         self._built_optimizer: torch.optim.Optimizer | None = None  # from the config's "optimizer" block
         self._lr_scheduler: Any = None  # from the config's "scheduler" block
         self._schedule_pending = False  # fp16: advance the scheduler once the last update's overflow flag arrives
+        self._graph_pool = PoolHolder()  # the memory pool all of this step's CUDA graphs share
 
     # -- calling --------------------------------------------------------------
     def __call__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *args, **kwargs) -> Any:
@@ -241,7 +243,8 @@ class ParallelStep:
         passes_seconds = time.perf_counter() - start
         final = records[-1].graph
         executor = LocalExecutor(final, ModuleBinding(final.signature, model, optimizer, self._store), dp,
-                                 cuda_graphs=bool(options.cuda_graphs), device_type=device_type)
+                                 cuda_graphs=bool(options.cuda_graphs), device_type=device_type,
+                                 graph_pool=self._graph_pool)
         plan = Plan(key, records, executor, capture_seconds, passes_seconds, self._calls, device_type)
         plan.held = _held_specs(captured, final)
         return plan

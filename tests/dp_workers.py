@@ -270,16 +270,18 @@ def bucket_packing_run(stage: int, pack: bool, steps: int = 3) -> dict:
                              for n in nodes)}
 
 
-def graphs_run(stage: int, graphs_on: bool, codegen: bool, steps: int = 6, device: str = "cpu") -> dict:
+def graphs_run(stage: int, graphs_on: bool, codegen: bool, steps: int = 6, device: str = "cpu", min_segment: int = 1) -> dict:
     """``steps`` AdamW steps (learning rate decayed every step, clipping;
     the second plan captures on call 4 and replays on calls 5-6) of the
     tiny GPT under ZeRO ``stage``, replayed as CUDA graphs (on the CPU
     emulated: runtime/graphs.py's ``EMULATE``) or run eagerly; bf16 with
-    codegen (on the CPU Triton's interpreter) when ``codegen``. Losses
-    (kept across steps), parameters after, and the executor's note."""
+    codegen (on the CPU Triton's interpreter) when ``codegen``; every run of
+    device ops captured when ``min_segment`` is 1. Losses (kept across
+    steps), parameters after, and the executor's note."""
     from stepfx.runtime import graphs
     from tests.steps import adamw_single_tensor
 
+    graphs.MIN_SEGMENT_OPS = min_segment
     rank = dist.get_rank()
     if device == "cpu":
         graphs.EMULATE = True  # this rank process only

@@ -6,12 +6,14 @@ The runtime runs plans; it never traces (no imports of stepfx.capture).
 from .binding import ModuleBinding, RankStore
 from .distributed import DataParallel, RankMismatchError, collective_fingerprint, data_parallel, preflight
 from .executor import LocalExecutor
+from .graphs import PoolHolder
 from .zero_state import gather_sharded_params, gather_sharded_state
 
 __all__ = [
     "ModuleBinding",
     "RankStore",
     "LocalExecutor",
+    "PoolHolder",
     "DataParallel",
     "RankMismatchError",
     "data_parallel",

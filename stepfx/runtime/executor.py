@@ -16,14 +16,14 @@ import torch
 from ..graph import StepGraph
 from .binding import ModuleBinding
 from .distributed import DataParallel, failed_together
-from .graphs import WARMUP_RUNS, GraphedStep, NotGraphable
+from .graphs import WARMUP_RUNS, GraphedStep, NotGraphable, PoolHolder
 
 __all__ = ["LocalExecutor"]
 
 
 class LocalExecutor:
     def __init__(self, graph: StepGraph, binding: ModuleBinding, dp: DataParallel | None = None, *,
-                 cuda_graphs: bool = False, device_type: str = "cuda"):
+                 cuda_graphs: bool = False, device_type: str = "cuda", graph_pool: PoolHolder | None = None):
         if not graph.functional:
             raise ValueError("the executor runs functional step graphs only (run the pass pipeline first)")
         self.graph = graph
@@ -36,7 +36,7 @@ class LocalExecutor:
         self.graphs_note = "off"  # why the step is (not) replayed as CUDA graphs, for explain()
         if cuda_graphs:
             try:
-                self.graphed = GraphedStep(self.gm, device_type, graph.signature)
+                self.graphed = GraphedStep(self.gm, device_type, graph.signature, graph_pool)
                 self.graphs_note = self.graphed.describe()
             except NotGraphable as exc:
                 self.graphs_note = f"not used: {exc}"

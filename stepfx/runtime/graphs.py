@@ -8,9 +8,9 @@ How (:class:`GraphedStep`):
 
 - *Partition.* The graph's nodes, in program order, become captured
   *segments* and *eager* nodes. A node runs eagerly on every call when it
-  reads or makes a host value: the learning rate, betas and step counters
-  live on the CPU, and a kernel takes them as arguments that a graph would
-  freeze (the step counter changes every step). Eager nodes move later,
+  reads a host value (or syncs with the host): the learning rate, betas
+  and step counters live on the CPU, and a kernel takes them as arguments
+  that a graph would freeze (the step counter changes every step). Eager nodes move later,
   never earlier: up to the first captured node that reads them or writes
   what they read. So the optimizer's host arithmetic and its update (one
   multi-tensor launch) gather after the backward, and the GPT step at ZeRO
@@ -18,7 +18,7 @@ How (:class:`GraphedStep`):
   fall in one segment (NCCL's stream has to rejoin the capture).
 - *Capture.* On the plan's third run (the first two compile and autotune
   kernels and fill their caches) each segment is captured and replayed at
-  once, so the capturing call is an ordinary step. All captures on a device
+  once, so the capturing call is an ordinary step. All captures of a step
   share one memory pool.
 - *Replay.* The graphs read fixed addresses. Batch tensors are copied into
   buffers of the step's own; every other input is read where the user's
@@ -49,11 +49,12 @@ import torch.fx as fx
 from ..graph import Role
 from ..graph.step_graph import META_DONATED
 
-__all__ = ["GraphedStep", "Segment", "partition", "WARMUP_RUNS", "EMULATE", "NotGraphable"]
+__all__ = ["GraphedStep", "PoolHolder", "Segment", "partition", "WARMUP_RUNS", "EMULATE", "NotGraphable"]
 
 log = logging.getLogger("stepfx")
 
 WARMUP_RUNS = 2  # eager runs of a plan before its capture: compile, autotune, fill caches
+MIN_SEGMENT_OPS = 8  # shorter runs of capturable ops between eager ones run eagerly
 EMULATE = False  # CPU tests: emulate capture and replay (see the module docstring)
 
 c10d = torch.ops._c10d_functional
@@ -63,6 +64,15 @@ _HOST_SYNC = frozenset({torch.ops.aten._local_scalar_dense.default, torch.ops.at
 
 class NotGraphable(Exception):
     """Why a step cannot be replayed as graphs."""
+
+
+class PoolHolder:
+    """The first graph a step captured: later captures (its other segments,
+    its other plans) allocate from that graph's memory pool, which lives
+    as long as this holder keeps the graph."""
+
+    def __init__(self):
+        self.graph = None
 
 
 @dataclass
@@ -135,12 +145,17 @@ def partition(gm: fx.GraphModule, device_type: str) -> list:
             continue
         if node.op == "output":
             break
-        host[node] = _is_host(node.meta.get("val"), device_type)
         inputs = node.all_input_nodes
         if node.target is operator.getitem:
             is_eager = inputs[0] in eager
         else:
-            is_eager = host[node] or any(host.get(a, False) for a in inputs) or node.target in _HOST_SYNC
+            # host values come from the host: CPU inputs and what eager ops
+            # make of them. A CPU result of a device op (the RNG seed and
+            # offset attention returns) is made at capture and kept, so it
+            # does not make its readers eager; an op that syncs does.
+            is_eager = (any(host[a] for a in inputs) or node.target in _HOST_SYNC
+                        or (not inputs and _is_host(node.meta.get("val"), device_type)))
+        host[node] = is_eager and _is_host(node.meta.get("val"), device_type)
         if is_eager:
             eager.add(node)
             pending.append(node)
@@ -150,6 +165,17 @@ def partition(gm: fx.GraphModule, device_type: str) -> list:
             flush()
         current.append(node)
     flush()
+    # a segment of a few ops between eager ones saves a launch or two and
+    # costs copies of the eager results it reads: those ops run eagerly
+    program = [n for item in program
+               for n in ((item,) if not isinstance(item, Segment) or len(item.nodes) >= MIN_SEGMENT_OPS else item.nodes)]
+    merged: list = []
+    for item in program:
+        if isinstance(item, Segment) and merged and isinstance(merged[-1], Segment):
+            merged[-1].nodes.extend(item.nodes)
+        else:
+            merged.append(item)
+    program = merged
     if not any(isinstance(item, Segment) for item in program):
         raise NotGraphable("no op runs on the device without a host value")
     segment_of = {n: i for i, item in enumerate(program) if isinstance(item, Segment) for n in item.nodes}
@@ -206,8 +232,9 @@ class _Emulated:
 class GraphedStep:
     """Capture and replay one plan's graph (see the module docstring)."""
 
-    def __init__(self, gm: fx.GraphModule, device_type: str, signature):
+    def __init__(self, gm: fx.GraphModule, device_type: str, signature, pool: PoolHolder | None = None):
         self.gm = gm
+        self.pool = pool if pool is not None else PoolHolder()
         self.device_type = device_type
         self.program = partition(gm, device_type)
         self.interp = fx.Interpreter(gm)
@@ -239,7 +266,7 @@ class GraphedStep:
         names = ", ".join(n.name for n in eager[:8]) + (", ..." if len(eager) > 8 else "")
         state = ("captured" if self.captured else f"not captured: {self.failed}" if self.failed
                  else f"captured on the plan's run {WARMUP_RUNS + 1}")
-        return (f"CUDA graphs ({state}): {len(segments)} segment(s) of {ops} ops, {len(eager)} eager ops between"
+        return (f"CUDA graphs ({state}): {len(segments)} segment(s) of {ops} ops, {len(eager)} ops run eagerly"
                 + (f" ({names})" if eager else ""))
 
     # -- running nodes ------------------------------------------------------
@@ -277,8 +304,11 @@ class GraphedStep:
                     env.pop(n, None)
             return graph
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=_pool(), capture_error_mode="thread_local"):
+        pool = self.pool.graph.pool() if self.pool.graph is not None else None
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             self._run_segment_eagerly(segment, env, keep)
+        if self.pool.graph is None:
+            self.pool.graph = graph
         graph.replay()
         return graph
 
@@ -304,7 +334,10 @@ class GraphedStep:
                 for n in item.exports:
                     env[n] = self.static[n]
             else:
-                env[item] = value = self.run_node(item, env)
+                if item.target is operator.getitem:  # hundreds of these unpack the update's results
+                    env[item] = value = env[item.args[0]][item.args[1]]
+                else:
+                    env[item] = value = self.run_node(item, env)
                 if item in self.eager_to_static:
                     _copy_into(self.static[item], value)
         return self._outputs(env, values)
@@ -374,21 +407,3 @@ class GraphedStep:
                 v = v.clone()  # the next replay writes there
             out.append(v)
         return out
-
-
-_POOLS: dict = {}
-
-
-def _pool():
-    device = torch.cuda.current_device()
-    if device not in _POOLS:
-        _POOLS[device] = torch.cuda.graph_pool_handle()
-    return _POOLS[device]
-
-
-def graphs_wanted(option: bool | None, device_type: str) -> tuple[bool, str]:
-    """(use graphs, why not): ``stepfx.cuda_graphs`` None is on for CUDA."""
-    if device_type == "cuda" or (EMULATE and device_type == "cpu"):
-        return option is not False, "" if option is not False else "stepfx.cuda_graphs is false"
-    return False, f"the step runs on {device_type}"
-

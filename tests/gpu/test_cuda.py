@@ -272,8 +272,8 @@ def test_cuda_graph_replay_under_zero_with_nccl(rank_pool, stage, codegen):
     steps on both ranks."""
     from tests import dp_workers as W
 
-    graphed = rank_pool(2, "nccl").run(W.graphs_run, stage, True, codegen, 8, "cuda")
-    eager = rank_pool(2, "nccl").run(W.graphs_run, stage, False, codegen, 8, "cuda")
+    graphed = rank_pool(2, "nccl").run(W.graphs_run, stage, True, codegen, 8, "cuda", 8)
+    eager = rank_pool(2, "nccl").run(W.graphs_run, stage, False, codegen, 8, "cuda", 8)
     for a, b in zip(graphed, eager):
         print(f"\nnccl stage {stage} codegen {codegen}: {a['note']}; losses {a['losses']} vs {b['losses']}")
         assert a["note"].startswith("CUDA graphs (captured)"), a["note"]

@@ -25,8 +25,8 @@ def emulate(monkeypatch):
 
 
 def _step_with_logits(model, optimizer, idx):
-    """Returns a tensor a segment makes (not the loss: under the emulation
-    0-d values count as host values, so the loss is made eagerly)."""
+    """Returns, besides the loss, a slice of the logits: tensors a segment
+    makes, which the next replay overwrites unless they are cloned."""
     logits = model(idx[:, :-1])
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), idx[:, 1:].reshape(-1))
     loss.backward()
@@ -70,13 +70,17 @@ def _leaves(results):
 
 
 @settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-@given(model=st.sampled_from(["gpt", "mlp"]), opt=st.sampled_from(sorted(OPTIMIZERS)), clip=st.sampled_from([0.0, 1.0]))
-def test_replayed_steps_are_the_same_bits(emulate, model, opt, clip):
+@given(model=st.sampled_from(["gpt", "mlp"]), opt=st.sampled_from(sorted(OPTIMIZERS)), clip=st.sampled_from([0.0, 1.0]),
+       min_segment=st.sampled_from([1, graphs.MIN_SEGMENT_OPS]))
+def test_replayed_steps_are_the_same_bits(emulate, monkeypatch, model, opt, clip, min_segment):
     """Capture on the third run of the steady plan, then replays: losses,
     the segment-made outputs of every step (kept across steps: a replay
     must not overwrite what an earlier call returned) and the parameters
     are bitwise the eager run's, with a learning rate that changes every
-    step."""
+    step. ``min_segment`` 1 captures every run of device ops between eager
+    ones (without codegen Adam's host arithmetic cuts the update into dozens
+    of segments, which read eager results through their captured buffers)."""
+    monkeypatch.setattr(graphs, "MIN_SEGMENT_OPS", min_segment)
     if model == "gpt":
         args = (tiny_gpt, OPTIMIZERS[opt], _step_with_logits, token_batches(6))
     else:
