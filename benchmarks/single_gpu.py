@@ -163,8 +163,8 @@ def run(kind: str, args) -> dict:
     if kind.startswith("stepfx"):
         optimizer = torch.optim.AdamW(model.parameters(), **adamw)
         base, _, off = kind.partition("-no:")  # stepfx-codegen-no:pass_a+pass_b disables those passes
-        graphs = not base.endswith("-nographs")  # stepfx-codegen-nographs: no CUDA-graph replay
-        base = base.removesuffix("-nographs")
+        graphs = base.endswith("-graphs")  # stepfx-codegen-graphs: replayed as CUDA graphs
+        base = base.removesuffix("-graphs")
         config = {"bf16": {"enabled": True}, "gradient_clipping": 1.0,
                   "stepfx": {"codegen": base == "stepfx-codegen", "disable": off.split("+") if off else [],
                              "cuda_graphs": graphs and device.type == "cuda"}}

@@ -452,8 +452,9 @@ def _resolve_codegen(config: Config, device_type: str) -> Config:
 
 
 def _resolve_cuda_graphs(config: Config, device_type: str) -> Config:
-    """``stepfx.cuda_graphs``: None becomes on for CUDA, off elsewhere; an
-    explicit true where there are no CUDA graphs is an error."""
+    """``stepfx.cuda_graphs``: None is off (on 2xH200 replay measured no
+    faster than launching at 1.3B: benchmarks/README.md); true where there
+    are no CUDA graphs is an error."""
     from .runtime import graphs
 
     options = config.stepfx
@@ -462,7 +463,7 @@ def _resolve_cuda_graphs(config: Config, device_type: str) -> Config:
         raise ConfigError("stepfx.cuda_graphs", f"is true, but the step runs on {device_type}: CUDA graphs need CUDA",
                           value=True, expected="false (or run on CUDA)")
     if options.cuda_graphs is None:
-        return dataclasses.replace(config, stepfx=dataclasses.replace(options, cuda_graphs=device_type == "cuda"))
+        return dataclasses.replace(config, stepfx=dataclasses.replace(options, cuda_graphs=False))
     return config
 
 

@@ -154,7 +154,7 @@ class StepfxOptions:
     cache_size: captured variants kept per step (at least 1).
     verify: check the graph invariants after every pass.
     cuda_graphs: replay each captured variant as CUDA graphs from its third
-        run on; None = on for CUDA (see stepfx/runtime/graphs.py).
+        run on (CUDA only; see stepfx/runtime/graphs.py); None = off.
     """
 
     codegen: bool | None = spec(None, Optional(Bool()))

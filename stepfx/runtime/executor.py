@@ -33,7 +33,7 @@ class LocalExecutor:
         self.gm.recompile()
         self.runs = 0
         self.graphed: GraphedStep | None = None
-        self.graphs_note = "off"  # why the step is (not) replayed as CUDA graphs, for explain()
+        self.graphs_note = "off (stepfx.cuda_graphs)"  # why the step is (not) replayed as CUDA graphs, for explain()
         if cuda_graphs:
             try:
                 self.graphed = GraphedStep(self.gm, device_type, graph.signature, graph_pool)

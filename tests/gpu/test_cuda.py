@@ -255,7 +255,7 @@ def test_cuda_graph_replay_equals_the_eager_step(codegen):
             sched.step()
         runs[on] = (torch.stack(losses), [p.detach().clone() for p in model.parameters()], step.plan.executor.graphs_note)
     (losses, params, note), (eager_losses, eager_params, eager_note) = runs[True], runs[False]
-    assert note.startswith("CUDA graphs (captured)") and eager_note == "off", note
+    assert note.startswith("CUDA graphs (captured)") and eager_note.startswith("off"), note
     worst = max((p - q).abs().max().item() / max(q.abs().max().item(), 1e-30) for p, q in zip(params, eager_params))
     print(f"\ncuda graphs ({'codegen' if codegen else 'aten'}): {note}; losses {losses.tolist()} vs {eager_losses.tolist()}; "
           f"worst parameter difference {worst:.2e} relative")

@@ -276,6 +276,6 @@ def test_steps_replayed_as_graphs_are_the_same_bits(rank_pool, stage, codegen):
     eager = rank_pool(2).run(W.graphs_run, stage, False, codegen)
     for a, b in zip(graphed, eager):
         assert a["note"].startswith("CUDA graphs (captured)"), a["note"]
-        assert b["note"] == "off"
+        assert b["note"].startswith("off")
         assert a["losses"] == b["losses"]
         assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"]))
