@@ -25,7 +25,7 @@ start=$(date +%s)
 mark() { echo "$1 rc=$2 at $(( $(date +%s) - start ))s" >> "$W/timeline.txt"; }
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$W/gpus.txt" 2>&1
 [ "${SINGLE:-1}" = 1 ] && (
-  CUDA_VISIBLE_DEVICES=0 timeout 170 python3 benchmarks/single_gpu.py --systems "${SINGLE_SYSTEMS:-eager,compile,stepfx-codegen,stepfx-codegen-graphs}" \
+  CUDA_VISIBLE_DEVICES=0 timeout 240 python3 benchmarks/single_gpu.py --systems "${SINGLE_SYSTEMS:-eager,compile,stepfx-codegen,stepfx-codegen-graphs}" \
     --warmup 5 --steps 20 ${SINGLE_PROFILE:+--profile} --out "$W" > "$W/single_gpu.log" 2>&1
   mark single_gpu $?
 ) &

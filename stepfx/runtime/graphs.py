@@ -30,6 +30,12 @@ How (:class:`GraphedStep`):
   outputs are cloned (the next replay overwrites them).
 - *Failure.* A capture that fails (an op that syncs with the host, say)
   logs why, the rest of that step runs eagerly, and the plan stays eager.
+- *Random ops* (dropout) in a segment draw from the CUDA generator's
+  graph-safe state, which torch advances on every replay; nothing checks
+  that a replayed step draws the numbers an eager step would.
+
+Off by default: on the 1.3B GPT (2xH200) replay measured no faster than
+launching (benchmarks/README.md); the step is not launch-bound.
 
 ``EMULATE`` lets the CPU test suite drive all of this: "capture" runs the
 segment and records it; "replay" re-runs its nodes on the recorded input
