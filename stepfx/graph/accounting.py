@@ -17,13 +17,12 @@
 from __future__ import annotations
 
 import collections
-import operator
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 
-from .ops import ALIAS_OPS, is_view
+from .ops import allocates_nothing, storage_root
 from .signature import Role
 from .step_graph import META_DONATED, StepGraph
 
@@ -51,28 +50,6 @@ class MemoryEstimate:
         return sum(self.at_rest.values())
 
 
-def _aliases(node: fx.Node) -> bool:
-    """Allocates nothing: a view, an alias, one element of a multi-output
-    op's result (the op itself counted the whole tuple), an op that writes
-    its first argument in place and returns it (``all_reduce_``), or the
-    wait for a collective (its result is the collective's buffer)."""
-    if node.op != "call_function":
-        return False
-    if node.target in ALIAS_OPS or node.target is operator.getitem or node.target is c10d.wait_tensor.default or is_view(node):
-        return True
-    schema = getattr(node.target, "_schema", None)
-    returns = schema.returns if schema is not None else ()
-    return (len(returns) == 1 and returns[0].alias_info is not None and returns[0].alias_info.is_write
-            and bool(schema.arguments) and schema.arguments[0].alias_info is not None
-            and schema.arguments[0].alias_info.is_write)
-
-
-def _storage_root(node: fx.Node) -> fx.Node:
-    while _aliases(node) and isinstance(node.args[0], fx.Node):
-        node = node.args[0]
-    return node
-
-
 def estimate_memory(graph: StepGraph) -> MemoryEstimate:
     gm = graph.gm
     est = MemoryEstimate()
@@ -83,9 +60,9 @@ def estimate_memory(graph: StepGraph) -> MemoryEstimate:
     last_read: dict[fx.Node, int] = {}
     for n in nodes:
         for arg in n.all_input_nodes:
-            root = _storage_root(arg)
+            root = storage_root(arg)
             last_read[root] = max(last_read.get(root, -1), pos[n])
-    outputs = {_storage_root(v) for v in (nodes[-1].args[0] if nodes and nodes[-1].op == "output" else ()) if isinstance(v, fx.Node)}
+    outputs = {storage_root(v) for v in (nodes[-1].args[0] if nodes and nodes[-1].op == "output" else ()) if isinstance(v, fx.Node)}
     frees: dict[int, list[int]] = collections.defaultdict(list)
     live = 0
     for n in nodes:
@@ -96,7 +73,7 @@ def estimate_memory(graph: StepGraph) -> MemoryEstimate:
             continue
         if n.op != "call_function":
             continue
-        if not _aliases(n):
+        if not allocates_nothing(n):
             size = _nbytes(n.meta.get("val"))
             if META_DONATED in n.meta:  # results written into the donated inputs
                 size -= sum(_nbytes(n.args[i].meta.get("val")) for i in n.meta[META_DONATED])

@@ -22,6 +22,8 @@ __all__ = [
     "is_random",
     "is_view",
     "is_collective",
+    "allocates_nothing",
+    "storage_root",
     "dtype_cast",
     "SYMBOLIC_SCALAR_FUNCTIONS",
 ]
@@ -145,6 +147,30 @@ def is_collective(node: fx.Node) -> bool:
     if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
         return False
     return target.namespace in ("_c10d_functional", "c10d_functional")
+
+
+def allocates_nothing(node: fx.Node) -> bool:
+    """The result is storage something else made: a view, an alias, one
+    element of a multi-output op's result, an op that writes its first
+    argument in place and returns it (``all_reduce_``), or the wait for a
+    collective (its result is the collective's buffer)."""
+    if node.op != "call_function":
+        return False
+    if (node.target in ALIAS_OPS or node.target is operator.getitem
+            or node.target is torch.ops._c10d_functional.wait_tensor.default or is_view(node)):
+        return True
+    schema = _schema(node)
+    returns = schema.returns if schema is not None else ()
+    return (len(returns) == 1 and returns[0].alias_info is not None and returns[0].alias_info.is_write
+            and bool(schema.arguments) and schema.arguments[0].alias_info is not None
+            and schema.arguments[0].alias_info.is_write)
+
+
+def storage_root(node: fx.Node) -> fx.Node:
+    """The node that made the storage ``node``'s value lives in."""
+    while allocates_nothing(node) and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
 
 
 # Ops that write their running-statistics arguments in training mode

@@ -53,6 +53,7 @@ import torch
 import torch.fx as fx
 
 from ..graph import Role
+from ..graph.ops import mutated_args, storage_root
 from ..graph.step_graph import META_DONATED
 
 __all__ = ["GraphedStep", "PoolHolder", "Segment", "partition", "WARMUP_RUNS", "EMULATE", "NotGraphable"]
@@ -100,29 +101,10 @@ def _is_host(val, device_type: str) -> bool:
     return isinstance(val, (torch.SymFloat, torch.SymInt, float, int)) and not isinstance(val, bool)
 
 
-def _written(node: fx.Node) -> set[fx.Node]:
-    """The nodes whose storage ``node`` writes: donated inputs, and
-    arguments its schema marks as written (``all_reduce_``)."""
-    out = {node.args[i] for i in node.meta.get(META_DONATED, ()) if isinstance(node.args[i], fx.Node)}
-    schema = getattr(node.target, "_schema", None)
-    if schema is not None:
-        for arg, a in zip(schema.arguments, node.args):
-            if arg.alias_info is not None and arg.alias_info.is_write and isinstance(a, fx.Node):
-                out.add(a)
-    return out
-
-
-def _root(node: fx.Node) -> fx.Node:
-    """The node whose storage ``node`` views (through views, aliases, getitem)."""
-    while node.op == "call_function" and node.args and isinstance(node.args[0], fx.Node):
-        schema = getattr(node.target, "_schema", None)
-        view = node.target is operator.getitem or (
-            schema is not None and schema.returns and schema.returns[0].alias_info is not None
-            and not schema.returns[0].alias_info.is_write)
-        if not view:
-            break
-        node = node.args[0]
-    return node
+def _written(node: fx.Node) -> list:
+    """What ``node`` writes in place: donated inputs, and the arguments its
+    schema marks as written (``all_reduce_``)."""
+    return [node.args[i] for i in node.meta.get(META_DONATED, ())] + mutated_args(node)
 
 
 def partition(gm: fx.GraphModule, device_type: str) -> list:
@@ -165,9 +147,9 @@ def partition(gm: fx.GraphModule, device_type: str) -> list:
         if is_eager:
             eager.add(node)
             pending.append(node)
-            pending_reads.update(_root(a) for a in inputs)
+            pending_reads.update(storage_root(a) for a in inputs)
             continue
-        if any(a in eager for a in inputs) or {_root(w) for w in _written(node)} & pending_reads:
+        if any(a in eager for a in inputs) or {storage_root(w) for w in _written(node) if isinstance(w, fx.Node)} & pending_reads:
             flush()
         current.append(node)
     flush()
@@ -187,7 +169,7 @@ def partition(gm: fx.GraphModule, device_type: str) -> list:
     segment_of = {n: i for i, item in enumerate(program) if isinstance(item, Segment) for n in item.nodes}
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target is c10d.wait_tensor.default:
-            issue = _root(node.args[0])
+            issue = node.args[0]
             if segment_of.get(issue) != segment_of.get(node):
                 raise NotGraphable(f"the collective {issue.name} and its wait {node.name} would run in different "
                                    "segments (an op between them reads a host value)")
@@ -252,7 +234,7 @@ class GraphedStep:
         # batches are copied into buffers of our own; every other input is
         # read where the user's objects (or the rank's store) keep it
         self.owned_inputs = [s.role is Role.BATCH for s in signature.inputs]
-        self.eager_to_static = {n for item in self.program if not isinstance(item, Segment) for n in [item] if n in segment_inputs}
+        self.eager_to_static = {item for item in self.program if not isinstance(item, Segment) and item in segment_inputs}
         self.static: dict[fx.Node, Any] = {}
         self.captured = False
         self.failed: str | None = None
@@ -261,7 +243,7 @@ class GraphedStep:
         self.updates = [by_ident.get(s.ident) for s in signature.outputs]
         inside = {n for item in self.program if isinstance(item, Segment) for n in item.nodes}
         out_args = self.output_node.args[0]
-        self.output_from_segment = [isinstance(a, fx.Node) and _root(a) in inside for a in out_args]
+        self.output_from_segment = [isinstance(a, fx.Node) and storage_root(a) in inside for a in out_args]
         self._last_use = self._last_uses()
 
     # -- describing ---------------------------------------------------------
