@@ -192,6 +192,24 @@ def sum_squares_many(*xs: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _rounded(x, out_ptr, OUT_BF16: tl.constexpr):
+    # fp32 ``x`` in out's dtype, rounded to nearest even. bf16 by hand, as
+    # torch's c10::BFloat16 does it: add half an ulp of bf16 (minus one when
+    # the kept lsb is 0, for ties to even) and drop the low 16 bits; NaN
+    # becomes the quiet NaN 0x7FC0. The same values as CUDA's
+    # cvt.rn.bf16.f32, and Triton's interpreter (whose fp32 -> bf16 cast
+    # truncates) then agrees too.
+    if OUT_BF16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        bits = tl.where(x != x, 0x7FC00000, bits)
+        y = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        y = x.to(out_ptr.dtype.element_ty)
+    return y
+
+
+@triton.jit
 def _cast_pack_kernel(src_ptr, out_ptr, src_numel, offset, lo, hi, scale, OUT_BF16: tl.constexpr,
                       HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
     # out[j] = src[j - offset] (times scale) cast to out's dtype, for j in
@@ -205,19 +223,30 @@ def _cast_pack_kernel(src_ptr, out_ptr, src_numel, offset, lo, hi, scale, OUT_BF
     x = tl.load(src_ptr + k, mask=(k >= 0) & (k < src_numel), other=0.0).to(tl.float32)
     if HAS_SCALE:
         x = x * scale
-    if OUT_BF16:
-        # fp32 -> bf16 by hand, as torch's c10::BFloat16 does it: add half an
-        # ulp of bf16 (minus one when the kept lsb is 0, for ties to even) and
-        # drop the low 16 bits; NaN becomes the quiet NaN 0x7FC0. The same
-        # values as CUDA's cvt.rn.bf16.f32, and Triton's interpreter (whose
-        # fp32 -> bf16 cast truncates) then agrees too.
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        bits = tl.where(x != x, 0x7FC00000, bits)
-        y = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    else:
-        y = x.to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + j, y, mask=j < hi)
+    tl.store(out_ptr + j, _rounded(x, out_ptr, OUT_BF16), mask=j < hi)
+
+
+@triton.jit
+def _cast_pack_many_kernel(table_ptr, blocks_ptr, ranges_ptr, out_ptr, scale, SRC_DTYPE: tl.constexpr,
+                           OUT_BF16: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+    # _cast_pack_kernel for many parts in one launch: program c takes block
+    # (part p, first element of its range) from the block table, the part's
+    # (numel, offset, lo, hi) from the range table and its address from the
+    # address table; each element is computed as the one-part kernel does.
+    c = tl.program_id(0).to(tl.int64)
+    p = tl.load(blocks_ptr + 2 * c)
+    first = tl.load(blocks_ptr + 2 * c + 1)
+    src_numel = tl.load(ranges_ptr + 4 * p)
+    offset = tl.load(ranges_ptr + 4 * p + 1)
+    lo = tl.load(ranges_ptr + 4 * p + 2)
+    hi = tl.load(ranges_ptr + 4 * p + 3)
+    src_ptr = tl.load(table_ptr + p).to(tl.pointer_type(SRC_DTYPE), bitcast=True)
+    j = lo + first + tl.arange(0, BLOCK)
+    k = j - offset
+    x = tl.load(src_ptr + k, mask=(k >= 0) & (k < src_numel), other=0.0).to(tl.float32)
+    if HAS_SCALE:
+        x = x * scale
+    tl.store(out_ptr + j, _rounded(x, out_ptr, OUT_BF16), mask=j < hi)
 
 
 def _check_pack(parts, total: int, dtype: torch.dtype) -> list[tuple[torch.Tensor, int]]:
@@ -260,7 +289,31 @@ def cast_pack_reference(parts: list[tuple[torch.Tensor, int]], total: int, dtype
     return out
 
 
-@register("cast_pack", reference=cast_pack_reference, jit=(_cast_pack_kernel,),
+def _cast_pack_many(ranges, out: torch.Tensor, scale) -> None:
+    """All of ``ranges`` ((part, offset, lo, hi)) in one launch per part dtype."""
+    device = out.device
+    by_dtype: dict = {}
+    for r in ranges:
+        by_dtype.setdefault(r[0].dtype, []).append(r)
+    for src_dtype, group in by_dtype.items():
+        geometry = tuple((t.numel(), offset, lo, hi) for t, offset, lo, hi in group)
+
+        def tables(geometry=geometry):
+            index, first = multi_tensor.blocks([hi - lo for _, _, lo, hi in geometry], PACK_BLOCK)
+            return (multi_tensor.device_table(torch.stack([index, first], dim=1), device),
+                    multi_tensor.device_table(list(geometry), device), index.numel())
+
+        block_table, range_table, programs = multi_tensor.cached(("pack blocks", geometry, device), tables, geometry=True)
+        ptrs = tuple(t.data_ptr() for t, _, _, _ in group)
+        table = multi_tensor.cached(("pack ptrs", ptrs, device), lambda ptrs=ptrs: multi_tensor.device_table(list(ptrs), device))
+        with _device_guard(out):
+            _cast_pack_many_kernel[(programs,)](
+                table, block_table, range_table, out, 1.0 if scale is None else float(scale),
+                SRC_DTYPE=multi_tensor.TRITON_DTYPES[src_dtype], OUT_BF16=out.dtype == torch.bfloat16,
+                HAS_SCALE=scale is not None, BLOCK=PACK_BLOCK, num_warps=NUM_WARPS)
+
+
+@register("cast_pack", reference=cast_pack_reference, jit=(_rounded, _cast_pack_kernel, _cast_pack_many_kernel),
           what="pack pieces into one flat buffer of the collective's dtype, casting; gaps zeroed")
 def cast_pack(parts: list[tuple[torch.Tensor, int]], total: int, dtype: torch.dtype,
               scale: float | None = None) -> torch.Tensor:
@@ -270,20 +323,31 @@ def cast_pack(parts: list[tuple[torch.Tensor, int]], total: int, dtype: torch.dt
     (a power of two, e.g. 1/N before a sum over N ranks, changes no bit of
     the result beyond the exact scaling, barring under- and overflow).
 
-    One launch per non-empty part: part i (by offset) writes from its offset
-    (0 for the first) up to the next part's offset (``total`` for the last),
-    so the gaps are zeroed by the same launches and the buffer is written
-    exactly once. Parts must be contiguous floating tensors on one device and
-    must not overlap. Without parts the buffer is all zeros (on the CPU).
+    Part i (by offset) writes from its offset (0 for the first) up to the
+    next part's offset (``total`` for the last), so the gaps are zeroed by
+    the same programs and the buffer is written exactly once: one launch
+    per source dtype for all the parts (the address-table kernel; the
+    one-part kernel per part where this Triton cannot build it). Parts must
+    be contiguous floating tensors on one device and must not overlap.
+    Without parts the buffer is all zeros (on the CPU).
     """
     live = _check_pack(parts, total, dtype)
     if not live:
         device = parts[0][0].device if parts else None
         return torch.zeros(total, dtype=dtype, device=device)
-    out = torch.empty(total, dtype=dtype, device=live[0][0].device)
+    device = live[0][0].device
+    out = torch.empty(total, dtype=dtype, device=device)
     bounds = [0] + [offset for _, offset in live[1:]] + [total]
+    ranges = [(t, offset, lo, hi) for (t, offset), lo, hi in zip(live, bounds, bounds[1:])]
+    one_by_one = ranges
+    if len(ranges) > 1 and multi_tensor.FALLBACK is None:
+        try:
+            _cast_pack_many(ranges, out, scale)
+            one_by_one = []
+        except Exception as exc:  # a Triton that cannot build it: the one-part kernel does the same work
+            multi_tensor.failed("cast-pack", exc)
     with _device_guard(out):
-        for (t, offset), lo, hi in zip(live, bounds, bounds[1:]):
+        for t, offset, lo, hi in one_by_one:
             _cast_pack_kernel[(triton.cdiv(hi - lo, PACK_BLOCK),)](
                 t, out, t.numel(), offset, lo, hi, 1.0 if scale is None else float(scale),
                 OUT_BF16=dtype == torch.bfloat16, HAS_SCALE=scale is not None, BLOCK=PACK_BLOCK,

@@ -14,7 +14,8 @@ __all__ = ["Kernel", "KERNELS", "register", "kernel_source", "available", "inter
 class Kernel:
     """One kernel: ``launch`` runs it (Triton), ``reference`` is the eager
     PyTorch function with the same signature and meaning, ``jit`` are the
-    ``@triton.jit`` functions it launches (their source is what stepfx shows)."""
+    ``@triton.jit`` functions it launches and the helpers they call (their
+    source is what stepfx shows)."""
 
     name: str
     launch: Callable

@@ -106,6 +106,28 @@ def test_cast_pack_scaled(dtype, scale):
                                    rtol=0, atol=0)
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("scale", [None, 0.5])
+def test_cast_pack_one_launch_per_dtype_equals_one_per_part(monkeypatch, dtype, scale):
+    """The address-table kernel (all parts of a source dtype in one launch:
+    the fp32, bf16 and fp16 parts here in three) writes the bits the
+    one-part kernel writes part by part, gaps included."""
+    from stepfx.codegen import multi_tensor, reduction_kernels
+
+    parts, total = _pack_parts(), 5800
+    launches = []
+    original = reduction_kernels._cast_pack_many
+    monkeypatch.setattr(reduction_kernels, "_cast_pack_many",
+                        lambda ranges, out, s: (launches.append(len({r[0].dtype for r in ranges})), original(ranges, out, s)))
+    many = cast_pack(parts, total, dtype, scale)
+    assert launches == [3] and multi_tensor.FALLBACK is None
+    monkeypatch.setattr(multi_tensor, "FALLBACK", "test: one part per launch")
+    one_by_one = cast_pack(parts, total, dtype, scale)
+    assert launches == [3]
+    torch.testing.assert_close(many, one_by_one, rtol=0, atol=0, equal_nan=True)
+
+
 def test_cast_pack_no_parts_and_full_cover():
     assert torch.equal(cast_pack([], 5, torch.bfloat16), torch.zeros(5, dtype=torch.bfloat16))
     x = torch.randn(41, device=DEVICE)
