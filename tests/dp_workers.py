@@ -304,3 +304,22 @@ def graphs_run(stage: int, graphs_on: bool, codegen: bool, steps: int = 6, devic
     step.sync_model()
     return {"losses": [float(x) for x in losses], "params": [p.detach().cpu().clone() for p in model.parameters()],
             "note": step.plan.executor.graphs_note}
+
+
+def update_calls(stage: int, steps: int = 3) -> dict:
+    """How the steady plan of a bf16 codegen step of the tiny GPT under ZeRO
+    ``stage`` (every parameter sharded, small buckets: some parameters lie
+    wholly on the other rank) launches its Adam updates, and its losses."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = tiny_gpt()
+    from tests.steps import adamw
+
+    opt = adamw(model)
+    cfg = {"bf16": {"enabled": True}, "gradient_clipping": 1.0,
+           "zero_optimization": {"stage": stage, "reduce_bucket_size": 500, "stage3_param_persistence_threshold": 0},
+           "stepfx": {"codegen": True}}
+    step = stepfx.parallelize(cfg)(lm_step)
+    losses = [float(step(model, opt, batch)) for (batch,) in token_batches(steps, seed=7 + 1000 * rank)]
+    names = [getattr(n.target, "__name__", "") for n in step.plan.graph.gm.graph.nodes if n.op == "call_function"]
+    return {"losses": losses, "adam_step": names.count("adam_step"), "adam_step_many": names.count("adam_step_many")}

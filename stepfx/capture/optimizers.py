@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ..errors import CaptureError
+from ..graph import TensorSpec
 
 __all__ = [
     "SUPPORTED_OPTIMIZERS",
@@ -140,9 +141,16 @@ def shared_step_count(steps) -> float | None:
     one symbolic value instead of hundreds, which is most of the capture
     time of Adam on large models. The fingerprint includes whether the
     counters agree, so a graph that shares one only runs while they do.
+
+    Under ZeRO a :class:`TensorSpec` stands for the counter of a parameter
+    whose pieces all live on other ranks: this rank never reads it, so it
+    does not count (else a sharded step would read one counter per
+    parameter and its updates could not run as one multi-tensor launch).
     """
     value = None
     for step in steps:
+        if isinstance(step, TensorSpec):
+            continue
         if not isinstance(step, torch.Tensor) or step.device.type != "cpu" or step.numel() != 1:
             return None
         v = step.item()
