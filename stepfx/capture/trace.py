@@ -93,6 +93,9 @@ class StepInputs:
     batch_spec: pytree.TreeSpec
     batch_leaves: list[Any]  # every leaf of (args, kwargs); tensors are graph inputs
     shared_step: bool = False  # all optimizer step counters are equal (read once)
+    # the parameters whose step counter this rank holds (not those wholly on
+    # other ranks under ZeRO): the shared count is read from one of these
+    shared_step_names: frozenset[str] = frozenset()
 
 
 def _keystr(path) -> str:
@@ -175,9 +178,10 @@ def collect_inputs(
         if isinstance(leaf, torch.Tensor):
             slots.append(Slot(Role.BATCH, _batch_name(path)))
             values.append(leaf)
-    steps = [v for slot, v in zip(slots, values) if slot.role is Role.OPTIMIZER_STATE and slot.key == "step"]
-    shared = bool(steps) and shared_step_count(steps) is not None
-    return StepInputs(slots, values, param_names, group_params, batch_spec, batch_leaves, shared)
+    steps = [(slot.name, v) for slot, v in zip(slots, values) if slot.role is Role.OPTIMIZER_STATE and slot.key == "step"]
+    shared = bool(steps) and shared_step_count([v for _, v in steps]) is not None
+    held_here = frozenset(name for name, v in steps if not isinstance(v, TensorSpec))
+    return StepInputs(slots, values, param_names, group_params, batch_spec, batch_leaves, shared, held_here)
 
 
 def _batch_name(path) -> str:
@@ -401,7 +405,8 @@ def _make_traced_fn(fn, model, optimizer, inputs: StepInputs, rec: _Recorder, op
         with compat.reparametrize_module(model, module_tensors), _swapped_optimizer(
             optimizer, inputs.group_params, leaves, hyper, states
         ):
-            shared = frozenset(id(v) for (_, key), v in states.items() if key == "step") if inputs.shared_step else frozenset()
+            shared = frozenset(id(v) for (name, key), v in states.items()
+                               if key == "step" and name in inputs.shared_step_names) if inputs.shared_step else frozenset()
             with compat.annotate_nodes({"phase": Phase.FORWARD.value}), _phase_hooks(optimizer, leaves, factor), _TraceGuard(
                 shared
             ), _no_ops(model, optimizer, options):

@@ -19,7 +19,7 @@ import torch
 
 from stepfx.testing.equivalence import assert_data_parallel_equivalent
 from tests import dp_workers as W
-from tests.steps import CONFIG_ADAMW, CONFIG_WARMUP, adam, config_adamw, config_warmup, adamw, dp_batches, hf_gpt2, hf_llama, hf_step, lm_step, sgd, tiny_gpt
+from tests.steps import CONFIG_ADAMW, ce_step, CONFIG_WARMUP, adam, config_adamw, config_warmup, adamw, dp_batches, hf_gpt2, hf_llama, hf_step, lm_step, sgd, tiny_gpt
 
 
 def _cfg(stage, bucket=500, persist=0, reuse=0, **extra):
@@ -244,6 +244,20 @@ def test_codegen_under_zero(rank_pool, stage):
     assert "adam_step" in explain and "sum_squares" in explain
     in_place = "updates write in place" in explain
     assert in_place == (stage in (0, 3))  # stages 1-2 all-gather after the update: new tensors instead
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_first_parameter_wholly_on_the_other_rank(rank_pool, stage):
+    """One bucket for the whole MLP: its first (small) parameter lies wholly
+    in rank 0's half, so rank 1 holds no step counter for it. The step count
+    the ranks share is read from a counter each rank holds (hypothesis found
+    rank 1 reading rank 0's: a capture error)."""
+    batches = W.mlp_rank_batches(2, 3, 3, 4, 5)
+    config = {"gradient_clipping": 0, "zero_optimization": {"stage": stage, "reduce_bucket_size": 10_000,
+                                                           "stage3_param_persistence_threshold": 0}}
+    report = assert_data_parallel_equivalent(rank_pool(2), ce_step, W.MLPFactory((3, 13, 11, 4)), W.OptimizerFactory("adam"),
+                                             batches, config=config, exact=True, seed=5)
+    assert report.bitwise and report.steps == 3
 
 
 def test_sharded_updates_run_as_one_launch(rank_pool):
