@@ -247,7 +247,9 @@ def bucket_packing_run(stage: int, pack: bool, steps: int = 3) -> dict:
     """``steps`` bf16 AdamW steps of the tiny GPT under ZeRO ``stage`` with
     codegen (Triton's interpreter), the buckets packed by cast_pack
     (``fuse_bucket_packing``, every size) or by aten casts and cat; the
-    losses, the parameters after, and how the final graph built its buckets."""
+    losses, the parameters after, and how the final graph built its buckets
+    and launches its Adam updates (every parameter sharded, small buckets:
+    some parameters lie wholly on the other rank)."""
     from stepfx.passes import fuse_bucket_packing
     from tests.steps import adamw
 
@@ -267,7 +269,9 @@ def bucket_packing_run(stage: int, pack: bool, steps: int = 3) -> dict:
             "cats": sum(n.target is torch.ops.aten.cat.default and n.name.startswith("bucket") for n in nodes),
             "scaled": sum(getattr(n.target, "__name__", "") == "pack" and n.kwargs.get("scale") == 0.5 for n in nodes),
             "divisions": sum(n.target is torch.ops.aten.div.Tensor and n.name.startswith(("grad_avg", "grad_shard"))
-                             for n in nodes)}
+                             for n in nodes),
+            "adam_step": sum(getattr(n.target, "__name__", "") == "adam_step" for n in nodes),
+            "adam_step_many": sum(getattr(n.target, "__name__", "") == "adam_step_many" for n in nodes)}
 
 
 def graphs_run(stage: int, graphs_on: bool, codegen: bool, steps: int = 6, device: str = "cpu", min_segment: int = 1) -> dict:
@@ -304,22 +308,3 @@ def graphs_run(stage: int, graphs_on: bool, codegen: bool, steps: int = 6, devic
     step.sync_model()
     return {"losses": [float(x) for x in losses], "params": [p.detach().cpu().clone() for p in model.parameters()],
             "note": step.plan.executor.graphs_note}
-
-
-def update_calls(stage: int, steps: int = 3) -> dict:
-    """How the steady plan of a bf16 codegen step of the tiny GPT under ZeRO
-    ``stage`` (every parameter sharded, small buckets: some parameters lie
-    wholly on the other rank) launches its Adam updates, and its losses."""
-    rank = dist.get_rank()
-    torch.manual_seed(0)
-    model = tiny_gpt()
-    from tests.steps import adamw
-
-    opt = adamw(model)
-    cfg = {"bf16": {"enabled": True}, "gradient_clipping": 1.0,
-           "zero_optimization": {"stage": stage, "reduce_bucket_size": 500, "stage3_param_persistence_threshold": 0},
-           "stepfx": {"codegen": True}}
-    step = stepfx.parallelize(cfg)(lm_step)
-    losses = [float(step(model, opt, batch)) for (batch,) in token_batches(steps, seed=7 + 1000 * rank)]
-    names = [getattr(n.target, "__name__", "") for n in step.plan.graph.gm.graph.nodes if n.op == "call_function"]
-    return {"losses": losses, "adam_step": names.count("adam_step"), "adam_step_many": names.count("adam_step_many")}
