@@ -2,8 +2,8 @@
 
 The executor owns nothing but the compiled GraphModule; the binding says
 where inputs come from and where outputs go. With ``cuda_graphs`` the plan
-is replayed as CUDA graphs from its third run on (runtime/graphs.py). The graph runs under
-``torch.no_grad()`` (it already contains the backward). A failure leaves
+is replayed as CUDA graphs from its third run on (runtime/graphs.py). The
+graph runs under ``torch.no_grad()`` (it already contains the backward). A failure leaves
 all state untouched (nothing is written before the graph finished) and,
 when ranks run together, aborts stepfx's group so that they all stop.
 """
@@ -33,13 +33,17 @@ class LocalExecutor:
         self.gm.recompile()
         self.runs = 0
         self.graphed: GraphedStep | None = None
-        self.graphs_note = "off (stepfx.cuda_graphs)"  # why the step is (not) replayed as CUDA graphs, for explain()
+        self._no_graphs = "off (stepfx.cuda_graphs)"  # why there is no GraphedStep
         if cuda_graphs:
             try:
                 self.graphed = GraphedStep(self.gm, device_type, graph.signature, graph_pool)
-                self.graphs_note = self.graphed.describe()
             except NotGraphable as exc:
-                self.graphs_note = f"not used: {exc}"
+                self._no_graphs = f"not used: {exc}"
+
+    @property
+    def graphs_note(self) -> str:
+        """Whether and how the step is replayed as CUDA graphs (for explain())."""
+        return self.graphed.describe() if self.graphed is not None else self._no_graphs
 
     def run(self, batch_tensors: list[torch.Tensor]) -> Any:
         try:
@@ -48,7 +52,6 @@ class LocalExecutor:
             with torch.no_grad():
                 if graphed is not None and graphed.failed is None and self.runs >= WARMUP_RUNS:
                     outputs = graphed.run(inputs)
-                    self.graphs_note = graphed.describe()
                 else:
                     outputs = self.gm(*inputs)
         except Exception as exc:
