@@ -8,7 +8,7 @@
 # Everything goes to $WORK (default /tmp/o) and is packed into $OUT/r.tgz
 # (the device tool brings back at most 8 files). Knobs: SYSTEMS (train_gpt's
 # list), TRAIN_S (its time limit), SINGLE=0 skips the single-GPU timing,
-# SINGLE_SYSTEMS its systems, SINGLE_PROFILE=1 profiles them, DEEPSPEED wheels are installed from .whl/
+# SINGLE_SYSTEMS its systems, SINGLE_PROFILE=1 profiles them (SINGLE_TRACE: systems whose Chrome trace is kept), TRACE=1 keeps rank 0's trace of train_gpt's profiled systems, DEEPSPEED wheels are installed from .whl/
 # when present (see benchmarks/README.md).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -26,7 +26,7 @@ mark() { echo "$1 rc=$2 at $(( $(date +%s) - start ))s" >> "$W/timeline.txt"; }
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$W/gpus.txt" 2>&1
 [ "${SINGLE:-1}" = 1 ] && (
   CUDA_VISIBLE_DEVICES=0 timeout 240 python3 benchmarks/single_gpu.py --systems "${SINGLE_SYSTEMS:-eager,compile,stepfx-codegen,stepfx-codegen-graphs}" \
-    --warmup 5 --steps 20 ${SINGLE_PROFILE:+--profile} --out "$W" > "$W/single_gpu.log" 2>&1
+    --warmup 5 --steps 20 ${SINGLE_PROFILE:+--profile} --trace "${SINGLE_TRACE:-}" --out "$W" > "$W/single_gpu.log" 2>&1
   mark single_gpu $?
 ) &
 (
@@ -40,7 +40,7 @@ timeout 130 python3 -m pytest -q -s -p no:cacheprovider -m multigpu tests/gpu -k
 mark multigpu_tests $?
 timeout "${TRAIN_S:-300}" torchrun --standalone --nproc_per_node 2 benchmarks/train_gpt.py \
   --systems "${SYSTEMS:-stepfx-3,fsdp2,stepfx-2,deepspeed-2,stepfx-0,ddp,stepfx-1,deepspeed-1,deepspeed-3,fsdp2-compile}" \
-  --profile "${PROFILE:-stepfx-3,stepfx-0}" --out "$W" > "$W/train_gpt.log" 2>&1
+  --profile "${PROFILE:-stepfx-3,stepfx-0}" ${TRACE:+--trace} --out "$W" > "$W/train_gpt.log" 2>&1
 mark train_gpt $?
 tar czf "$OUT/r.tgz" -C "$W" .
 cat "$W/timeline.txt"

@@ -196,7 +196,8 @@ def run(kind: str, args) -> dict:
         "warmup_s": round(warmup_s, 1), "final_loss": round(float(loss), 4), "timing": times,
     }
     if args.profile and device.type == "cuda":
-        row["profile"] = profile(kind, functools.partial(_indexed_step, step, model, optimizer, batches), args)
+        row["profile"] = profile(kind, functools.partial(_indexed_step, step, model, optimizer, batches), args,
+                                 trace=kind in args.trace.split(","))
     if kind.startswith("stepfx"):
         row["captures"] = len(step.plans)
         row["replay"] = step.plan.executor.graphs_note
@@ -228,6 +229,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of the script (tiny sizes)")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     ap.add_argument("--profile", action="store_true", help="also profile 3 steps of each system (after the timed ones)")
+    ap.add_argument("--trace", default="", help="with --profile: systems whose Chrome trace is kept (gzipped)")
     args = ap.parse_args()
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     meta = {"date": datetime.date.today().isoformat(), "gpu": gpu, "torch": torch.__version__,

@@ -18,6 +18,7 @@ from .fuse_sum_squares import fuse_sum_squares
 from .manager import PipelineEntry
 from .prune_unchanged_outputs import prune_unchanged_outputs
 from .hold_accumulated_gradients import accumulation_steps, hold_accumulated_gradients
+from .place_gradients_early import place_gradients_early
 from .plan_zero_layout import plan_zero_layout, zero_settings
 from .reduce_gradients import reduce_gradients
 from .remove_aliases import remove_aliases
@@ -79,6 +80,13 @@ PIPELINE: tuple[PipelineEntry, ...] = (
         hold_accumulated_gradients,
         "before ZeRO: accumulators held by the rank are state ZeRO may keep even where it shards gradients",
         applies=lambda options: accumulation_steps(options) > 1,
+    ),
+    PipelineEntry(
+        "place_gradients_early",
+        place_gradients_early,
+        "before the ZeRO rewrites: a bucket's collective goes right after its last gradient, so gradients must "
+        "sit where they are computed (captured mixed-precision graphs put their fp32 casts after the backward)",
+        applies=_data_parallel,
     ),
     PipelineEntry(
         "plan_zero_layout",
