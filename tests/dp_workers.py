@@ -265,7 +265,8 @@ def bucket_packing_run(stage: int, pack: bool, steps: int = 3) -> dict:
     losses = [float(step(model, opt, batch)) for (batch,) in token_batches(steps, seed=7 + 1000 * rank)]
     nodes = [n for n in step.plan.graph.gm.graph.nodes if n.op == "call_function"]
     return {"losses": losses, "params": [p.detach().clone() for p in model.parameters()],
-            "packs": sum(getattr(n.target, "__name__", "") == "pack" for n in nodes),
+            # the buckets' packs (not batch_parameter_casts' one of the parameters' bf16 copies)
+            "packs": sum(getattr(n.target, "__name__", "") == "pack" and not n.name.startswith("params16") for n in nodes),
             "cats": sum(n.target is torch.ops.aten.cat.default and n.name.startswith("bucket") for n in nodes),
             "scaled": sum(getattr(n.target, "__name__", "") == "pack" and n.kwargs.get("scale") == 0.5 for n in nodes),
             "divisions": sum(n.target is torch.ops.aten.div.Tensor and n.name.startswith(("grad_avg", "grad_shard"))

@@ -158,6 +158,13 @@ def pack(parts, offsets, total: int, *, dtype, scale: float | None = None):
     return _kernels("reduction_kernels").cast_pack(list(zip(parts, offsets, strict=True)), total, dtype, scale)
 
 
+def column_sum(x, *, keepdim: bool):
+    """``aten.sum(x, [0], keepdim)`` of a 2-D tensor (a linear layer's bias
+    gradient) by stepfx's column-sum kernel: torch's reduction ran at about
+    half the copy bandwidth there, after a memset."""
+    return _kernels("reduction_kernels").column_sum(x, keepdim)
+
+
 def run_region(key: str, *inputs):
     """A generic region of the step (pointwise ops and row reductions), compiled by inductor: see
     :mod:`stepfx.codegen.regions`. Returns the region's outputs as a tuple."""
@@ -175,6 +182,7 @@ KERNELS_OF = {
     sum_squares_many: ("reduction_kernels", ("sum_squares_many",)),
     cast: ("reduction_kernels", ("cast_pack",)),
     pack: ("reduction_kernels", ("cast_pack",)),
+    column_sum: ("reduction_kernels", ("column_sum",)),
     layer_norm: ("norm_kernels", ("layer_norm_forward",)),
     layer_norm_backward: ("norm_kernels", ("layer_norm_backward",)),
     linear_cross_entropy: ("cross_entropy_kernels", ("linear_cross_entropy",)),

@@ -3,6 +3,7 @@ for its place. ``disable=`` in the config turns passes off by name."""
 from __future__ import annotations
 
 from .batch_optimizer_updates import batch_optimizer_updates
+from .batch_parameter_casts import batch_parameter_casts
 from .batch_sum_squares import batch_sum_squares
 from .drop_profiler_nodes import drop_profiler_nodes
 from .eliminate_dead_code import eliminate_dead_code
@@ -10,6 +11,7 @@ from .fold_gradient_casts import fold_gradient_casts
 from .functionalize_graph import functionalize_graph
 from .fuse_bucket_packing import fuse_bucket_packing
 from .fuse_casts import fuse_casts
+from .fuse_column_sums import fuse_column_sums
 from .fuse_generic_regions import fuse_generic_regions, regions_apply
 from .fuse_layer_norm import fuse_layer_norm
 from .fuse_linear_cross_entropy import fuse_linear_cross_entropy
@@ -165,6 +167,18 @@ PIPELINE: tuple[PipelineEntry, ...] = (
         "fuse_casts",
         fuse_casts,
         "codegen: after fuse_optimizer_update, whose check runs the update's ops on CPU samples: a swap by identity (the 16-bit compute copies of parameters and ZeRO shards)",
+        applies=codegen_enabled,
+    ),
+    PipelineEntry(
+        "batch_parameter_casts",
+        batch_parameter_casts,
+        "codegen: after fuse_casts (the large casts are its kernel calls), all the parameters' 16-bit copies in one launch",
+        applies=codegen_enabled,
+    ),
+    PipelineEntry(
+        "fuse_column_sums",
+        fuse_column_sums,
+        "codegen: a swap by identity (bias gradients); before fuse_generic_regions, which would take them as reductions",
         applies=codegen_enabled,
     ),
     PipelineEntry(

@@ -201,3 +201,49 @@ def test_sum_squares_many():
     from stepfx.codegen import multi_tensor
 
     assert multi_tensor.FALLBACK is None  # the multi-tensor kernels ran, not the per-tensor fallback
+
+
+# --------------------------------------------------------------------------- column_sum
+
+COLUMN_SHAPES = [(9, 41), (41, 9), (341, 37), (4231, 9), (1, 130), (200, 341)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", COLUMN_SHAPES, ids=str)
+def test_column_sum_accuracy(shape, dtype):
+    from stepfx.codegen.reduction_kernels import column_sum, column_sum_reference
+
+    gen = torch.Generator().manual_seed(sum(shape))
+    x = (torch.randn(shape, generator=gen) * 3).to(dtype).to(DEVICE)
+    keepdim = shape[0] % 2 == 1
+    got = column_sum(x, keepdim)
+    eager = x.sum(0, keepdim=keepdim)
+    assert torch.equal(column_sum_reference(x, keepdim), eager)
+    assert got.shape == eager.shape and got.dtype == dtype and got.device == x.device
+    truth = x.double().sum(0, keepdim=keepdim)
+    # fp32 accumulation in another order: within twice eager's error plus a few fp32 ulps of sum |x|, and
+    # then one rounding to the output dtype (a 16-bit result may land one ulp from eager's)
+    slack = 4 * EPS32 * x.double().abs().sum(0, keepdim=keepdim) + torch.finfo(dtype).eps * truth.abs()
+    err, eager_err = (got.double() - truth).abs(), (eager.double() - truth).abs()
+    assert (err <= 2 * eager_err + slack).all(), f"worst error {err.max():.3g}, eager {eager_err.max():.3g}"
+    assert torch.equal(column_sum(x, keepdim), got), "not deterministic"
+
+
+def test_column_sum_16_bit_results_are_rounded_to_nearest():
+    """A sum that fp32 holds exactly is rounded once, to nearest even, like torch's."""
+    from stepfx.codegen.reduction_kernels import column_sum
+
+    for dtype in (torch.bfloat16, torch.float16):
+        x = torch.tensor([[1.0, 1.0], [2.0 ** -9, 3 * 2.0 ** -9], [0.0, 2.0 ** -12]]).to(dtype).to(DEVICE)
+        assert torch.equal(column_sum(x), x.sum(0)), dtype
+
+
+def test_column_sum_empty_and_bad_input():
+    from stepfx.codegen.reduction_kernels import column_sum
+
+    assert torch.equal(column_sum(torch.empty(0, 3, device=DEVICE)), torch.zeros(3, device=DEVICE))
+    with pytest.raises(ValueError, match="2-D"):
+        column_sum(torch.zeros(2, 3, 4, device=DEVICE))
+    with pytest.raises(ValueError, match="x is not contiguous"):
+        column_sum(torch.zeros(4, 6, device=DEVICE).t())
+    assert "_column_partials_kernel" in kernel_source("column_sum") and "column_sum" in KERNELS

@@ -208,7 +208,7 @@ def test_parameter_casts_by_the_cast_kernel(monkeypatch, stage):
 
     monkeypatch.setattr(fuse_casts, "MIN_NUMEL", 0)
     runs = []
-    for disable in ([], ["fuse_casts"]):
+    for disable in (["batch_parameter_casts"], ["fuse_casts", "batch_parameter_casts"]):
         torch.manual_seed(0)
         model = tiny_gpt()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
@@ -240,6 +240,39 @@ def test_parameter_casts_by_the_cast_kernel(monkeypatch, stage):
     assert len(casts) == len(list(model.parameters())) and kept_casts == []
     assert all(torch.equal(a, b) for a, b in zip(losses, kept_losses))
     assert all(torch.equal(a, b) for a, b in zip(params, kept_params))
+
+
+def test_parameter_casts_batched_into_one_launch_are_the_same_bits():
+    """batch_parameter_casts: every parameter's bf16 copy is a view of one
+    packed buffer (one cast_pack launch), at offsets aligned for cuBLAS;
+    the losses and updated parameters are bitwise those of one cast per
+    parameter."""
+    from stepfx.graph.layout import ALIGN
+
+    runs = []
+    for disable in ([], ["batch_parameter_casts"]):
+        torch.manual_seed(0)
+        model = tiny_gpt()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        step = stepfx.parallelize({**CODEGEN, "bf16": {"enabled": True}, "gradient_clipping": 1.0,
+                                   "stepfx": {"codegen": True, "disable": disable}})(lm_step)
+        losses = [step(model, opt, *batch) for batch in token_batches(3)]
+        nodes = [n for n in step.plan.graph.gm.graph.nodes if n.op == "call_function"]
+        runs.append((losses, [p.detach().clone() for p in model.parameters()], nodes))
+    (losses, params, nodes), (kept_losses, kept_params, kept_nodes) = runs
+    assert all(torch.equal(a, b) for a, b in zip(losses, kept_losses))
+    assert all(torch.equal(a, b) for a, b in zip(params, kept_params))
+    packs = [n for n in nodes if getattr(n.target, "__name__", "") == "pack" and n.name.startswith("params16")]
+    assert len(packs) == 1
+    sources, offsets, total = packs[0].args
+    n_params = len(list(model.parameters()))
+    assert len(sources) == n_params and all(s.op == "placeholder" for s in sources)
+    assert all(o % ALIGN == 0 for o in offsets) and total % ALIGN == 0
+    # no parameter is converted on its own any more; without the pass each one is
+    converted = [n for n in nodes if getattr(n.target, "__name__", "") == "cast" or n.target is torch.ops.aten._to_copy.default]
+    assert not any(n.args[0].op == "placeholder" for n in converted)
+    kept = [n for n in kept_nodes if getattr(n.target, "__name__", "") == "cast" or n.target is torch.ops.aten._to_copy.default]
+    assert sum(n.args[0].op == "placeholder" for n in kept) == n_params
 
 
 def test_generic_regions_go_to_inductor(monkeypatch):
@@ -410,3 +443,30 @@ def test_logits_the_step_returns_are_not_fused_away():
     step(model, opt, batch)
     report = step.plan.graph.signature.extra[FUSION_REPORT_KEY]
     assert ("fuse_linear_cross_entropy", "nll_loss_forward", "the logits are read elsewhere") in report
+
+
+def test_bias_gradients_by_the_column_sum_kernel(monkeypatch):
+    """fuse_column_sums (every size here): the bias gradients of the GPT's
+    linear layers are column_sum calls, and the fp32 step stays within the
+    project's bound of eager (SGD: the other summation order shows at its
+    own size); without the pass they are aten sums."""
+    from stepfx.passes import fuse_column_sums
+    from tests.passes.test_precision import clipped_reference
+
+    monkeypatch.setattr(fuse_column_sums, "MIN_NUMEL", 0)
+    report = assert_step_equivalent(lm_step, tiny_gpt, sgd_momentum, token_batches(3),
+                                    config={**CODEGEN, "gradient_clipping": 1.0}, reference_fn=clipped_reference(lm_step, 1.0),
+                                    rtol=1e-5, atol=1e-7, resync=True)
+    assert report.steps == 3
+    counts = []
+    for disable in ([], ["fuse_column_sums"]):
+        torch.manual_seed(0)
+        model = tiny_gpt()
+        step = stepfx.parallelize({**CODEGEN, "stepfx": {"codegen": True, "disable": disable}})(lm_step)
+        step(model, sgd_momentum(model), *token_batches(1)[0])
+        nodes = [n for n in step.plan.graph.gm.graph.nodes if n.op == "call_function"]
+        counts.append((sum(getattr(n.target, "__name__", "") == "column_sum" for n in nodes),
+                       sum(n.target is torch.ops.aten.sum.dim_IntList and n.args[1] == [0] and n.args[0].meta["val"].dim() == 2
+                           for n in nodes)))
+    linears = sum(isinstance(m, torch.nn.Linear) and m.bias is not None for m in tiny_gpt().modules())
+    assert counts == [(linears, 0), (0, linears)], counts
