@@ -8,8 +8,9 @@ Systems (``--systems``, comma-separated, run one after another in the same
 processes, each on a freshly built model with the same seed):
 
 - ``stepfx-0`` .. ``stepfx-3``: ``{"bf16": {"enabled": true}, "gradient_clipping": 1.0,
-  "zero_optimization": {"stage": s, "overlap_comm": true, ...}}``, codegen
-  as configured (on by default on CUDA);
+  "zero_optimization": {"stage": s, "overlap_comm": true, ...}}`` (buckets of
+  ``--bucket`` elements, ``--prefetch`` elements of ZeRO-3 gathers in
+  flight), codegen as configured (on by default on CUDA);
 - ``ddp``: DistributedDataParallel, autocast(bf16), clip_grad_norm_, fused AdamW;
 - ``fsdp2`` / ``fsdp2-compile``: ``fully_shard`` per block and at the root,
   bf16 params, fp32 reduce (``MixedPrecisionPolicy``), clip_grad_norm_,
@@ -84,7 +85,7 @@ def build(kind: str, cfg, args, device, world: int):
             "bf16": {"enabled": True},
             "gradient_clipping": 1.0,
             "zero_optimization": {"stage": stage, "overlap_comm": True, "reduce_bucket_size": args.bucket,
-                                  "stage3_prefetch_bucket_size": args.bucket,
+                                  "stage3_prefetch_bucket_size": args.prefetch,
                                   "stage3_param_persistence_threshold": args.persistence},
         }
         config["stepfx"] = {"cuda_graphs": kind.endswith("-graphs") and device.type == "cuda"}
@@ -249,7 +250,11 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--systems", default=ALL)
-    ap.add_argument("--bucket", type=int, default=50_000_000, help="reduce / prefetch bucket size (elements)")
+    ap.add_argument("--bucket", type=int, default=50_000_000, help="reduce bucket size (elements)")
+    ap.add_argument("--prefetch", type=int, default=100_000_000,
+                    help="stage3_prefetch_bucket_size (elements): two of the ~50M-element gather buckets in flight. "
+                         "The buckets straddle layers, and with one in flight (DeepSpeed's default 5e7) the 2xH200 "
+                         "trace showed every other gather waited on right after its issue")
     ap.add_argument("--persistence", type=int, default=100_000, help="stage3_param_persistence_threshold")
     ap.add_argument("--codegen", choices=("default", "on", "off"), default="default")
     ap.add_argument("--profile", default="", help="systems to profile for 3 more steps (tables per rank, rank 0's trace)")

@@ -165,6 +165,13 @@ def column_sum(x, *, keepdim: bool):
     return _kernels("reduction_kernels").column_sum(x, keepdim)
 
 
+def gelu_backward_column_sum(grad, x, *, approximate: str, keepdim: bool):
+    """(``aten.gelu_backward(grad, x, approximate)``, its sum over all but the
+    last dim): a GELU's backward and the bias gradient of the linear layer
+    before it, in one pass (``fuse_gelu_backward_bias``)."""
+    return _kernels("reduction_kernels").gelu_backward_column_sum(grad, x, approximate, keepdim)
+
+
 def run_region(key: str, *inputs):
     """A generic region of the step (pointwise ops and row reductions), compiled by inductor: see
     :mod:`stepfx.codegen.regions`. Returns the region's outputs as a tuple."""
@@ -183,6 +190,7 @@ KERNELS_OF = {
     cast: ("reduction_kernels", ("cast_pack",)),
     pack: ("reduction_kernels", ("cast_pack",)),
     column_sum: ("reduction_kernels", ("column_sum",)),
+    gelu_backward_column_sum: ("reduction_kernels", ("gelu_backward_column_sum",)),
     layer_norm: ("norm_kernels", ("layer_norm_forward",)),
     layer_norm_backward: ("norm_kernels", ("layer_norm_backward",)),
     linear_cross_entropy: ("cross_entropy_kernels", ("linear_cross_entropy",)),

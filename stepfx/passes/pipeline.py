@@ -12,6 +12,7 @@ from .functionalize_graph import functionalize_graph
 from .fuse_bucket_packing import fuse_bucket_packing
 from .fuse_casts import fuse_casts
 from .fuse_column_sums import fuse_column_sums
+from .fuse_gelu_backward_bias import fuse_gelu_backward_bias
 from .fuse_generic_regions import fuse_generic_regions, regions_apply
 from .fuse_layer_norm import fuse_layer_norm
 from .fuse_linear_cross_entropy import fuse_linear_cross_entropy
@@ -179,6 +180,12 @@ PIPELINE: tuple[PipelineEntry, ...] = (
         "fuse_column_sums",
         fuse_column_sums,
         "codegen: a swap by identity (bias gradients); before fuse_generic_regions, which would take them as reductions",
+        applies=codegen_enabled,
+    ),
+    PipelineEntry(
+        "fuse_gelu_backward_bias",
+        fuse_gelu_backward_bias,
+        "codegen: after fuse_column_sums (a bias gradient is a column_sum), before fuse_generic_regions would take the GELU backward",
         applies=codegen_enabled,
     ),
     PipelineEntry(

@@ -247,3 +247,53 @@ def test_column_sum_empty_and_bad_input():
     with pytest.raises(ValueError, match="x is not contiguous"):
         column_sum(torch.zeros(4, 6, device=DEVICE).t())
     assert "_column_partials_kernel" in kernel_source("column_sum") and "column_sum" in KERNELS
+
+
+# --------------------------------------------------------------------------- gelu_backward_column_sum
+
+GELU_SHAPES = [(9, 41), (3, 7, 130), (341, 37), (2, 4231, 9)]
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", GELU_SHAPES, ids=str)
+def test_gelu_backward_column_sum_accuracy(shape, dtype, approximate):
+    from stepfx.codegen.reduction_kernels import gelu_backward_column_sum, gelu_backward_column_sum_reference
+
+    gen = torch.Generator().manual_seed(sum(shape) + len(approximate))
+    dy = torch.randn(shape, generator=gen).to(dtype).to(DEVICE)
+    x = (torch.randn(shape, generator=gen) * 3).to(dtype).to(DEVICE)
+    keepdim = shape[0] % 2 == 1
+    dx, total = gelu_backward_column_sum(dy, x, approximate, keepdim)
+    ref_dx, ref_total = gelu_backward_column_sum_reference(dy, x, approximate, keepdim)
+    assert torch.equal(ref_dx, torch.ops.aten.gelu_backward(dy, x, approximate=approximate))
+    assert dx.shape == ref_dx.shape and dx.dtype == dtype and total.shape == ref_total.shape and total.dtype == dtype
+    truth = torch.ops.aten.gelu_backward(dy.double(), x.double(), approximate=approximate)
+    # dx against fp64 truth: at most one unit in the last place of the output worse than eager's result
+    # (fp32 values on either side of a rounding boundary; fp32 within twice eager's error), and no worse
+    # on average. Where the derivative cancels (x << 0: 0.5 * (1 + erf) or 0.5 * (1 + tanh) near 0) fp32
+    # itself is only good to a few ulps of |dy| - eager's formula as well - hence the absolute floor.
+    err, eager_err = (dx.double() - truth).abs(), (ref_dx.double() - truth).abs()
+    floor = 4 * EPS32 * dy.double().abs() + torch.finfo(dtype).tiny
+    if dtype == torch.float32:
+        assert (err <= 2 * eager_err + 4 * EPS32 * truth.abs() + floor).all()
+    else:
+        assert (err <= eager_err + torch.finfo(dtype).eps * truth.abs() + floor).all()
+        assert err.mean() <= 1.05 * eager_err.mean() + 1e-12
+    # the total is the sum of the dx written (as rounded): the column sum of dx, within fp32 summation order
+    flat = dx.reshape(-1, shape[-1])
+    want = flat.double().sum(0, keepdim=keepdim)
+    slack = 4 * EPS32 * flat.double().abs().sum(0, keepdim=keepdim) + torch.finfo(dtype).eps * want.abs()
+    assert ((total.double() - want).abs() <= slack).all()
+    assert all(torch.equal(a, b) for a, b in zip(gelu_backward_column_sum(dy, x, approximate, keepdim), (dx, total)))
+
+
+def test_gelu_backward_column_sum_bad_input():
+    from stepfx.codegen.reduction_kernels import gelu_backward_column_sum
+
+    x = torch.zeros(4, 6, device=DEVICE)
+    with pytest.raises(ValueError, match="must match"):
+        gelu_backward_column_sum(x, torch.zeros(4, 5, device=DEVICE))
+    with pytest.raises(ValueError, match="approximate"):
+        gelu_backward_column_sum(x, x, "erf")
+    assert "_gelu_bwd_partials_kernel" in kernel_source("gelu_backward_column_sum")

@@ -445,28 +445,36 @@ def test_logits_the_step_returns_are_not_fused_away():
     assert ("fuse_linear_cross_entropy", "nll_loss_forward", "the logits are read elsewhere") in report
 
 
-def test_bias_gradients_by_the_column_sum_kernel(monkeypatch):
-    """fuse_column_sums (every size here): the bias gradients of the GPT's
-    linear layers are column_sum calls, and the fp32 step stays within the
-    project's bound of eager (SGD: the other summation order shows at its
-    own size); without the pass they are aten sums."""
+@pytest.mark.parametrize("model", ["gpt", "mlp"])
+def test_bias_gradients_by_the_column_sum_kernels(monkeypatch, model):
+    """fuse_column_sums and fuse_gelu_backward_bias (every size here): the
+    bias gradients of the linear layers are column_sum calls, or one
+    gelu_backward_column_sum with the GELU's backward where a GELU follows
+    the layer (tanh GELU in the GPT, exact in the MLP), and the fp32 step
+    stays within the project's bound of eager (SGD: the other summation
+    order shows at its own size); without the passes they are aten ops."""
     from stepfx.passes import fuse_column_sums
     from tests.passes.test_precision import clipped_reference
+    from tests.steps import ce_step
 
     monkeypatch.setattr(fuse_column_sums, "MIN_NUMEL", 0)
-    report = assert_step_equivalent(lm_step, tiny_gpt, sgd_momentum, token_batches(3),
-                                    config={**CODEGEN, "gradient_clipping": 1.0}, reference_fn=clipped_reference(lm_step, 1.0),
+    if model == "gpt":
+        make, step_fn, batches, layers = tiny_gpt, lm_step, token_batches(3), len(tiny_gpt().blocks)
+    else:
+        def make():
+            return MLP((8, 24, 16, 4))
+        step_fn, batches, layers = ce_step, mlp_batches(3), 2
+    report = assert_step_equivalent(step_fn, make, sgd_momentum, batches,
+                                    config={**CODEGEN, "gradient_clipping": 1.0}, reference_fn=clipped_reference(step_fn, 1.0),
                                     rtol=1e-5, atol=1e-7, resync=True)
     assert report.steps == 3
     counts = []
-    for disable in ([], ["fuse_column_sums"]):
+    for disable in ([], ["fuse_column_sums", "fuse_gelu_backward_bias"]):
         torch.manual_seed(0)
-        model = tiny_gpt()
-        step = stepfx.parallelize({**CODEGEN, "stepfx": {"codegen": True, "disable": disable}})(lm_step)
-        step(model, sgd_momentum(model), *token_batches(1)[0])
-        nodes = [n for n in step.plan.graph.gm.graph.nodes if n.op == "call_function"]
-        counts.append((sum(getattr(n.target, "__name__", "") == "column_sum" for n in nodes),
-                       sum(n.target is torch.ops.aten.sum.dim_IntList and n.args[1] == [0] and n.args[0].meta["val"].dim() == 2
-                           for n in nodes)))
-    linears = sum(isinstance(m, torch.nn.Linear) and m.bias is not None for m in tiny_gpt().modules())
-    assert counts == [(linears, 0), (0, linears)], counts
+        net = make()
+        step = stepfx.parallelize({**CODEGEN, "stepfx": {"codegen": True, "disable": disable}})(step_fn)
+        step(net, sgd_momentum(net), *batches[0])
+        names = [getattr(n.target, "__name__", str(n.target)) for n in step.plan.graph.gm.graph.nodes if n.op == "call_function"]
+        counts.append((names.count("column_sum"), names.count("gelu_backward_column_sum"), names.count("gelu_backward.default")))
+    linears = sum(isinstance(m, torch.nn.Linear) and m.bias is not None for m in make().modules())
+    assert counts == [(linears - layers, layers, 0), (0, 0, layers)], counts
