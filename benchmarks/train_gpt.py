@@ -251,10 +251,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--systems", default=ALL)
     ap.add_argument("--bucket", type=int, default=50_000_000, help="reduce bucket size (elements)")
-    ap.add_argument("--prefetch", type=int, default=100_000_000,
-                    help="stage3_prefetch_bucket_size (elements): two of the ~50M-element gather buckets in flight. "
-                         "The buckets straddle layers, and with one in flight (DeepSpeed's default 5e7) the 2xH200 "
-                         "trace showed every other gather waited on right after its issue")
+    ap.add_argument("--prefetch", type=int, default=50_000_000,
+                    help="stage3_prefetch_bucket_size (elements; DeepSpeed's default): one of the ~46M-element gather "
+                         "buckets in flight. 1e8 (two) measured slower on 2xH200 (ZeRO-3 157.6 vs 141.7 ms: results/2026-11-30_train_gpt_1.3B_h200x2_run6 vs run5)")
     ap.add_argument("--persistence", type=int, default=100_000, help="stage3_param_persistence_threshold")
     ap.add_argument("--codegen", choices=("default", "on", "off"), default="default")
     ap.add_argument("--profile", default="", help="systems to profile for 3 more steps (tables per rank, rank 0's trace)")

@@ -130,10 +130,18 @@ def layer_norm(input, normalized_shape, weight, bias, eps):
     return _kernels("norm_kernels").layer_norm_forward(input, normalized_shape, weight, bias, eps)
 
 
-def layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask):
-    """``aten.native_layer_norm_backward``'s contract: (grad_input, grad_weight, grad_bias)."""
+def add_layer_norm(input, residual, normalized_shape, weight, bias, eps):
+    """``(input + residual, *aten.native_layer_norm(that sum, ...))`` in one
+    kernel: a residual add and the LayerNorm that reads it
+    (``fuse_residual_layer_norm``)."""
+    return _kernels("norm_kernels").add_layer_norm_forward(input, residual, normalized_shape, weight, bias, eps)
+
+
+def layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask, *, residual_grad=None):
+    """``aten.native_layer_norm_backward``'s contract: (grad_input, grad_weight, grad_bias);
+    with ``residual_grad``, grad_input + residual_grad in its place (``fuse_residual_layer_norm``)."""
     return _kernels("norm_kernels").layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, bias,
-                                                        output_mask)
+                                                        output_mask, residual_grad)
 
 
 def linear_cross_entropy(hidden, weight, target, *, ignore_index: int, reduction: str, logits_dtype):
@@ -165,13 +173,6 @@ def column_sum(x, *, keepdim: bool):
     return _kernels("reduction_kernels").column_sum(x, keepdim)
 
 
-def gelu_backward_column_sum(grad, x, *, approximate: str, keepdim: bool):
-    """(``aten.gelu_backward(grad, x, approximate)``, its sum over all but the
-    last dim): a GELU's backward and the bias gradient of the linear layer
-    before it, in one pass (``fuse_gelu_backward_bias``)."""
-    return _kernels("reduction_kernels").gelu_backward_column_sum(grad, x, approximate, keepdim)
-
-
 def run_region(key: str, *inputs):
     """A generic region of the step (pointwise ops and row reductions), compiled by inductor: see
     :mod:`stepfx.codegen.regions`. Returns the region's outputs as a tuple."""
@@ -190,8 +191,8 @@ KERNELS_OF = {
     cast: ("reduction_kernels", ("cast_pack",)),
     pack: ("reduction_kernels", ("cast_pack",)),
     column_sum: ("reduction_kernels", ("column_sum",)),
-    gelu_backward_column_sum: ("reduction_kernels", ("gelu_backward_column_sum",)),
     layer_norm: ("norm_kernels", ("layer_norm_forward",)),
+    add_layer_norm: ("norm_kernels", ("add_layer_norm_forward",)),
     layer_norm_backward: ("norm_kernels", ("layer_norm_backward",)),
     linear_cross_entropy: ("cross_entropy_kernels", ("linear_cross_entropy",)),
 }

@@ -48,11 +48,13 @@ import torch
 import triton
 import triton.language as tl
 
+from .reduction_kernels import _rounded
 from .registry import register
 
 __all__ = [
     "MAX_COLS",
     "layer_norm_forward",
+    "add_layer_norm_forward",
     "layer_norm_backward",
     "rms_norm_forward",
     "rms_norm_backward",
@@ -100,9 +102,10 @@ def _layer_norm_fwd_kernel(X, W, B, Y, MEAN, RSTD, M, N, eps,
 
 
 @triton.jit
-def _layer_norm_bwd_kernel(DY, X, W, MEAN, RSTD, DX, DW_PART, DB_PART, M, N,
+def _layer_norm_bwd_kernel(DY, X, W, MEAN, RSTD, DX, DW_PART, DB_PART, R, M, N,
                            HAS_W: tl.constexpr, DO_DX: tl.constexpr,
                            DO_DW: tl.constexpr, DO_DB: tl.constexpr,
+                           HAS_R: tl.constexpr, DX_BF16: tl.constexpr,
                            ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
     # Persistent: program p of G handles row tiles p, p+G, p+2G, ... For a row,
     #   xhat = (x-mean)*rstd;  g = w*dy
@@ -135,6 +138,11 @@ def _layer_norm_bwd_kernel(DY, X, W, MEAN, RSTD, DX, DW_PART, DB_PART, M, N,
             c_g = tl.sum(g, axis=1) / N
             c_gx = tl.sum(g * xhat, axis=1) / N
             dx = (g - c_g[:, None] - xhat * c_gx[:, None]) * rstd[:, None]
+            if HAS_R:
+                # dx + r, the residual stream's gradient: dx rounded as it would be stored, then the
+                # sum rounded once (aten's add of the two) - the values the add apart gives
+                r = tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)
+                dx = _rounded(dx.to(DX.dtype.element_ty).to(tl.float32) + r, DX, DX_BF16)
             tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
         if DO_DW:
             dw_acc += dy * xhat
@@ -404,10 +412,13 @@ def layer_norm_forward(input, normalized_shape, weight, bias, eps):
 
 
 @register("layer_norm_backward", reference=aten.native_layer_norm_backward.default,
-          jit=(_layer_norm_bwd_kernel, _sum_partials_kernel),
+          jit=(_rounded, _layer_norm_bwd_kernel, _sum_partials_kernel),
           what="LayerNorm backward: dx, dw, db in one pass over (dy, x), dw/db from per-program partials")
-def layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask):
-    """``aten.native_layer_norm_backward``: ``(grad_input, grad_weight, grad_bias)``."""
+def layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask, residual_grad=None):
+    """``aten.native_layer_norm_backward``: ``(grad_input, grad_weight, grad_bias)``.
+    ``residual_grad``: grad_input comes back as ``grad_input + residual_grad``
+    (the residual stream's gradient, added as aten's add would: both rounded
+    as apart), written once instead of written, read and added."""
     m, n = _check(input, normalized_shape, weight, bias)
     _check_like("grad_out", grad_out, input)
     _check_like("mean", mean, input, numel=m)
@@ -415,6 +426,11 @@ def layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, b
     do_dx = bool(output_mask[0])
     do_dw = bool(output_mask[1]) and weight is not None
     do_db = bool(output_mask[2]) and bias is not None
+    if residual_grad is not None:
+        _check_like("residual_grad", residual_grad, input)
+        if residual_grad.dtype != input.dtype or not do_dx:
+            raise ValueError(f"stepfx norm kernel: residual_grad ({residual_grad.dtype}) needs grad_input "
+                             f"(output_mask[0]) and the input's dtype ({input.dtype})")
     dx = torch.empty_like(input) if do_dx else None
     dw = torch.empty_like(weight) if do_dw else None
     db = torch.empty_like(bias) if do_db else None
@@ -428,9 +444,14 @@ def layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, b
     db_part = part[-1] if do_db else None
     _layer_norm_bwd_kernel[(g,)](
         grad_out, input, weight if weight is not None else input, mean, rstd,
-        dx if do_dx else input, dw_part if do_dw else input, db_part if do_db else input, m, n,
+        dx if do_dx else input, dw_part if do_dw else input, db_part if do_db else input,
+        residual_grad if residual_grad is not None else input, m, n,
         HAS_W=weight is not None, DO_DX=do_dx, DO_DW=do_dw, DO_DB=do_db,
-        ROWS=rows, BLOCK_N=block_n, num_warps=num_warps)
+        HAS_R=residual_grad is not None, DX_BF16=input.dtype == torch.bfloat16,
+        ROWS=rows, BLOCK_N=block_n, num_warps=num_warps,
+        # no fused multiply-adds: in fp32 the compiler contracted dx * rstd + r into one rounding, so
+        # grad_input + residual_grad differed in the last bit from dx and the add apart (H200: results/2026-11-30_gpu_tests_h200x2_run6.txt)
+        enable_fp_fusion=False)
     if do_dw or do_db:
         _reduce_partials(dw_part, db_part, dw, db)
     return dx, dw, db
@@ -479,3 +500,66 @@ def rms_norm_backward(grad_out, input, normalized_shape, rstd, weight, output_ma
     if do_dw:
         _reduce_partials(dw_part, None, dw, None)
     return dx, dw
+
+
+@triton.jit
+def _add_layer_norm_fwd_kernel(X, R, W, B, S, Y, MEAN, RSTD, M, N, eps,
+                               HAS_W: tl.constexpr, HAS_B: tl.constexpr, S_BF16: tl.constexpr,
+                               ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    # A residual add and the LayerNorm of its result in one pass:
+    #   s = x + r  (fp32, rounded once to s's dtype, as aten's add)
+    #   y = LayerNorm(s) as _layer_norm_fwd_kernel, from the rounded s
+    # Memory: reads x and r once, writes s and y (M*N each) and mean, rstd:
+    # one pass over s fewer than the add and the norm apart.
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    mask = row_ok[:, None] & (cols < N)[None, :]
+    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    s = _rounded(tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+                 + tl.load(R + offs, mask=mask, other=0.0).to(tl.float32), S, S_BF16)
+    tl.store(S + offs, s, mask=mask)
+    x = s.to(tl.float32)
+    mean = tl.sum(x, axis=1) / N
+    xc = tl.where(mask, x - mean[:, None], 0.0)
+    rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) / N + eps)
+    y = xc * rstd[:, None]
+    if HAS_W:
+        y = y * tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    if HAS_B:
+        y = y + tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(MEAN + rows, mean.to(MEAN.dtype.element_ty), mask=row_ok)
+    tl.store(RSTD + rows, rstd.to(RSTD.dtype.element_ty), mask=row_ok)
+
+
+def _add_layer_norm_forward_reference(input, residual, normalized_shape, weight, bias, eps):
+    s = torch.ops.aten.add.Tensor(input, residual)
+    return (s, *torch.ops.aten.native_layer_norm.default(s, normalized_shape, weight, bias, eps))
+
+
+@register("add_layer_norm_forward", reference=_add_layer_norm_forward_reference,
+          jit=(_rounded, _add_layer_norm_fwd_kernel),
+          what="residual add + LayerNorm forward: (sum, out, mean, rstd), one read of each addend")
+def add_layer_norm_forward(input, residual, normalized_shape, weight, bias, eps):
+    """``s = input + residual`` and ``aten.native_layer_norm(s, ...)``:
+    ``(s, out, mean, rstd)``; s is rounded to its dtype before the norm reads
+    it, so every output is what the add and the norm give apart."""
+    m, n = _check(input, normalized_shape, weight, bias)
+    _check_like("residual", residual, input)
+    if residual.dtype != input.dtype:
+        raise ValueError(f"stepfx norm kernel: residual is {residual.dtype}, input {input.dtype}; they must match")
+    s = torch.empty_like(input)
+    out = torch.empty_like(input)
+    stat_dtype = _layer_norm_stat_dtype(input, weight, bias)
+    mean = torch.empty(_stat_shape(input, normalized_shape), dtype=stat_dtype, device=input.device)
+    rstd = torch.empty_like(mean)
+    if m == 0:
+        return s, out, mean, rstd
+    block_n, rows, num_warps = _config(n, **_FWD)
+    _add_layer_norm_fwd_kernel[(triton.cdiv(m, rows),)](
+        input, residual, weight if weight is not None else input, bias if bias is not None else input,
+        s, out, mean, rstd, m, n, float(eps),
+        HAS_W=weight is not None, HAS_B=bias is not None, S_BF16=input.dtype == torch.bfloat16,
+        ROWS=rows, BLOCK_N=block_n, num_warps=num_warps)
+    return s, out, mean, rstd

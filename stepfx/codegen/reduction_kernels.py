@@ -5,8 +5,7 @@ overflow check (inf/nan in the input give inf/nan out). ``cast_pack`` writes
 pieces into one flat buffer of the collective's dtype (e.g. fp32 shards into
 one bf16 buffer for an all-gather), casting on the way, so the pieces are read
 once and the buffer written once. ``column_sum`` sums a 2-D tensor's rows
-(a linear layer's bias gradient); ``gelu_backward_column_sum`` computes a
-GELU's backward and that sum of its result in one pass.
+(a linear layer's bias gradient).
 """
 from __future__ import annotations
 
@@ -20,8 +19,7 @@ from . import multi_tensor
 from .registry import register
 
 __all__ = ["sum_squares", "sum_squares_reference", "sum_squares_many", "sum_squares_many_reference", "cast_pack",
-           "cast_pack_reference", "column_sum", "column_sum_reference", "gelu_backward_column_sum",
-           "gelu_backward_column_sum_reference"]
+           "cast_pack_reference", "column_sum", "column_sum_reference"]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -435,57 +433,6 @@ def column_sum(x: torch.Tensor, keepdim: bool = False) -> torch.Tensor:
     return out
 
 
-@triton.jit
-def _gelu_bwd_partials_kernel(dy_ptr, x_ptr, dx_ptr, part_ptr, M, N, rows_per_group,
-                              TANH: tl.constexpr, OUT_BF16: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
-    # dx = gelu_backward(dy, x) as torch's kernel computes it (fp32, one
-    # rounding to dx's dtype), and part[r, c] = the sum of the dx values
-    # written (as rounded) over row group r: the bias gradient's partials.
-    # Tiles and groups as _column_partials_kernel. Memory: reads dy and x
-    # once, writes dx once and G*N fp32 partials.
-    r = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
-    first = r.to(tl.int64) * rows_per_group
-    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-    for start in tl.range(0, rows_per_group, ROWS):
-        rows = first + start + tl.arange(0, ROWS)
-        mask = ((rows < M) & (start + tl.arange(0, ROWS) < rows_per_group))[:, None] & col_ok[None, :]
-        offs = rows[:, None] * N + cols[None, :]
-        dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        if TANH:
-            k_beta = 0.7978845608028654  # sqrt(2 / pi)
-            k_kappa = 0.044715
-            x_sq = x * x
-            inner = k_beta * (x + k_kappa * x_sq * x)
-            # tanh(inner) and 1 - tanh(inner)^2 from e = exp(-2|inner|) (no
-            # tanh in Triton's interpreter): (1 - e) / (1 + e) with inner's
-            # sign, and 4e / (1 + e)^2 without the cancellation of 1 - t*t
-            e = tl.exp(-2.0 * tl.abs(inner))
-            t = (1.0 - e) / (1.0 + e)
-            t = tl.where(inner < 0, -t, t)
-            sech2 = 4.0 * e / ((1.0 + e) * (1.0 + e))
-            dx = dy * (0.5 * (1.0 + t) + 0.5 * x * sech2 * (k_beta * (1.0 + 3.0 * k_kappa * x_sq)))
-        else:
-            k_alpha = 0.7071067811865476  # 1 / sqrt(2)
-            k_beta = 0.3989422804014327  # 1 / sqrt(2 pi)
-            cdf = 0.5 * (1.0 + tl.math.erf(x * k_alpha))
-            pdf = tl.exp(-0.5 * x * x) * k_beta
-            dx = dy * (cdf + x * pdf)
-        out = _rounded(dx, dx_ptr, OUT_BF16)
-        tl.store(dx_ptr + offs, out, mask=mask)
-        acc += tl.where(mask, out.to(tl.float32), 0.0)
-    tl.store(part_ptr + r.to(tl.int64) * N + cols, tl.sum(acc, axis=0), mask=col_ok)
-
-
-def gelu_backward_column_sum_reference(grad: torch.Tensor, x: torch.Tensor, approximate: str = "none",
-                                       keepdim: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(``aten.gelu_backward(grad, x, approximate)``, its sum over all but the last dim)."""
-    dx = torch.ops.aten.gelu_backward.default(grad, x, approximate=approximate)
-    return dx, torch.ops.aten.sum.dim_IntList(dx.reshape(-1, x.shape[-1]), [0], keepdim)
-
-
 def _row_groups(x: torch.Tensor, m: int, n: int) -> tuple[int, int, int, int]:
     """(BLOCK_N, column blocks, row groups, rows per group) for an M x N pass."""
     block_n = 128 if x.element_size() == 2 else 64
@@ -498,36 +445,3 @@ def _column_total(part: torch.Tensor, out: torch.Tensor) -> None:
     groups, n = part.shape
     _column_total_kernel[(triton.cdiv(n, 16),)](part, out, groups, n, OUT_BF16=out.dtype == torch.bfloat16,
                                                BLOCK_G=64, BLOCK_C=16, num_warps=4)
-
-
-@register("gelu_backward_column_sum", reference=gelu_backward_column_sum_reference,
-          jit=(_rounded, _gelu_bwd_partials_kernel, _column_total_kernel),
-          what="GELU backward and the sum of its result over rows (the bias gradient before it) in one pass")
-def gelu_backward_column_sum(grad: torch.Tensor, x: torch.Tensor, approximate: str = "none",
-                             keepdim: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """``aten.gelu_backward(grad, x, approximate=...)`` and the sum of that
-    result over every dim but the last (``keepdim``: shape [1, N]), the
-    bias gradient of the linear layer feeding the GELU: dx is written once
-    and summed as written, not read back."""
-    _check_input("grad", grad)
-    _check_input("x", x)
-    if grad.shape != x.shape or grad.dtype != x.dtype or grad.device != x.device:
-        raise ValueError(f"gelu_backward_column_sum: grad {tuple(grad.shape)} {grad.dtype} and x {tuple(x.shape)} "
-                         f"{x.dtype} must match in shape, dtype and device")
-    if approximate not in ("none", "tanh") or x.dim() == 0:
-        raise ValueError(f"gelu_backward_column_sum: approximate must be 'none' or 'tanh' (got {approximate!r}) "
-                         f"and x at least 1-D (got {tuple(x.shape)})")
-    n = x.shape[-1]
-    m = x.numel() // n if n else 0
-    dx = torch.empty_like(x)
-    out = torch.empty((1, n) if keepdim else (n,), dtype=x.dtype, device=x.device)
-    if m == 0 or n == 0:
-        return dx, out.zero_()
-    block_n, col_blocks, groups, rows_per_group = _row_groups(x, m, n)
-    part = torch.empty((groups, n), dtype=torch.float32, device=x.device)
-    with _device_guard(x):
-        _gelu_bwd_partials_kernel[(groups, col_blocks)](grad, x, dx, part, m, n, rows_per_group, TANH=approximate == "tanh",
-                                                        OUT_BF16=x.dtype == torch.bfloat16, ROWS=32, BLOCK_N=block_n,
-                                                        num_warps=4)
-        _column_total(part, out)
-    return dx, out

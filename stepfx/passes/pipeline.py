@@ -12,9 +12,9 @@ from .functionalize_graph import functionalize_graph
 from .fuse_bucket_packing import fuse_bucket_packing
 from .fuse_casts import fuse_casts
 from .fuse_column_sums import fuse_column_sums
-from .fuse_gelu_backward_bias import fuse_gelu_backward_bias
 from .fuse_generic_regions import fuse_generic_regions, regions_apply
 from .fuse_layer_norm import fuse_layer_norm
+from .fuse_residual_layer_norm import fuse_residual_layer_norm
 from .fuse_linear_cross_entropy import fuse_linear_cross_entropy
 from .fuse_optimizer_update import fuse_optimizer_update
 from .fuse_sum_squares import fuse_sum_squares
@@ -146,6 +146,12 @@ PIPELINE: tuple[PipelineEntry, ...] = (
         applies=codegen_enabled,
     ),
     PipelineEntry(
+        "fuse_residual_layer_norm",
+        fuse_residual_layer_norm,
+        "codegen, after fuse_layer_norm (the norm is its kernel call): the residual add joins the norm that reads it",
+        applies=codegen_enabled,
+    ),
+    PipelineEntry(
         "fuse_sum_squares",
         fuse_sum_squares,
         "codegen, after unscale_clip_gradients made the per-gradient sums of squares",
@@ -180,12 +186,6 @@ PIPELINE: tuple[PipelineEntry, ...] = (
         "fuse_column_sums",
         fuse_column_sums,
         "codegen: a swap by identity (bias gradients); before fuse_generic_regions, which would take them as reductions",
-        applies=codegen_enabled,
-    ),
-    PipelineEntry(
-        "fuse_gelu_backward_bias",
-        fuse_gelu_backward_bias,
-        "codegen: after fuse_column_sums (a bias gradient is a column_sum), before fuse_generic_regions would take the GELU backward",
         applies=codegen_enabled,
     ),
     PipelineEntry(

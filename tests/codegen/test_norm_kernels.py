@@ -270,3 +270,56 @@ def test_registered_with_reference_and_source():
     for got, ref in zip(rmsb.launch(dy, x, ns, rstd, w, [True, True]), rmsb.reference(dy, x, ns, rstd, w, [True, True])):
         assert got.dtype == ref.dtype and got.shape == ref.shape
         assert_fp32_close(got, ref, "rms_norm_backward vs its reference")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("affine", ["wb", ""], ids=["w_b", "none"])
+@pytest.mark.parametrize("shape,k", SHAPES, ids=[f"{s}_{k}" for s, k in SHAPES])
+def test_add_layer_norm_is_the_add_then_the_norm(shape, k, dtype, affine):
+    """The residual add and the LayerNorm in one kernel: the sum bitwise
+    aten's add (rounded to nearest even before the norm reads it), the norm's
+    outputs bitwise the LayerNorm kernel's on that sum (whose accuracy
+    test_layer_norm judges)."""
+    gen = torch.Generator().manual_seed(sum(shape) + k)
+    x = (torch.randn(shape, generator=gen) * 2 + 0.5).to(dtype).to(DEVICE)
+    r = torch.randn(shape, generator=gen).to(dtype).to(DEVICE)
+    norm = list(shape[-k:])
+    w = (torch.randn(norm, generator=gen) + 1).to(dtype).to(DEVICE) if affine else None
+    b = torch.randn(norm, generator=gen).to(dtype).to(DEVICE) if affine else None
+    s, out, mean, rstd = nk.add_layer_norm_forward(x, r, norm, w, b, 1e-5)
+    want_s = x + r
+    assert torch.equal(s, want_s)
+    for got, want in zip((out, mean, rstd), nk.layer_norm_forward(want_s, norm, w, b, 1e-5)):
+        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
+    assert all(torch.equal(a, b) for a, b in zip(nk._add_layer_norm_forward_reference(x, r, norm, w, b, 1e-5)[:1], (s,)))
+
+
+def test_add_layer_norm_refuses_mismatched_addends():
+    x = torch.zeros(4, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="residual shape"):
+        nk.add_layer_norm_forward(x, torch.zeros(4, 9, device=DEVICE), [8], None, None, 1e-5)
+    with pytest.raises(ValueError, match="must match"):
+        nk.add_layer_norm_forward(x, torch.zeros(4, 8, dtype=torch.bfloat16, device=DEVICE), [8], None, None, 1e-5)
+    assert "_add_layer_norm_fwd_kernel" in kernel_source("add_layer_norm_forward")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape,k", SHAPES, ids=[f"{s}_{k}" for s, k in SHAPES])
+def test_layer_norm_backward_adds_the_residual_gradient_as_apart(shape, k, dtype):
+    """``residual_grad``: grad_input + residual_grad written at once is
+    bitwise the backward's grad_input then aten's add (dx rounded first),
+    the weight and bias gradients unchanged."""
+    gen = torch.Generator().manual_seed(sum(shape) + 7 * k)
+    x = (torch.randn(shape, generator=gen) * 2).to(dtype).to(DEVICE)
+    dy = torch.randn(shape, generator=gen).to(dtype).to(DEVICE)
+    r = torch.randn(shape, generator=gen).to(dtype).to(DEVICE)
+    norm = list(shape[-k:])
+    w = (torch.randn(norm, generator=gen) + 1).to(dtype).to(DEVICE)
+    b = torch.randn(norm, generator=gen).to(dtype).to(DEVICE)
+    _, mean, rstd = nk.layer_norm_forward(x, norm, w, b, 1e-5)
+    dx, dw, db = nk.layer_norm_backward(dy, x, norm, mean, rstd, w, b, [True, True, True])
+    fused = nk.layer_norm_backward(dy, x, norm, mean, rstd, w, b, [True, True, True], residual_grad=r)
+    for got, want in zip(fused, (r + dx, dw, db)):
+        assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="residual_grad"):
+        nk.layer_norm_backward(dy, x, norm, mean, rstd, w, b, [False, True, True], residual_grad=r)
