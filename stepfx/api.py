@@ -10,9 +10,11 @@ eviction is logged with the reason.
 """
 from __future__ import annotations
 
+import atexit
 import collections
 import dataclasses
 import functools
+import gc
 import logging
 import os
 import time
@@ -48,6 +50,26 @@ from .schedules import build_scheduler
 __all__ = ["parallelize", "ParallelStep", "Plan", "DUMP_ENV"]
 
 log = logging.getLogger("stepfx")
+# stepfx froze the collector's generations after its last capture (stepfx.freeze_gc): the next
+# capture unfreezes them first
+_GC_FROZEN = False
+_GC_THAW_REGISTERED = False
+
+
+def _thaw_gc() -> None:
+    """At exit: frozen objects are skipped by the interpreter's last
+    collection, and extension types report them as leaked."""
+    global _GC_FROZEN
+    if _GC_FROZEN:
+        gc.unfreeze()
+        _GC_FROZEN = False
+        gc.collect()
+
+
+def _register_thaw() -> None:
+    global _GC_THAW_REGISTERED
+    atexit.register(_thaw_gc)
+    _GC_THAW_REGISTERED = True
 
 DUMP_ENV = "STEPFX_DUMP_DIR"
 
@@ -196,6 +218,10 @@ class ParallelStep:
         return self._lr_scheduler
 
     def _compile(self, key, model, optimizer, args, kwargs, options: CaptureOptions) -> Plan:
+        global _GC_FROZEN
+        if _GC_FROZEN:  # what was dropped since the last capture becomes collectable again
+            gc.unfreeze()
+            _GC_FROZEN = False
         if self._last is not None:
             log.info("stepfx: re-capturing %s (call %d): %s", self.__name__, self._calls, describe_change(self._last.key, key))
         dp = self._dp
@@ -221,6 +247,11 @@ class ParallelStep:
         if self.dump_dir:
             suffix = f"_rank{dp.rank}" if dp.active else ""
             dump_records(plan.records, os.path.join(self.dump_dir, f"variant{len(self._plans) - 1:02d}_call{self._calls}{suffix}"))
+        if options.freeze_gc:  # the plans' graphs stay out of the full collections steps trigger
+            gc.freeze()
+            _GC_FROZEN = True
+            if not _GC_THAW_REGISTERED:
+                _register_thaw()
         return plan
 
     def _build_plan(self, key, model, optimizer, args, kwargs, capture: CaptureOptions) -> Plan:

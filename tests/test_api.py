@@ -58,6 +58,35 @@ def test_cache_is_bounded_and_eviction_is_logged(caplog):
     assert any("at most 2 captured variants" in r.message for r in caplog.records)
 
 
+def test_captured_plans_are_kept_out_of_full_collections():
+    """stepfx.freeze_gc: after a capture the process's objects (the plan's
+    graphs among them) sit in the collector's permanent generation; the
+    next capture unfreezes first, so an evicted plan is collected again;
+    off, nothing is frozen."""
+    import gc
+    import weakref
+
+    gc.unfreeze()
+    try:
+        model, opt = _setup()
+        step = stepfx.parallelize(Config(stepfx=StepfxOptions(cache_size=1)))(ce_step)
+        step(model, opt, torch.randn(2, 8), torch.randint(0, 4, (2,)))
+        nodes = len(step.plan.graph.gm.graph.nodes)
+        assert gc.get_freeze_count() > nodes
+        evicted = weakref.ref(step.plan.graph.gm)
+        step(model, opt, torch.randn(3, 8), torch.randint(0, 4, (3,)))  # a new variant evicts the first
+        gc.unfreeze()
+        gc.collect()
+        assert evicted() is None, "the evicted plan's graph was kept alive"
+
+        model, opt = _setup()
+        step = stepfx.parallelize(Config(stepfx=StepfxOptions(freeze_gc=False)))(ce_step)
+        step(model, opt, torch.randn(2, 8), torch.randint(0, 4, (2,)))
+        assert gc.get_freeze_count() == 0
+    finally:
+        gc.unfreeze()
+
+
 def test_eval_mode_and_no_grad_changes_are_new_variants():
     model, opt = _setup(dropout=0.5)
     ref, ref_opt = copy.deepcopy(model), None

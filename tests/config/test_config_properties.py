@@ -69,6 +69,7 @@ LEAVES = [
     Leaf(("bf16", "immediate_grad_update"), "bf16.immediate_grad_update", BOOLS, BAD_BOOL, False),
     Leaf(("stepfx", "cache_size"), "stepfx.cache_size", ints(1, 64), BAD_INT + (0, ), True),
     Leaf(("stepfx", "verify"), "stepfx.verify", BOOLS, BAD_BOOL, True),
+    Leaf(("stepfx", "freeze_gc"), "stepfx.freeze_gc", BOOLS, BAD_BOOL, True),
 ]
 
 
