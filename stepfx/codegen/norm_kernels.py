@@ -74,20 +74,27 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
-def _layer_norm_fwd_kernel(X, W, B, Y, MEAN, RSTD, M, N, eps,
+def _layer_norm_fwd_kernel(X, W, B, Y, MEAN, RSTD, R, S, M, N, eps,
                            HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+                           HAS_R: tl.constexpr, S_BF16: tl.constexpr,
                            ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
     # One program normalizes ROWS rows of N columns, each row whole in registers:
     #   mean = sum(x)/N;  var = sum((x-mean)^2)/N;  rstd = 1/sqrt(var+eps)
     #   y = (x-mean)*rstd*w + b                      (all in fp32, y rounded once)
-    # Memory: reads x (M*N elements) once, w and b (N each, cached across
-    # programs); writes y (M*N) and mean, rstd (M each). Nothing else.
+    # HAS_R: a residual add first, s = x + r (fp32, rounded once to s's dtype
+    # as aten's add; written to S), and the norm of that rounded s.
+    # Memory: reads x (and r) (M*N elements) once, w and b (N each, cached
+    # across programs); writes y (and s) (M*N) and mean, rstd (M each).
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
     row_ok = rows < M
     mask = row_ok[:, None] & (cols < N)[None, :]
     offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
     x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_R:
+        s = _rounded(x + tl.load(R + offs, mask=mask, other=0.0).to(tl.float32), S, S_BF16)
+        tl.store(S + offs, s, mask=mask)
+        x = s.to(tl.float32)
     mean = tl.sum(x, axis=1) / N
     xc = tl.where(mask, x - mean[:, None], 0.0)
     rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) / N + eps)
@@ -392,7 +399,7 @@ def _rms_norm_backward_reference(grad_out, input, normalized_shape, rstd, weight
 
 
 @register("layer_norm_forward", reference=aten.native_layer_norm.default,
-          jit=(_layer_norm_fwd_kernel,),
+          jit=(_rounded, _layer_norm_fwd_kernel),
           what="LayerNorm forward: (out, mean, rstd) as aten.native_layer_norm, fp32 statistics")
 def layer_norm_forward(input, normalized_shape, weight, bias, eps):
     """``aten.native_layer_norm``: ``(out, mean, rstd)``, one read of x, one write of out."""
@@ -406,8 +413,9 @@ def layer_norm_forward(input, normalized_shape, weight, bias, eps):
     block_n, rows, num_warps = _config(n, **_FWD)
     _layer_norm_fwd_kernel[(triton.cdiv(m, rows),)](
         input, weight if weight is not None else input, bias if bias is not None else input,
-        out, mean, rstd, m, n, float(eps),
-        HAS_W=weight is not None, HAS_B=bias is not None, ROWS=rows, BLOCK_N=block_n, num_warps=num_warps)
+        out, mean, rstd, input, input, m, n, float(eps),
+        HAS_W=weight is not None, HAS_B=bias is not None, HAS_R=False, S_BF16=False,
+        ROWS=rows, BLOCK_N=block_n, num_warps=num_warps)
     return out, mean, rstd
 
 
@@ -502,44 +510,13 @@ def rms_norm_backward(grad_out, input, normalized_shape, rstd, weight, output_ma
     return dx, dw
 
 
-@triton.jit
-def _add_layer_norm_fwd_kernel(X, R, W, B, S, Y, MEAN, RSTD, M, N, eps,
-                               HAS_W: tl.constexpr, HAS_B: tl.constexpr, S_BF16: tl.constexpr,
-                               ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
-    # A residual add and the LayerNorm of its result in one pass:
-    #   s = x + r  (fp32, rounded once to s's dtype, as aten's add)
-    #   y = LayerNorm(s) as _layer_norm_fwd_kernel, from the rounded s
-    # Memory: reads x and r once, writes s and y (M*N each) and mean, rstd:
-    # one pass over s fewer than the add and the norm apart.
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, BLOCK_N)
-    row_ok = rows < M
-    mask = row_ok[:, None] & (cols < N)[None, :]
-    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
-    s = _rounded(tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
-                 + tl.load(R + offs, mask=mask, other=0.0).to(tl.float32), S, S_BF16)
-    tl.store(S + offs, s, mask=mask)
-    x = s.to(tl.float32)
-    mean = tl.sum(x, axis=1) / N
-    xc = tl.where(mask, x - mean[:, None], 0.0)
-    rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) / N + eps)
-    y = xc * rstd[:, None]
-    if HAS_W:
-        y = y * tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    if HAS_B:
-        y = y + tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
-    tl.store(MEAN + rows, mean.to(MEAN.dtype.element_ty), mask=row_ok)
-    tl.store(RSTD + rows, rstd.to(RSTD.dtype.element_ty), mask=row_ok)
-
-
 def _add_layer_norm_forward_reference(input, residual, normalized_shape, weight, bias, eps):
     s = torch.ops.aten.add.Tensor(input, residual)
     return (s, *torch.ops.aten.native_layer_norm.default(s, normalized_shape, weight, bias, eps))
 
 
 @register("add_layer_norm_forward", reference=_add_layer_norm_forward_reference,
-          jit=(_rounded, _add_layer_norm_fwd_kernel),
+          jit=(_rounded, _layer_norm_fwd_kernel),
           what="residual add + LayerNorm forward: (sum, out, mean, rstd), one read of each addend")
 def add_layer_norm_forward(input, residual, normalized_shape, weight, bias, eps):
     """``s = input + residual`` and ``aten.native_layer_norm(s, ...)``:
@@ -557,9 +534,9 @@ def add_layer_norm_forward(input, residual, normalized_shape, weight, bias, eps)
     if m == 0:
         return s, out, mean, rstd
     block_n, rows, num_warps = _config(n, **_FWD)
-    _add_layer_norm_fwd_kernel[(triton.cdiv(m, rows),)](
-        input, residual, weight if weight is not None else input, bias if bias is not None else input,
-        s, out, mean, rstd, m, n, float(eps),
-        HAS_W=weight is not None, HAS_B=bias is not None, S_BF16=input.dtype == torch.bfloat16,
+    _layer_norm_fwd_kernel[(triton.cdiv(m, rows),)](
+        input, weight if weight is not None else input, bias if bias is not None else input,
+        out, mean, rstd, residual, s, m, n, float(eps),
+        HAS_W=weight is not None, HAS_B=bias is not None, HAS_R=True, S_BF16=input.dtype == torch.bfloat16,
         ROWS=rows, BLOCK_N=block_n, num_warps=num_warps)
     return s, out, mean, rstd

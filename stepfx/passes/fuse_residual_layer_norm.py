@@ -65,6 +65,8 @@ def _addends(norm: fx.Node) -> fx.Node | None:
     if len(add.args) != 2 or add.kwargs:
         return None
     out = add.meta.get("val")
+    if not isinstance(out, torch.Tensor):
+        return None
     for arg in add.args:
         val = arg.meta.get("val") if isinstance(arg, fx.Node) else None
         if not (isinstance(val, torch.Tensor) and val.shape == out.shape and val.dtype == out.dtype
@@ -113,6 +115,7 @@ def fuse_residual_layer_norm(graph: StepGraph, options: PassOptions) -> PassResu
         return PassResult(graph, False)
     graph, copy_of = clone_step_graph_mapped(graph)
     g = graph.gm.graph
+    replaced: dict[fx.Node, fx.Node] = {}  # an add fused away -> what its readers read now
     for old_norm, old_add in pairs:
         norm, add = copy_of[old_norm], copy_of[old_add]
         vals = (add.meta["val"], *norm.meta["val"])
@@ -124,9 +127,9 @@ def fuse_residual_layer_norm(graph: StepGraph, options: PassOptions) -> PassResu
         for user in list(norm.users):
             user.args = (fused, user.args[1] + 1)
         add.replace_all_uses_with(total)
+        replaced[add] = total
         g.erase_node(norm)
         g.erase_node(add)
-    replaced: dict[fx.Node, fx.Node] = {}  # an add fused away -> what its readers read now
     for old_dx, old_add, old_r in backward:
         dx, add, r = copy_of[old_dx], copy_of[old_add], copy_of[old_r]
         while r in replaced:  # r was itself such an add (a chain of blocks)

@@ -300,7 +300,7 @@ def test_add_layer_norm_refuses_mismatched_addends():
         nk.add_layer_norm_forward(x, torch.zeros(4, 9, device=DEVICE), [8], None, None, 1e-5)
     with pytest.raises(ValueError, match="must match"):
         nk.add_layer_norm_forward(x, torch.zeros(4, 8, dtype=torch.bfloat16, device=DEVICE), [8], None, None, 1e-5)
-    assert "_add_layer_norm_fwd_kernel" in kernel_source("add_layer_norm_forward")
+    assert "HAS_R" in kernel_source("add_layer_norm_forward")  # the LayerNorm kernel, with its residual add
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
