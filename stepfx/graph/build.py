@@ -21,6 +21,7 @@ from .step_graph import META_GRAD_OF, META_PARAM, META_PHASE, META_SLOT, META_SO
 __all__ = [
     "clone_step_graph",
     "clone_step_graph_mapped",
+    "swap_calls",
     "flatten_codegen",
     "placeholder_name",
     "bind_placeholders",
@@ -47,6 +48,25 @@ def clone_step_graph_mapped(graph: StepGraph) -> tuple[StepGraph, dict[fx.Node, 
     new_graph._codegen = graph.gm.graph._codegen
     gm = compat.graph_module(graph.gm, new_graph)
     return graph.replace(gm=gm), val_map
+
+
+def swap_calls(graph: StepGraph, found: list[fx.Node], target, call, name: str) -> StepGraph:
+    """A copy of ``graph`` where each node of ``found`` (nodes of ``graph``)
+    is a call of ``target`` with ``call(node) -> (args, kwargs)`` (given the
+    copy's node), named ``name``, keeping the node's metadata: the swap by
+    identity that many fusion passes make."""
+    graph, copy_of = clone_step_graph_mapped(graph)
+    g = graph.gm.graph
+    for match in found:
+        old = copy_of[match]
+        args, kwargs = call(old)
+        with g.inserting_before(old):
+            new = g.create_node("call_function", target, tuple(args), dict(kwargs), name=name)
+        new.meta.update(old.meta)
+        old.replace_all_uses_with(new)
+        g.erase_node(old)
+    graph.gm.recompile()
+    return graph
 
 
 def flatten_codegen(gm: fx.GraphModule) -> None:

@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 
 from ..graph import StepGraph
-from ..graph.build import clone_step_graph_mapped
+from ..graph.build import swap_calls
 from ..graph.ops import dtype_cast
 from .manager import PassOptions, PassResult
 
@@ -47,15 +47,6 @@ def fuse_casts(graph: StepGraph, options: PassOptions) -> PassResult:
     found = [n for n in graph.gm.graph.nodes if _castable(n)]
     if not found:
         return PassResult(graph, False)
-    graph, copy_of = clone_step_graph_mapped(graph)
-    g = graph.gm.graph
-    for match in found:
-        old = copy_of[match]
-        with g.inserting_before(old):
-            new = g.create_node("call_function", graph_ops.cast, (old.args[0],), {"dtype": old.meta["val"].dtype},
-                                name="cast")
-        new.meta.update(old.meta)
-        old.replace_all_uses_with(new)
-        g.erase_node(old)
-    graph.gm.recompile()
+    graph = swap_calls(graph, found, graph_ops.cast,
+                       lambda node: ((node.args[0],), {"dtype": node.meta["val"].dtype}), "cast")
     return PassResult(graph, True, f"{len(found)} casts by the vectorized cast kernel")

@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 
 from ..graph import StepGraph
-from ..graph.build import clone_step_graph_mapped
+from ..graph.build import swap_calls
 from .fuse_casts import MIN_NUMEL
 from .manager import PassOptions, PassResult
 
@@ -54,16 +54,9 @@ def fuse_column_sums(graph: StepGraph, options: PassOptions) -> PassResult:
     found = [n for n in graph.gm.graph.nodes if _column_sum(n)]
     if not found:
         return PassResult(graph, False)
-    graph, copy_of = clone_step_graph_mapped(graph)
-    g = graph.gm.graph
-    for match in found:
-        old = copy_of[match]
-        keepdim = bool(old.args[2] if len(old.args) > 2 else old.kwargs.get("keepdim", False))
-        with g.inserting_before(old):
-            new = g.create_node("call_function", graph_ops.column_sum, (old.args[0],), {"keepdim": keepdim},
-                                name="column_sum")
-        new.meta.update(old.meta)
-        old.replace_all_uses_with(new)
-        g.erase_node(old)
-    graph.gm.recompile()
+
+    def call(node):
+        return (node.args[0],), {"keepdim": bool(node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))}
+
+    graph = swap_calls(graph, found, graph_ops.column_sum, call, "column_sum")
     return PassResult(graph, True, f"{len(found)} row sums (bias gradients) by the column-sum kernel")
