@@ -242,15 +242,11 @@ def test_parameter_casts_by_the_cast_kernel(monkeypatch, stage):
     assert all(torch.equal(a, b) for a, b in zip(params, kept_params))
 
 
-def test_parameter_casts_batched_into_one_launch_are_the_same_bits():
-    """batch_parameter_casts: every parameter's bf16 copy is a view of one
-    packed buffer (one cast_pack launch), at offsets aligned for cuBLAS;
-    the losses and updated parameters are bitwise those of one cast per
-    parameter."""
-    from stepfx.graph.layout import ALIGN
-
+def _bf16_gpt_with_and_without(pass_name: str):
+    """Three bf16 AdamW steps of the tiny GPT with codegen, with the pass and
+    with it disabled: (losses, parameters after, the final graph's calls) each."""
     runs = []
-    for disable in ([], ["batch_parameter_casts"]):
+    for disable in ([], [pass_name]):
         torch.manual_seed(0)
         model = tiny_gpt()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
@@ -259,9 +255,20 @@ def test_parameter_casts_batched_into_one_launch_are_the_same_bits():
         losses = [step(model, opt, *batch) for batch in token_batches(3)]
         nodes = [n for n in step.plan.graph.gm.graph.nodes if n.op == "call_function"]
         runs.append((losses, [p.detach().clone() for p in model.parameters()], nodes))
-    (losses, params, nodes), (kept_losses, kept_params, kept_nodes) = runs
+    return runs
+
+
+def test_parameter_casts_batched_into_one_launch_are_the_same_bits():
+    """batch_parameter_casts: every parameter's bf16 copy is a view of one
+    packed buffer (one cast_pack launch), at offsets aligned for cuBLAS;
+    the losses and updated parameters are bitwise those of one cast per
+    parameter."""
+    from stepfx.graph.layout import ALIGN
+
+    (losses, params, nodes), (kept_losses, kept_params, kept_nodes) = _bf16_gpt_with_and_without("batch_parameter_casts")
     assert all(torch.equal(a, b) for a, b in zip(losses, kept_losses))
     assert all(torch.equal(a, b) for a, b in zip(params, kept_params))
+    model = tiny_gpt()
     packs = [n for n in nodes if getattr(n.target, "__name__", "") == "pack" and n.name.startswith("params16")]
     assert len(packs) == 1
     sources, offsets, total = packs[0].args
@@ -487,19 +494,12 @@ def test_residual_adds_fused_into_the_layer_norm_are_the_same_bits():
     (two per block) runs in the LayerNorm kernel, and every add of a norm's
     input gradient to the residual stream's in the backward kernel; the
     bf16 steps' losses and parameters are bitwise those with the adds apart."""
-    runs = []
-    for disable in ([], ["fuse_residual_layer_norm"]):
-        torch.manual_seed(0)
-        model = tiny_gpt()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-        step = stepfx.parallelize({**CODEGEN, "bf16": {"enabled": True}, "gradient_clipping": 1.0,
-                                   "stepfx": {"codegen": True, "disable": disable}})(lm_step)
-        losses = [step(model, opt, *batch) for batch in token_batches(3)]
-        nodes = [n for n in step.plan.graph.gm.graph.nodes if n.op == "call_function"]
-        forward = sum(getattr(n.target, "__name__", "") == "add_layer_norm" for n in nodes)
-        backward = sum(n.kwargs.get("residual_grad") is not None for n in nodes)
-        runs.append((losses, [p.detach().clone() for p in model.parameters()], (forward, backward)))
-    (losses, params, fused), (kept_losses, kept_params, kept) = runs
+    def fusions(nodes):
+        return (sum(getattr(n.target, "__name__", "") == "add_layer_norm" for n in nodes),
+                sum(n.kwargs.get("residual_grad") is not None for n in nodes))
+
+    (losses, params, nodes), (kept_losses, kept_params, kept_nodes) = _bf16_gpt_with_and_without("fuse_residual_layer_norm")
+    fused, kept = fusions(nodes), fusions(kept_nodes)
     assert all(torch.equal(a, b) for a, b in zip(losses, kept_losses))
     assert all(torch.equal(a, b) for a, b in zip(params, kept_params))
     blocks = len(tiny_gpt().blocks)
