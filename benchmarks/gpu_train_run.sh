@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Issues 5 and 6 on a 2-GPU machine, in one call (device time is scarce):
+# Issues 5 and 6 on a 2-GPU machine, in one call (device time is scarce);
+# on a 1-GPU machine steps 1's two halves run one after the other and 2-3 are skipped:
 # 1. in parallel: GPU 0 times the 1.3B single-GPU step (eager, torch.compile,
 #    stepfx with codegen, same GPU one after another, profiled after timing);
 #    GPU 1 runs the single-GPU CUDA tests and the multi-tensor kernel tests;
@@ -8,7 +9,7 @@
 # Everything goes to $WORK (default /tmp/o) and is packed into $OUT/r.tgz
 # (the device tool brings back at most 8 files). Knobs: SYSTEMS (train_gpt's
 # list), TRAIN_S (its time limit), SINGLE=0 skips the single-GPU timing, MULTIGPU=0 the NCCL tests,
-# SINGLE_SYSTEMS its systems, SINGLE_PROFILE=1 profiles them (SINGLE_TRACE: systems whose Chrome trace is kept), TRACE=1 keeps rank 0's trace of train_gpt's profiled systems, DEEPSPEED wheels are installed from .whl/
+# SINGLE_SYSTEMS its systems, SWEEP=1 first runs optimizer_sweep.py (SWEEP_ARGS its flags), SINGLE_PROFILE=1 profiles them (SINGLE_TRACE: systems whose Chrome trace is kept), TRACE=1 keeps rank 0's trace of train_gpt's profiled systems, DEEPSPEED wheels are installed from .whl/
 # when present (see benchmarks/README.md).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -24,26 +25,39 @@ mkdir -p "$OUT" "$W"
 start=$(date +%s)
 mark() { echo "$1 rc=$2 at $(( $(date +%s) - start ))s" >> "$W/timeline.txt"; }
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$W/gpus.txt" 2>&1
+NGPU=$(nvidia-smi -L | grep -c '^GPU')
+TEST_GPU=$(( NGPU > 1 ? 1 : 0 ))
+if [ "${SWEEP:-0}" = 1 ]; then
+  CUDA_VISIBLE_DEVICES=0 timeout 240 python3 benchmarks/optimizer_sweep.py --out "$W" ${SWEEP_ARGS:-} > "$W/optimizer_sweep.log" 2>&1
+  mark optimizer_sweep $?
+fi
 [ "${SINGLE:-1}" = 1 ] && (
   CUDA_VISIBLE_DEVICES=0 timeout 240 python3 benchmarks/single_gpu.py --systems "${SINGLE_SYSTEMS:-eager,compile,stepfx-codegen,stepfx-codegen-graphs}" \
     --warmup 5 --steps 20 ${SINGLE_PROFILE:+--profile} --trace "${SINGLE_TRACE:-}" --out "$W" > "$W/single_gpu.log" 2>&1
   mark single_gpu $?
 ) &
+[ "$NGPU" = 1 ] && wait
 (
-  CUDA_VISIBLE_DEVICES=1 timeout 130 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu > "$W/gpu_tests.log" 2>&1
+  CUDA_VISIBLE_DEVICES=$TEST_GPU timeout 130 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu > "$W/gpu_tests.log" 2>&1
   mark gpu_tests $?
-  CUDA_VISIBLE_DEVICES=1 timeout 60 python3 -m pytest -q -p no:cacheprovider tests/codegen -k "many or multi or cast_pack or column or gelu or add_layer_norm or residual" > "$W/codegen_tests.log" 2>&1
+  CUDA_VISIBLE_DEVICES=$TEST_GPU timeout 60 python3 -m pytest -q -p no:cacheprovider tests/codegen -k "many or multi or cast_pack or column or gelu or add_layer_norm or residual" > "$W/codegen_tests.log" 2>&1
   mark codegen_tests $?
 ) &
 wait
+if [ "$NGPU" -lt 2 ]; then
+  echo "one GPU: no NCCL tests, no train_gpt" >> "$W/timeline.txt"
+  MULTIGPU=0 SKIP_TRAIN=1
+fi
 if [ "${MULTIGPU:-1}" = 1 ]; then
   timeout 130 python3 -m pytest -q -s -p no:cacheprovider -m multigpu tests/gpu -k "zero_stages or codegen_under_zero or cuda_graph" > "$W/multigpu_tests.log" 2>&1
   mark multigpu_tests $?
 fi
-timeout "${TRAIN_S:-300}" torchrun --standalone --nproc_per_node 2 benchmarks/train_gpt.py \
-  --systems "${SYSTEMS:-stepfx-3,fsdp2,stepfx-2,deepspeed-2,stepfx-0,ddp,stepfx-1,deepspeed-1,deepspeed-3,fsdp2-compile}" \
-  --profile "${PROFILE:-stepfx-3,stepfx-0}" ${TRACE:+--trace} --out "$W" > "$W/train_gpt.log" 2>&1
-mark train_gpt $?
+if [ "${SKIP_TRAIN:-0}" != 1 ]; then
+  timeout "${TRAIN_S:-300}" torchrun --standalone --nproc_per_node 2 benchmarks/train_gpt.py \
+    --systems "${SYSTEMS:-stepfx-3,fsdp2,stepfx-2,deepspeed-2,stepfx-0,ddp,stepfx-1,deepspeed-1,deepspeed-3,fsdp2-compile}" \
+    --profile "${PROFILE:-stepfx-3,stepfx-0}" ${TRACE:+--trace} --out "$W" > "$W/train_gpt.log" 2>&1
+  mark train_gpt $?
+fi
 tar czf "$OUT/r.tgz" -C "$W" .
 cat "$W/timeline.txt"
 grep -h -o '"system": "[^"]*", "[gs].\{0,150\}' "$W"/*.jsonl

@@ -305,11 +305,17 @@ def test_adam_device_scalars_equal_the_host_path(step):
         adam_update(p, g, m, v, **hyper, step=None, device_scalars=torch.zeros(3, device=DEVICE))
 
 
+@pytest.mark.parametrize("iters", [1, 2])
 @pytest.mark.parametrize("variant", ["plain", "factor-and-flag", "flag-set", "device-scalars"])
-def test_adam_many_equals_one_call_per_tensor(variant):
+def test_adam_many_equals_one_call_per_tensor(variant, iters, monkeypatch):
     """One launch for many tensors (odd sizes, fp32 and bf16 gradients, an
-    empty one): bit-identical to adam_update on each in turn."""
+    empty one): bit-identical to adam_update on each in turn, with one block
+    per program and with chunks of two blocks (4231 elements: a full chunk
+    and a partial one; 2049: one chunk, its second block one element long)."""
+    from stepfx.codegen import optimizer_kernels
     from stepfx.codegen.optimizer_kernels import adam_device_scalars, adam_update_many
+
+    monkeypatch.setattr(optimizer_kernels, "MANY_ITERS", iters)
 
     gen = torch.Generator().manual_seed(5)
     shapes = [(9,), (41, 3), (4231,), (0,), (2048,), (2049,)]
