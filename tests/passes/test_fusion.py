@@ -435,6 +435,41 @@ def test_whole_gpt_step_with_codegen_and_adamw_tracks_the_losses():
     assert names.count("linear_cross_entropy") == 1
 
 
+def _lce_consumers(step) -> list[str]:
+    """Targets of the nodes reading the fused head's gradients (items 1 and 2)."""
+    nodes = step.plan.graph.gm.graph.nodes
+    (call,) = [n for n in nodes if getattr(n.target, "__name__", "") == "linear_cross_entropy"]
+    items = [u for u in call.users if u.args[1] in (1, 2)]
+    return sorted(str(getattr(v.target, "__name__", v.target)) for u in items for v in u.users)
+
+
+def test_head_gradients_are_multiplied_only_by_a_real_upstream_gradient():
+    """loss.backward(): the fused head's unit gradients are the gradients (no
+    multiply by ones); (loss / 3).backward(): they are multiplied by the
+    upstream gradient, and the step equals the one without codegen."""
+    def thirds_step(model, optimizer, idx):
+        logits = model(idx[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), idx[:, 1:].reshape(-1))
+        (loss / 3).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    for step_fn, multiplied in ((lm_step, False), (thirds_step, True)):
+        torch.manual_seed(0)
+        model, ref = tiny_gpt(), tiny_gpt()
+        ref.load_state_dict(model.state_dict())
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref)]
+        fused = stepfx.parallelize(CODEGEN)(step_fn)
+        plain = stepfx.parallelize({"gradient_clipping": 0})(step_fn)
+        for batch in token_batches(2):
+            a, b = fused(model, opts[0], *batch), plain(ref, opts[1], *batch)
+            assert abs(a.item() - b.item()) <= 1e-5 * abs(b.item())
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
+        assert ("mul.Tensor" in _lce_consumers(fused)) == multiplied, _lce_consumers(fused)
+
+
 def test_logits_the_step_returns_are_not_fused_away():
     def step_returning_logits(model, optimizer, idx):
         logits = model(idx[:, :-1])
