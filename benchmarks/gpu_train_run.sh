@@ -9,7 +9,7 @@
 # Everything goes to $WORK (default /tmp/o) and is packed into $OUT/r.tgz
 # (the device tool brings back at most 8 files). Knobs: SYSTEMS (train_gpt's
 # list), TRAIN_S (its time limit), SINGLE=0 skips the single-GPU timing, MULTIGPU=0 the NCCL tests,
-# SINGLE_SYSTEMS its systems, SWEEP=1 first runs optimizer_sweep.py (SWEEP_ARGS its flags), SINGLE_PROFILE=1 profiles them (SINGLE_TRACE: systems whose Chrome trace is kept), TRACE=1 keeps rank 0's trace of train_gpt's profiled systems, DEEPSPEED wheels are installed from .whl/
+# SINGLE_SYSTEMS its systems, SWEEP=1 first runs optimizer_sweep.py (SWEEP_ARGS its flags), KSWEEP=1 kernel_sweep.py (KSWEEP_ARGS), TESTS=0 skips the GPU tests, SINGLE_PROFILE=1 profiles them (SINGLE_TRACE: systems whose Chrome trace is kept), TRACE=1 keeps rank 0's trace of train_gpt's profiled systems, DEEPSPEED wheels are installed from .whl/
 # when present (see benchmarks/README.md).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -26,24 +26,35 @@ start=$(date +%s)
 mark() { echo "$1 rc=$2 at $(( $(date +%s) - start ))s" >> "$W/timeline.txt"; }
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$W/gpus.txt" 2>&1
 NGPU=$(nvidia-smi -L | grep -c '^GPU')
+# clocks, power and throttle reasons once a second: a system timed later on a hotter GPU shows here
+nvidia-smi --query-gpu=timestamp,index,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+  --format=csv -l 1 > "$W/smi.csv" 2>&1 &
+SMI=$!
 TEST_GPU=$(( NGPU > 1 ? 1 : 0 ))
 if [ "${SWEEP:-0}" = 1 ]; then
   CUDA_VISIBLE_DEVICES=0 timeout 240 python3 benchmarks/optimizer_sweep.py --out "$W" ${SWEEP_ARGS:-} > "$W/optimizer_sweep.log" 2>&1
   mark optimizer_sweep $?
 fi
+if [ "${KSWEEP:-0}" = 1 ]; then
+  CUDA_VISIBLE_DEVICES=0 timeout 240 python3 benchmarks/kernel_sweep.py --out "$W" ${KSWEEP_ARGS:-} > "$W/kernel_sweep.log" 2>&1
+  mark kernel_sweep $?
+fi
+PIDS=()
 [ "${SINGLE:-1}" = 1 ] && (
   CUDA_VISIBLE_DEVICES=0 timeout 240 python3 benchmarks/single_gpu.py --systems "${SINGLE_SYSTEMS:-eager,compile,stepfx-codegen,stepfx-codegen-graphs}" \
     --warmup 5 --steps 20 ${SINGLE_PROFILE:+--profile} --trace "${SINGLE_TRACE:-}" --out "$W" > "$W/single_gpu.log" 2>&1
   mark single_gpu $?
 ) &
-[ "$NGPU" = 1 ] && wait
-(
+PIDS+=($!)
+if [ "$NGPU" = 1 ]; then wait "${PIDS[@]}"; PIDS=(); fi  # never a bare wait: nvidia-smi runs in the background
+[ "${TESTS:-1}" = 1 ] && (
   CUDA_VISIBLE_DEVICES=$TEST_GPU timeout 130 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu > "$W/gpu_tests.log" 2>&1
   mark gpu_tests $?
   CUDA_VISIBLE_DEVICES=$TEST_GPU timeout 60 python3 -m pytest -q -p no:cacheprovider tests/codegen -k "many or multi or cast_pack or column or gelu or add_layer_norm or residual" > "$W/codegen_tests.log" 2>&1
   mark codegen_tests $?
 ) &
-wait
+PIDS+=($!)
+wait "${PIDS[@]}"
 if [ "$NGPU" -lt 2 ]; then
   echo "one GPU: no NCCL tests, no train_gpt" >> "$W/timeline.txt"
   MULTIGPU=0 SKIP_TRAIN=1
@@ -58,6 +69,7 @@ if [ "${SKIP_TRAIN:-0}" != 1 ]; then
     --profile "${PROFILE:-stepfx-3,stepfx-0}" ${TRACE:+--trace} --out "$W" > "$W/train_gpt.log" 2>&1
   mark train_gpt $?
 fi
+kill $SMI 2>/dev/null
 tar czf "$OUT/r.tgz" -C "$W" .
 cat "$W/timeline.txt"
 grep -h -o '"system": "[^"]*", "[gs].\{0,150\}' "$W"/*.jsonl

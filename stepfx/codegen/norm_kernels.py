@@ -266,6 +266,8 @@ def _config(n: int, tile: int, per_thread: int) -> tuple[int, int, int]:
 
 _FWD = dict(tile=2048, per_thread=8)
 _BWD = dict(tile=4096, per_thread=16)
+# backward programs: about this many warps per SM (two 8-warp programs)
+BWD_WARPS_PER_SM = 16
 
 
 def _persistent_programs(device: torch.device, tiles: int, num_warps: int) -> int:
@@ -276,7 +278,7 @@ def _persistent_programs(device: torch.device, tiles: int, num_warps: int) -> in
     interpreter) a small G that still makes every program walk several tiles."""
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        per_sm = max(1, 16 // num_warps)
+        per_sm = max(1, BWD_WARPS_PER_SM // num_warps)
         return max(1, min(tiles, sms * per_sm))
     return max(1, min(tiles, 3))
 

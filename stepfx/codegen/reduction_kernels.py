@@ -34,6 +34,13 @@ SUM_ITERS = 8
 PACK_BLOCK = 2048
 PACK_WARPS = 4
 NUM_WARPS = 8
+# column_sum: COLUMN_ROWS x BLOCK_N tiles (BLOCK_N = COLUMN_BLOCK_N for 16-bit
+# inputs, half that for fp32) over COLUMN_WARPS warps, COLUMN_PER_SM programs
+# per SM over all column blocks.
+COLUMN_ROWS = 64
+COLUMN_BLOCK_N = 128
+COLUMN_WARPS = 4
+COLUMN_PER_SM = 4
 
 
 def _device_guard(t: torch.Tensor):
@@ -404,11 +411,11 @@ def column_sum_reference(x: torch.Tensor, keepdim: bool = False) -> torch.Tensor
 
 
 def _column_groups(device: torch.device, m: int, col_blocks: int) -> int:
-    """Row groups: ~4 programs per SM over all column blocks, each group at
-    least 64 rows (fewer, larger partial buffers otherwise); on CPU (the
-    interpreter) a few, so that groups, tiles and masks are all exercised."""
+    """Row groups: COLUMN_PER_SM programs per SM over all column blocks, each
+    group at least 64 rows (fewer, larger partial buffers otherwise); on CPU
+    (the interpreter) a few, so that groups, tiles and masks are all exercised."""
     if device.type == "cuda":
-        target = 4 * torch.cuda.get_device_properties(device).multi_processor_count
+        target = COLUMN_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
         return max(1, min(triton.cdiv(m, 64), triton.cdiv(target, col_blocks)))
     return max(1, min(m, 3))
 
@@ -431,15 +438,15 @@ def column_sum(x: torch.Tensor, keepdim: bool = False) -> torch.Tensor:
     block_n, col_blocks, groups, rows_per_group = _row_groups(x, m, n)
     part = torch.empty((groups, n), dtype=torch.float32, device=x.device)
     with _device_guard(x):
-        _column_partials_kernel[(groups, col_blocks)](x, part, m, n, rows_per_group, ROWS=64, BLOCK_N=block_n,
-                                                      num_warps=4)
+        _column_partials_kernel[(groups, col_blocks)](x, part, m, n, rows_per_group, ROWS=COLUMN_ROWS, BLOCK_N=block_n,
+                                                      num_warps=COLUMN_WARPS)
         _column_total(part, out)
     return out
 
 
 def _row_groups(x: torch.Tensor, m: int, n: int) -> tuple[int, int, int, int]:
     """(BLOCK_N, column blocks, row groups, rows per group) for an M x N pass."""
-    block_n = 128 if x.element_size() == 2 else 64
+    block_n = COLUMN_BLOCK_N if x.element_size() == 2 else COLUMN_BLOCK_N // 2
     col_blocks = triton.cdiv(n, block_n)
     rows_per_group = triton.cdiv(m, _column_groups(x.device, m, col_blocks))
     return block_n, col_blocks, triton.cdiv(m, rows_per_group), rows_per_group

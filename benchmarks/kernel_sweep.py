@@ -1,0 +1,155 @@
+"""The memory-bound kernels of the 1.3B GPT's step on its own shapes, over a
+sweep of launch geometries, against the aten ops they replace, on one GPU.
+
+    python3 benchmarks/kernel_sweep.py --out $OUT
+
+Shapes: 8192 tokens (batch 4 x seq 2048), d_model 2048, MLP width 8192,
+bf16. Cases: the bias gradients' column sums (2048, 6144 and 8192
+columns); the LayerNorm backward with the residual gradient added; causal
+attention forward + backward under each SDPA backend. Each stepfx kernel
+runs at every geometry of its flag (module constants patched for the run);
+every time is device time (``kernels.graph_ms``: CUDA-graph replays; events
+around calls where a graph cannot hold the work). JSON lines to
+``$OUT/kernel_sweep.jsonl``.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from kernels import COPY_BANDWIDTH, graph_ms, time_ms  # noqa: E402
+
+from stepfx.codegen import norm_kernels as norm  # noqa: E402
+from stepfx.codegen import reduction_kernels as red  # noqa: E402
+
+aten = torch.ops.aten
+TOKENS, D, FF = 8192, 2048, 8192
+
+
+def _ints(text: str) -> list[tuple[int, ...]]:
+    return [tuple(int(v) for v in item.split("x")) for item in text.split(",") if item]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT"))
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--column", default="64x128x4x4,32x128x4x8,16x256x4x8,32x256x8x4,16x128x4x16,8x256x8x8",
+                    help="ROWSxBLOCK_NxWARPSxPER_SM")
+    ap.add_argument("--ln-bwd", default="4096x16x16,4096x16x32,2048x8x16,2048x8x32,8192x16x16",
+                    help="TILExPER_THREADxWARPS_PER_SM")
+    ap.add_argument("--cases", default="column,ln,addmm,sdpa", help="which sections run")
+    args = ap.parse_args()
+    cases = args.cases.split(",")
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    meta = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "command": "python3 benchmarks/kernel_sweep.py"}
+
+    def record(case: str, impl: str, nbytes: int, fn, **geometry) -> None:
+        ms = graph_ms(fn, args.iters, reps=10)
+        row = {**meta, "case": case, "impl": impl, **geometry, "us": round(ms * 1e3, 1),
+               "of_copy_bw": round(nbytes / (ms / 1e3) / COPY_BANDWIDTH, 3)}
+        print(json.dumps(row), flush=True)
+        if args.out:
+            with open(os.path.join(args.out, "kernel_sweep.jsonl"), "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    bf16 = torch.bfloat16
+    dy = torch.randn(TOKENS, FF, device=dev, generator=gen).to(bf16)
+
+    if "column" in cases:
+        # bias gradients
+        for cols in (D, 3 * D, FF):
+            x = dy[:, :cols].contiguous()
+            case = f"column sum 8192x{cols}"
+            record(case, "aten sum", 2 * x.numel(), lambda: aten.sum(x, [0], True))
+            for rows, block_n, warps, per_sm in _ints(args.column):
+                red.COLUMN_ROWS, red.COLUMN_BLOCK_N, red.COLUMN_WARPS, red.COLUMN_PER_SM = rows, block_n, warps, per_sm
+                record(case, "stepfx", 2 * x.numel(), lambda: red.column_sum(x, True), rows=rows, block_n=block_n,
+                       warps=warps, per_sm=per_sm)
+            red.COLUMN_ROWS, red.COLUMN_BLOCK_N, red.COLUMN_WARPS, red.COLUMN_PER_SM = 64, 128, 4, 4
+            del x
+
+    if "ln" in cases:
+        # LayerNorm backward (bf16 x, weight, bias as in the bf16 step; fp32 stats) with the residual gradient added
+        x = torch.randn(TOKENS, D, device=dev, generator=gen).to(bf16)
+        g = torch.randn(TOKENS, D, device=dev, generator=gen).to(bf16)
+        r = torch.randn(TOKENS, D, device=dev, generator=gen).to(bf16)
+        w = torch.randn(D, device=dev, generator=gen).to(bf16)
+        b = torch.randn(D, device=dev, generator=gen).to(bf16)
+        _, mean, rstd = aten.native_layer_norm(x, [D], w, b, 1e-5)
+        case = "layer norm bwd + residual 8192x2048"
+        record(case, "aten+add", 10 * x.numel(),
+               lambda: aten.add(aten.native_layer_norm_backward(g, x, [D], mean, rstd, w, b, [True, True, True])[0], r))
+        for tile, per_thread, warps_per_sm in _ints(args.ln_bwd):
+            norm._BWD, norm.BWD_WARPS_PER_SM = dict(tile=tile, per_thread=per_thread), warps_per_sm
+            record(case, "stepfx", 8 * x.numel(),
+                   lambda: norm.layer_norm_backward(g, x, [D], mean, rstd, w, b, [True, True, True], r),
+                   tile=tile, per_thread=per_thread, warps_per_sm=warps_per_sm)
+        norm._BWD, norm.BWD_WARPS_PER_SM = dict(tile=4096, per_thread=16), 16
+
+    if "addmm" in cases:
+        # the forward linear layers (cuBLAS, bias epilogue) with the weight a tensor of
+        # its own or a view into one packed buffer at an offset of 64, 256, 1024
+        # elements and up (128 bytes to 2 MB; batch_parameter_casts packs the bf16
+        # parameters so): does the operand's alignment change cuBLAS's speed?
+        xin = torch.randn(TOKENS, D, device=dev, generator=gen).to(bf16)
+        for rows in (3 * D, FF):
+            w = torch.randn(rows, D, device=dev, generator=gen).to(bf16)
+            bias = torch.randn(rows, device=dev, generator=gen).to(bf16)
+            flops = 2 * TOKENS * D * rows
+            for offset in (None, 64, 256, 1024, 2048, 8192, 65536, 1 << 20, None):
+                if offset is None:
+                    wv = w
+                else:
+                    buf = torch.empty(offset + w.numel(), device=dev, dtype=bf16)
+                    wv = buf[offset:].view(rows, D)
+                    wv.copy_(w)
+                ms = graph_ms(lambda: aten.addmm(bias, xin, wv.t()), args.iters, reps=10)
+                row = {**meta, "case": f"addmm bias 8192x{D} @ {D}x{rows}", "impl": "cuBLAS",
+                       "weight_offset": offset, "us": round(ms * 1e3, 1), "TFLOPs": round(flops / (ms / 1e3) / 1e12, 1)}
+                print(json.dumps(row), flush=True)
+                if args.out:
+                    with open(os.path.join(args.out, "kernel_sweep.jsonl"), "a") as f:
+                        f.write(json.dumps(row) + "\n")
+
+    if "sdpa" in cases:
+        # causal attention forward + backward (batch 4, 16 heads, 2048 x 128), per SDPA backend
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        q, k, v = (torch.randn(4, 16, 2048, 128, device=dev, generator=gen).to(bf16).requires_grad_() for _ in range(3))
+        do = torch.randn(4, 16, 2048, 128, device=dev, generator=gen).to(bf16)
+        flops = 4 * 4 * 16 * 2048 * 2048 * 128 // 2 * 7 // 2  # causal: forward 2 matmuls, backward 5
+        for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+            def attention(backend=backend):
+                with sdpa_kernel([backend]):
+                    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+                return torch.autograd.grad(out, (q, k, v), do)
+            try:
+                try:
+                    ms = graph_ms(attention, args.iters, reps=10)
+                except Exception:
+                    torch.cuda.synchronize()
+                    ms = time_ms(attention, 3, args.iters)
+            except Exception as exc:
+                print(f"{backend.name}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                continue
+            row = {**meta, "case": "sdpa causal fwd+bwd 4x16x2048x128", "impl": backend.name, "us": round(ms * 1e3, 1),
+                   "TFLOPs": round(flops / (ms / 1e3) / 1e12, 1)}
+            print(json.dumps(row), flush=True)
+            if args.out:
+                with open(os.path.join(args.out, "kernel_sweep.jsonl"), "a") as f:
+                    f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
