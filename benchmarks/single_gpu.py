@@ -124,8 +124,9 @@ def timed(one_step, steps: int, device) -> tuple[dict, object]:
     ``step_ms`` (wall, start to the device's end, over the steps),
     ``host_ms`` (the mean time the host spent in a call: near ``step_ms``
     means host-bound), and on CUDA each step's time on the device's clock
-    (events between steps, no synchronization) as min / median / max, so a
-    one-off compilation inside the timed steps shows as an outlier."""
+    (events between steps, no synchronization) as min / median / max and,
+    in order, ``each_ms``, so a one-off compilation inside the timed steps
+    shows as an outlier, and where in the run slow steps fall."""
     cuda = device.type == "cuda"
     events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)] if cuda else []
     host = 0.0
@@ -144,7 +145,8 @@ def timed(one_step, steps: int, device) -> tuple[dict, object]:
     times = {"step_ms": round(wall * 1e3 / steps, 2), "host_ms": round(host * 1e3 / steps, 2)}
     if cuda:
         each = sorted(events[i].elapsed_time(events[i + 1]) for i in range(steps))
-        times.update(min_ms=round(each[0], 2), median_ms=round(each[len(each) // 2], 2), max_ms=round(each[-1], 2))
+        times.update(min_ms=round(each[0], 2), median_ms=round(each[len(each) // 2], 2), max_ms=round(each[-1], 2),
+                     each_ms=[round(events[i].elapsed_time(events[i + 1]), 2) for i in range(steps)])
     return times, out
 
 
