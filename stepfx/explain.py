@@ -47,7 +47,7 @@ def _zero_section(graph, world: int) -> list[str]:
         for b in layout.buckets[:8]:
             lines.append(
                 f"  bucket {b.index}: {len(b.params)} params, {b.numel:,} elements (padded {b.padded:,}), "
-                f"{b.shard:,} per rank, sharding {b.sharding}"
+                f"{b.shard:,} per rank, sharding {b.sharding}" + (" (frozen: gathered only)" if b.frozen else "")
             )
         if len(layout.buckets) > 8:
             lines.append(f"  ... {len(layout.buckets) - 8} more buckets")

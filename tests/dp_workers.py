@@ -48,6 +48,32 @@ def held_bytes(stage: int) -> dict:
     }
 
 
+def frozen_held(bf16: bool) -> dict:
+    """Stage 3 with a frozen position embedding: what this rank holds of it
+    after two steps, what the module keeps, and the value sync_model()
+    writes back."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = gpt_with_frozen_embedding()
+    before = model.pos.weight.detach().clone()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    config = {"gradient_clipping": 0, "zero_optimization": {"stage": 3, "reduce_bucket_size": 500,
+                                                             "stage3_param_persistence_threshold": 0}}
+    if bf16:
+        config["bf16"] = {"enabled": True}
+    step = stepfx.parallelize(config)(lm_step)
+    for (batch,) in token_batches(2, seed=rank):
+        step(model, opt, batch)
+    from stepfx.graph import Role
+
+    held = sum(t.numel() for k, t in step._store.tensors.items() if k[0] is Role.PARAM and k[1] == "pos.weight")
+    module_numel = model.pos.weight.numel()
+    frozen_buckets = [b.index for b in step.plan.graph.signature.extra["zero_layout"].buckets if b.frozen]
+    step.sync_model()
+    return {"held": held, "module_numel": module_numel, "full": before.numel(), "frozen_buckets": frozen_buckets,
+            "unchanged": torch.equal(model.pos.weight.detach(), before), "in_optimizer": model.pos.weight in opt.state}
+
+
 def _outcome(fn) -> dict:
     start = time.time()
     try:
@@ -117,13 +143,19 @@ def one_rank_fails_mid_step() -> dict:
 class MLPFactory:
     """A picklable model factory with parameters (hypothesis draws them)."""
 
-    def __init__(self, sizes):
+    def __init__(self, sizes, frozen=()):
         self.sizes = tuple(sizes)
+        self.frozen = tuple(frozen)  # indices into parameters(): requires_grad=False (the last one never)
 
     def __call__(self):
         from stepfx.testing.models import MLP
 
-        return MLP(self.sizes)
+        model = MLP(self.sizes)
+        params = list(model.parameters())
+        for i in self.frozen:
+            if i < len(params) - 1:
+                params[i].requires_grad_(False)
+        return model
 
 
 class OptimizerFactory:

@@ -40,6 +40,7 @@ from ..graph import (
     StepSignature,
     TensorSpec,
 )
+from ..graph.layout import FROZEN_KEY
 from ..graph.signature import hyperparam_tensor
 from ..graph.update_rule import UPDATE_RULES_KEY, update_rule_of
 from ..graph.build import bind_placeholders, flatten_codegen, label_params
@@ -525,6 +526,7 @@ def capture_step(
         user_output_constants=tuple(rec.user_constants),
         user_output_from_slot=tuple(rec.user_from_slot),
     )
+    signature.extra[FROZEN_KEY] = frozenset(name for name, p in model.named_parameters() if not p.requires_grad)
     if optimizer is not None:
         signature.extra[UPDATE_RULES_KEY] = {
             name: update_rule_of(optimizer, optimizer.param_groups[g])

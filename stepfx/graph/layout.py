@@ -10,6 +10,12 @@ empty, possibly all of it). A bucket is the unit of every collective:
 gradients are all-reduced or reduce-scattered per bucket, parameters are
 all-gathered per bucket.
 
+At stage 3 the parameters that take no gradient (``requires_grad=False``:
+a frozen embedding, the base model under adapters) are sharded too, in
+*frozen* buckets of their own: gathered for forward and backward like the
+others, never reduced or updated (DeepSpeed's ZeRO-3 partitions them as
+well).
+
 The layout is plain data (no graph nodes): passes record it in the step
 signature, the runtime reads it to slice state into pieces and to gather
 the full model back.
@@ -20,9 +26,10 @@ import enum
 import math
 from dataclasses import dataclass
 
-__all__ = ["Sharding", "BucketParam", "Bucket", "ZeroLayout", "LAYOUT_KEY", "ALIGN", "align"]
+__all__ = ["Sharding", "BucketParam", "Bucket", "ZeroLayout", "LAYOUT_KEY", "FROZEN_KEY", "ALIGN", "align"]
 
 LAYOUT_KEY = "zero_layout"  # StepSignature.extra key
+FROZEN_KEY = "frozen_params"  # StepSignature.extra key: names of parameters with requires_grad=False
 
 # Every parameter starts, and every rank's shard begins, at a multiple of
 # ALIGN elements. A piece then starts where a SIMD loop over the whole
@@ -69,6 +76,7 @@ class Bucket:
     world_size: int
     dtype: str  # "torch.float32"
     device: str
+    frozen: bool = False  # parameters without gradients: gathered, never reduced or updated
 
     @property
     def numel(self) -> int:

@@ -4,7 +4,9 @@ Requires: a functional graph without alias ops whose parameter gradients
 carry ``grad_of`` markers (capture puts them after every backward).
 
 Ensures: ``signature.extra["zero_layout"]`` holds a :class:`ZeroLayout`:
-every parameter that has a gradient, in the model's parameter order, grouped into buckets of at most
+every parameter that has a gradient (and, at stage 3, every parameter with
+``requires_grad=False``, in *frozen* buckets of their own), in the model's
+parameter order, grouped into buckets of at most
 ``zero_optimization.reduce_bucket_size`` elements (one dtype and device per
 bucket; parameters start at multiples of ``layout.ALIGN`` elements), each
 marked with what it shards for the configured stage. At
@@ -26,7 +28,7 @@ import dataclasses
 
 from ..errors import CaptureError, PassError
 from ..graph import META_GRAD_OF, Role, StepGraph, Storage
-from ..graph.layout import LAYOUT_KEY, Bucket, BucketParam, Sharding, ZeroLayout, align
+from ..graph.layout import FROZEN_KEY, LAYOUT_KEY, Bucket, BucketParam, Sharding, ZeroLayout, align
 from .manager import PassOptions, PassResult
 
 __all__ = ["plan_zero_layout", "zero_settings"]
@@ -61,12 +63,14 @@ def plan_zero_layout(graph: StepGraph, options: PassOptions) -> PassResult:
             )
 
     graded = {n.meta[META_GRAD_OF] for n in graph.gm.graph.nodes if META_GRAD_OF in n.meta}
+    # stage 3 shards the parameters that take no gradient too (gathered only)
+    frozen = sig.extra.get(FROZEN_KEY, frozenset()) if stage == 3 else frozenset()
     updates = any(s.role is Role.PARAM for s in sig.outputs)
     params = []
     for node in graph.gm.graph.nodes:
         slot = node.meta.get("slot") if node.op == "placeholder" else None
-        if slot is not None and slot.role is Role.PARAM and slot.name in graded:
-            params.append((slot.name, node.meta["val"]))
+        if slot is not None and slot.role is Role.PARAM and (slot.name in graded or slot.name in frozen):
+            params.append((slot.name, node.meta["val"], slot.name not in graded))
 
     # One open bucket per (dtype, device, sharding): a run of small
     # persistent parameters between sharded ones joins the other small ones
@@ -75,19 +79,21 @@ def plan_zero_layout(graph: StepGraph, options: PassOptions) -> PassResult:
     # one per layer norm, and sharded buckets cut only by their size).
     closed: list[tuple[tuple, list[BucketParam]]] = []
     open_buckets: dict[tuple, tuple[list[BucketParam], int]] = {}
-    position = {name: i for i, (name, _) in enumerate(params)}
+    position = {name: i for i, (name, _, _) in enumerate(params)}
 
     def close(group) -> None:
         closed.append((group, open_buckets.pop(group)[0]))
 
-    for name, val in params:
+    for name, val, no_grad in params:
         numel = val.numel()
         mode = _STAGE_SHARDING[stage]
         if (stage == 3 and numel < persist) or val.dim() == 0:
             # small (and 0-d) parameters stay whole: sharding them saves
             # nothing and a 0-d piece is not worth a collective
+            if no_grad:
+                continue  # a small frozen parameter: whole, read from the module, no bucket at all
             mode = Sharding.NONE
-        group = (val.dtype, str(val.device), mode)
+        group = (val.dtype, str(val.device), mode, no_grad)
         if group in open_buckets and open_buckets[group][1] + numel > bucket_size:
             close(group)
         members, offset = open_buckets.setdefault(group, ([], 0))
@@ -97,13 +103,15 @@ def plan_zero_layout(graph: StepGraph, options: PassOptions) -> PassResult:
         close(group)
     # numbered by their first parameter's place in the model
     closed.sort(key=lambda item: position[item[1][0].name])
-    buckets = [Bucket(i, tuple(members), group[2], options.world_size, str(group[0]), group[1])
+    buckets = [Bucket(i, tuple(members), group[2], options.world_size, str(group[0]), group[1], frozen=group[3])
                for i, (group, members) in enumerate(closed)]
 
     layout = ZeroLayout(stage, options.world_size, options.rank, tuple(buckets), updates)
     new_sig = dataclasses.replace(sig, extra={**sig.extra, LAYOUT_KEY: layout})
     sharded = sum(1 for b in buckets if b.sharding is not Sharding.NONE)
     summary = f"stage {stage}: {len(params)} parameters in {len(buckets)} buckets ({sharded} sharded over {options.world_size} ranks)"
+    if any(b.frozen for b in buckets):
+        summary += f"; {sum(len(b.params) for b in buckets if b.frozen)} without gradients in {sum(b.frozen for b in buckets)} frozen buckets (gathered only)"
     if not updates:
         summary += "; a micro-step without update (gradients accumulate locally)"
     return PassResult(graph.replace(signature=new_sig), True, summary)

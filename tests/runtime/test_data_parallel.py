@@ -64,6 +64,19 @@ def test_frozen_params_and_param_groups_at_stage_3(rank_pool):
         rank_pool(2), lm_step, W.gpt_with_frozen_embedding, W.two_groups, dp_batches(2), config=_cfg(3), exact=True
     )
     assert report.bitwise
+    assert "(frozen: gathered only)" in report.explains[0]  # the frozen embedding is sharded too
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_frozen_params_are_sharded_at_stage_3(rank_pool, bf16):
+    """As DeepSpeed's ZeRO-3: a parameter without gradient is held in
+    pieces (each rank its half, the module's copy released), gathered for
+    the step, never updated; sync_model() writes back the value it had."""
+    held = rank_pool(2).run(W.frozen_held, bf16)
+    full = held[0]["full"]
+    assert sum(h["held"] for h in held) == full and all(0 < h["held"] < full for h in held)
+    assert all(h["module_numel"] == 0 and h["unchanged"] and not h["in_optimizer"] for h in held)
+    assert held[0]["frozen_buckets"] and held[0]["frozen_buckets"] == held[1]["frozen_buckets"]
 
 
 def test_persistent_params_stay_whole(rank_pool):
