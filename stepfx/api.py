@@ -148,6 +148,8 @@ class ParallelStep:
             plan = self._compile(key, model, optimizer, args, kwargs, options)
         else:
             self._plans.move_to_end(key)
+        resharded = self._last is not None and plan is not self._last and bool(self._store.tensors) and self._reshard(
+            self._last, plan, model, optimizer)
         batch = [x for x in pytree.tree_leaves((tuple(args), dict(kwargs))) if isinstance(x, torch.Tensor)]
         self._check_loss_scale(wait=self._schedule_pending)
         result = plan.executor.run(batch)
@@ -158,7 +160,7 @@ class ParallelStep:
             else:
                 self._lr_scheduler.step()
         self._probe_loss_scale()
-        if plan.runs == 0:
+        if plan.runs == 0 or resharded:
             self._store.held.update({k: v for k, v in plan.held.items() if k not in self._store.held})
         plan.runs += 1
         self._last = plan
@@ -433,6 +435,39 @@ class ParallelStep:
                 out.setdefault(name, {}).update(state)
         return out
 
+    def _reshard(self, old: Plan, new: Plan, model: torch.nn.Module, optimizer) -> bool:
+        """``new`` shards differently from ``old`` (which parameters train
+        changed, so the buckets did): every piece this rank holds under the
+        old layout is gathered back into the user's module and optimizer,
+        and the new plan cuts its own pieces from there on its first run. A
+        collective: every rank changed the same parameters (the pre-flight
+        check compares the plans' inputs)."""
+        old_layout = old.graph.signature.extra.get(LAYOUT_KEY)
+        new_layout = new.graph.signature.extra.get(LAYOUT_KEY)
+        if old_layout is None or new_layout is None or old_layout.buckets == new_layout.buckets:
+            return False
+        pending = [k for k in self._store.tensors if k[0] is Role.GRAD]
+        if pending:
+            raise ExecutionError(
+                f"{self.__name__}: which parameters train changed in the middle of gradient accumulation "
+                f"(this rank holds accumulated gradients, e.g. of {pending[0][1]}); change requires_grad at an update"
+            )
+        params = gather_sharded_params(old_layout, self._store, self._dp)
+        states = gather_sharded_state(old_layout, self._store, self._dp)
+        named = dict(model.named_parameters())
+        for name, value in params.items():
+            named[name].data = value
+        if optimizer is not None:
+            for name, state in states.items():
+                optimizer.state[named[name]].update(state)
+        for k in [k for k in self._store.tensors if k[0] in (Role.PARAM, Role.OPTIMIZER_STATE)]:
+            del self._store.tensors[k]
+        for k in [k for k in self._store.held if k[0] in (Role.PARAM, Role.OPTIMIZER_STATE)]:
+            del self._store.held[k]
+        log.info("stepfx: %s: the ZeRO layout changed (parameters that train changed); pieces re-cut from whole values",
+                 self.__name__)
+        return True
+
     def _gather_params(self) -> dict[str, torch.Tensor]:
         layout = self.plan.graph.signature.extra.get(LAYOUT_KEY)
         if layout is None or not any(b.sharding is Sharding.PARAMETERS for b in layout.buckets):
@@ -540,7 +575,8 @@ def _held_specs(captured: StepGraph, final: StepGraph) -> dict:
         if bucket.sharding is Sharding.NONE:
             continue
         for (role, name, key), spec in whole.items():
-            if name == p.name and role is Role.OPTIMIZER_STATE:
+            # a frozen bucket's parameters keep their optimizer state (if any) in the user's optimizer
+            if name == p.name and role is Role.OPTIMIZER_STATE and not bucket.frozen:
                 held[(role, name, key)] = spec
         if bucket.sharding is Sharding.PARAMETERS:
             held[(Role.PARAM, p.name, None)] = whole[(Role.PARAM, p.name, None)]

@@ -74,6 +74,40 @@ def frozen_held(bf16: bool) -> dict:
             "unchanged": torch.equal(model.pos.weight.detach(), before), "in_optimizer": model.pos.weight in opt.state}
 
 
+def freeze_schedule(stages) -> dict:
+    """Train the tiny GPT (position embedding frozen) while blocks.0.fc.weight
+    is frozen and unfrozen between steps, at stage 0 and at each of
+    ``stages``; per stage the worst difference to stage 0 in losses,
+    parameters and optimizer state, and how many plans it captured."""
+    rank = dist.get_rank()
+    schedule = [False, False, True, True, False, True, False]  # fc.weight frozen at step i?
+
+    def run(stage):
+        torch.manual_seed(0)
+        model = gpt_with_frozen_embedding()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        step = stepfx.parallelize({"gradient_clipping": 0, "zero_optimization": {
+            "stage": stage, "reduce_bucket_size": 500, "stage3_param_persistence_threshold": 0}})(lm_step)
+        losses = []
+        for (batch,), frozen in zip(token_batches(len(schedule), seed=rank), schedule):
+            model.blocks[0].fc.weight.requires_grad_(not frozen)
+            losses.append(step(model, opt, batch).item())
+        return losses, step.model_state_dict(), step.optimizer_state(), len(step.plans)
+
+    ref = run(0)
+    out = {}
+    for stage in stages:
+        losses, params, state, plans = run(stage)
+        out[stage] = {
+            "losses": max(abs(a - b) for a, b in zip(losses, ref[0])),
+            "params": max((params[k] - ref[1][k]).abs().max().item() for k in ref[1]),
+            "state": max((state[n][k].float() - ref[2][n][k].float()).abs().max().item() for n in ref[2] for k in ref[2][n]),
+            "same_state_keys": {n: sorted(v) for n, v in state.items()} == {n: sorted(v) for n, v in ref[2].items()},
+            "plans": plans,
+        }
+    return out
+
+
 def _outcome(fn) -> dict:
     start = time.time()
     try:

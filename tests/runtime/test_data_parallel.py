@@ -79,6 +79,16 @@ def test_frozen_params_are_sharded_at_stage_3(rank_pool, bf16):
     assert held[0]["frozen_buckets"] and held[0]["frozen_buckets"] == held[1]["frozen_buckets"]
 
 
+def test_freezing_and_unfreezing_between_steps_reshards(rank_pool):
+    """Which parameters train changes the buckets (stages 1-2: only trained
+    ones are bucketed; stage 3: frozen ones go to frozen buckets): the
+    pieces held under the old layout are gathered back and re-cut, and the
+    run equals stage 0's bitwise, optimizer state included."""
+    for rank_result in rank_pool(2).run(W.freeze_schedule, (1, 3)):
+        for stage, r in rank_result.items():
+            assert r["losses"] == 0 and r["params"] == 0 and r["state"] == 0 and r["same_state_keys"], (stage, r)
+
+
 def test_persistent_params_stay_whole(rank_pool):
     # with the default threshold (1e5 elements) nothing of the tiny GPT is sharded at stage 3
     report = assert_data_parallel_equivalent(
