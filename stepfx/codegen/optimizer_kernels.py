@@ -82,6 +82,21 @@ def _adam_math(p0, g, m0, v0, grad_factor_ptr, scalars_ptr, decay, lerp_w, beta2
 
 
 @triton.jit
+def _adam_block(p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, grad_factor_ptr, scalars_ptr, decay, lerp_w, beta2,
+                one_minus_beta2, inv_bc2_sqrt, eps, neg_step_size, COUPLED_WD: tl.constexpr, DECOUPLED_WD: tl.constexpr,
+                MAXIMIZE: tl.constexpr, HAS_GRAD_FACTOR: tl.constexpr, DEVICE_SCALARS: tl.constexpr):
+    """One block's loads and update: (p0, m0, v0) as loaded, (p, m, v) new."""
+    p0 = tl.load(p_ptr + offs, mask=mask, other=0.0)
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    m0 = tl.load(m_ptr + offs, mask=mask, other=0.0)
+    v0 = tl.load(v_ptr + offs, mask=mask, other=0.0)
+    p, m, v = _adam_math(p0, g, m0, v0, grad_factor_ptr, scalars_ptr, decay, lerp_w, beta2, one_minus_beta2,
+                         inv_bc2_sqrt, eps, neg_step_size, COUPLED_WD, DECOUPLED_WD, MAXIMIZE, HAS_GRAD_FACTOR,
+                         DEVICE_SCALARS)
+    return p0, m0, v0, p, m, v
+
+
+@triton.jit
 def _adam_kernel(
     p_ptr, g_ptr, m_ptr, v_ptr,  # inputs: fp32, grad dtype, fp32, fp32
     p_out, m_out, v_out,  # outputs: the inputs themselves when INPLACE
@@ -117,13 +132,9 @@ def _adam_kernel(
             n_live = tl.where(skip, 0, n)
     mask = offs < n_live
 
-    p0 = tl.load(p_ptr + offs, mask=mask, other=0.0)
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    m0 = tl.load(m_ptr + offs, mask=mask, other=0.0)
-    v0 = tl.load(v_ptr + offs, mask=mask, other=0.0)
-    p, m, v = _adam_math(p0, g, m0, v0, grad_factor_ptr, scalars_ptr, decay, lerp_w, beta2, one_minus_beta2,
-                         inv_bc2_sqrt, eps, neg_step_size, COUPLED_WD, DECOUPLED_WD, MAXIMIZE, HAS_GRAD_FACTOR,
-                         DEVICE_SCALARS)
+    p0, m0, v0, p, m, v = _adam_block(p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, grad_factor_ptr, scalars_ptr, decay,
+                                      lerp_w, beta2, one_minus_beta2, inv_bc2_sqrt, eps, neg_step_size, COUPLED_WD,
+                                      DECOUPLED_WD, MAXIMIZE, HAS_GRAD_FACTOR, DEVICE_SCALARS)
 
     if HAS_FOUND_INF:
         if not INPLACE:
@@ -208,7 +219,7 @@ def adam_update_reference(param, grad, exp_avg, exp_avg_sq, *, lr: float, beta1:
     return p, m, v
 
 
-@register("adam_update", reference=adam_update_reference, jit=(_adam_math, _adam_kernel),
+@register("adam_update", reference=adam_update_reference, jit=(_adam_math, _adam_block, _adam_kernel),
           what="Adam/AdamW step over a flat buffer: grad factor and overflow skip folded in, one launch")
 def adam_update(param, grad, exp_avg, exp_avg_sq, *, lr: float, beta1: float, beta2: float, eps: float,
                 weight_decay: float, step: float | None, decoupled: bool, maximize: bool = False,
@@ -295,13 +306,9 @@ def _adam_many_kernel(
     for i in tl.range(0, ITERS):
         offs = start + i * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n_live
-        p0 = tl.load(p_ptr + offs, mask=mask, other=0.0)
-        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        m0 = tl.load(m_ptr + offs, mask=mask, other=0.0)
-        v0 = tl.load(v_ptr + offs, mask=mask, other=0.0)
-        p, m, v = _adam_math(p0, g, m0, v0, grad_factor_ptr, scalars_ptr, decay, lerp_w, beta2, one_minus_beta2,
-                             inv_bc2_sqrt, eps, neg_step_size, COUPLED_WD, DECOUPLED_WD, MAXIMIZE, HAS_GRAD_FACTOR,
-                             DEVICE_SCALARS)
+        _, _, _, p, m, v = _adam_block(p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, grad_factor_ptr, scalars_ptr, decay,
+                                       lerp_w, beta2, one_minus_beta2, inv_bc2_sqrt, eps, neg_step_size, COUPLED_WD,
+                                       DECOUPLED_WD, MAXIMIZE, HAS_GRAD_FACTOR, DEVICE_SCALARS)
         tl.store(p_ptr + offs, p, mask=mask)
         tl.store(m_ptr + offs, m, mask=mask)
         tl.store(v_ptr + offs, v, mask=mask)
@@ -314,7 +321,7 @@ def adam_update_many_reference(params, grads, exp_avgs, exp_avg_sqs, **kwargs) -
         adam_update_reference(p, g, m, v, inplace=True, **kwargs)
 
 
-@register("adam_update_many", reference=adam_update_many_reference, jit=(_adam_math, _adam_many_kernel),
+@register("adam_update_many", reference=adam_update_many_reference, jit=(_adam_math, _adam_block, _adam_many_kernel),
           what="Adam/AdamW over many tensors in one launch per gradient dtype (addresses from a table)")
 def adam_update_many(params, grads, exp_avgs, exp_avg_sqs, *, lr: float, beta1: float, beta2: float, eps: float,
                      weight_decay: float, step: float | None, decoupled: bool, maximize: bool = False,
