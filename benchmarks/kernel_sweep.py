@@ -54,14 +54,16 @@ def main() -> None:
     meta = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "command": "python3 benchmarks/kernel_sweep.py"}
 
-    def record(case: str, impl: str, nbytes: int, fn, **geometry) -> None:
-        ms = graph_ms(fn, args.iters, reps=10)
-        row = {**meta, "case": case, "impl": impl, **geometry, "us": round(ms * 1e3, 1),
-               "of_copy_bw": round(nbytes / (ms / 1e3) / COPY_BANDWIDTH, 3)}
+    def emit(row: dict) -> None:
         print(json.dumps(row), flush=True)
-        if args.out:
+        if args.out:  # line by line: a run cut short keeps what it measured
             with open(os.path.join(args.out, "kernel_sweep.jsonl"), "a") as f:
                 f.write(json.dumps(row) + "\n")
+
+    def record(case: str, impl: str, nbytes: int, fn, **geometry) -> None:
+        ms = graph_ms(fn, args.iters, reps=10)
+        emit({**meta, "case": case, "impl": impl, **geometry, "us": round(ms * 1e3, 1),
+              "of_copy_bw": round(nbytes / (ms / 1e3) / COPY_BANDWIDTH, 3)})
 
     bf16 = torch.bfloat16
     dy = torch.randn(TOKENS, FF, device=dev, generator=gen).to(bf16)
@@ -115,12 +117,8 @@ def main() -> None:
                     wv = buf[offset:].view(rows, D)
                     wv.copy_(w)
                 ms = graph_ms(lambda: aten.addmm(bias, xin, wv.t()), args.iters, reps=10)
-                row = {**meta, "case": f"addmm bias 8192x{D} @ {D}x{rows}", "impl": "cuBLAS",
-                       "weight_offset": offset, "us": round(ms * 1e3, 1), "TFLOPs": round(flops / (ms / 1e3) / 1e12, 1)}
-                print(json.dumps(row), flush=True)
-                if args.out:
-                    with open(os.path.join(args.out, "kernel_sweep.jsonl"), "a") as f:
-                        f.write(json.dumps(row) + "\n")
+                emit({**meta, "case": f"addmm bias 8192x{D} @ {D}x{rows}", "impl": "cuBLAS",
+                      "weight_offset": offset, "us": round(ms * 1e3, 1), "TFLOPs": round(flops / (ms / 1e3) / 1e12, 1)})
 
     if "sdpa" in cases:
         # causal attention forward + backward (batch 4, 16 heads, 2048 x 128), per SDPA backend
@@ -143,12 +141,8 @@ def main() -> None:
             except Exception as exc:
                 print(f"{backend.name}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
                 continue
-            row = {**meta, "case": "sdpa causal fwd+bwd 4x16x2048x128", "impl": backend.name, "us": round(ms * 1e3, 1),
-                   "TFLOPs": round(flops / (ms / 1e3) / 1e12, 1)}
-            print(json.dumps(row), flush=True)
-            if args.out:
-                with open(os.path.join(args.out, "kernel_sweep.jsonl"), "a") as f:
-                    f.write(json.dumps(row) + "\n")
+            emit({**meta, "case": "sdpa causal fwd+bwd 4x16x2048x128", "impl": backend.name, "us": round(ms * 1e3, 1),
+                  "TFLOPs": round(flops / (ms / 1e3) / 1e12, 1)})
 
 
 if __name__ == "__main__":

@@ -576,7 +576,7 @@ def _held_specs(captured: StepGraph, final: StepGraph) -> dict:
             continue
         for (role, name, key), spec in whole.items():
             # a frozen bucket's parameters keep their optimizer state (if any) in the user's optimizer
-            if name == p.name and role is Role.OPTIMIZER_STATE and not bucket.frozen:
+            if name == p.name and role is Role.OPTIMIZER_STATE and bucket.shards_state:
                 held[(role, name, key)] = spec
         if bucket.sharding is Sharding.PARAMETERS:
             held[(Role.PARAM, p.name, None)] = whole[(Role.PARAM, p.name, None)]

@@ -79,6 +79,12 @@ class Bucket:
     frozen: bool = False  # parameters without gradients: gathered, never reduced or updated
 
     @property
+    def shards_state(self) -> bool:
+        """Ranks hold pieces of these parameters' optimizer state (and, from
+        stage 2, gradients): a sharded bucket that is not frozen."""
+        return self.sharding is not Sharding.NONE and not self.frozen
+
+    @property
     def numel(self) -> int:
         """Elements up to the end of the last parameter (alignment gaps included)."""
         last = self.params[-1]

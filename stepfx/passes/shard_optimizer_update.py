@@ -69,7 +69,7 @@ def _elementwise(node: fx.Node) -> bool:
 
 def shard_optimizer_update(graph: StepGraph, options: PassOptions) -> PassResult:
     layout = graph.signature.extra.get(LAYOUT_KEY)
-    if layout is None or not layout.updates or not any(b.sharding is not Sharding.NONE and not b.frozen for b in layout.buckets):
+    if layout is None or not layout.updates or not any(b.shards_state for b in layout.buckets):
         return PassResult(graph, False)
     graph = clone_step_graph(graph)
     g = graph.gm.graph
@@ -90,8 +90,8 @@ def shard_optimizer_update(graph: StepGraph, options: PassOptions) -> PassResult
     drop_inputs: set[tuple] = set()
     gathered = 0
     for bucket in layout.buckets:
-        if bucket.sharding is Sharding.NONE or bucket.frozen:
-            continue  # frozen: no gradient, no update (shard_parameters gathers it)
+        if not bucket.shards_state:
+            continue  # whole, or frozen (no gradient, no update: shard_parameters gathers it)
         grad_shard = None
         if bucket.sharding in (Sharding.GRADIENTS, Sharding.PARAMETERS):
             grad_shard = _scatter_gradients(
@@ -109,7 +109,7 @@ def shard_optimizer_update(graph: StepGraph, options: PassOptions) -> PassResult
             _gather_updated(g, bucket, new_pieces, param_ph, out_values, out_slots, out_index, rank, n, options.group_name, out)
             gathered += 1
 
-    sharded = {p.name for b in layout.buckets if b.sharding is not Sharding.NONE and not b.frozen for p in b.params}
+    sharded = {p.name for b in layout.buckets if b.shards_state for p in b.params}
     for slot, value in zip(out_slots, out_values):
         if slot.role is Role.OPTIMIZER_STATE and slot.name in sharded and slot.storage is Storage.USER:
             raise PassError(f"shard_optimizer_update left {slot.describe()} whole: its update was not recognised ({value})")
@@ -130,7 +130,7 @@ def shard_optimizer_update(graph: StepGraph, options: PassOptions) -> PassResult
     bind_placeholders(graph.gm, new_inputs)
     graph = graph.replace(signature=sig.with_inputs(tuple(new_inputs)).with_outputs(tuple(out_slots)))
     graph.gm.recompile()
-    kinds = sorted({str(b.sharding) for b in layout.buckets if b.sharding is not Sharding.NONE and not b.frozen})
+    kinds = sorted({str(b.sharding) for b in layout.buckets if b.shards_state})
     return PassResult(graph, True, f"optimizer updates rank {rank}'s pieces only ({', '.join(kinds)}); {gathered} buckets re-gathered")
 
 

@@ -89,7 +89,7 @@ class ModuleBinding:
         layout = signature.extra.get(LAYOUT_KEY)
         sharded = [(b, p) for b, p in layout.params() if b.sharding is not Sharding.NONE] if layout else []
         # the rank keeps all optimizer state of these; under ZeRO-3 their values too
-        self._state_owned = [params[p.name] for b, p in sharded if not b.frozen]
+        self._state_owned = [params[p.name] for b, p in sharded if b.shards_state]
         self._params_owned = [params[p.name] for b, p in sharded if b.sharding is Sharding.PARAMETERS]
         self._whole_scalars = {(s.role, s.name, s.key): s.ident for s in (*signature.inputs, *signature.outputs) if s.storage is Storage.RANK and s.piece is None}
         # rank-held gradients an update consumes (read, not written back)

@@ -51,8 +51,8 @@ def gather_sharded_state(layout: ZeroLayout, store: RankStore, dp: DataParallel)
     out: dict[str, dict[str, torch.Tensor]] = {}
     scalars: dict[tuple[str, str], Any] = {}
     for bucket in layout.buckets:
-        if bucket.sharding is Sharding.NONE or bucket.frozen:
-            continue  # frozen: any optimizer state stays in the user's optimizer
+        if not bucket.shards_state:
+            continue  # whole, or frozen: any optimizer state stays in the user's optimizer
         names = {p.name for p in bucket.params}
         keys = sorted({key for (role, name, key) in store.held if role is Role.OPTIMIZER_STATE and name in names})
         for key in keys:
