@@ -1,8 +1,9 @@
-"""The one place stepfx touches private torch APIs.
+"""The one place stepfx touches private torch (and Triton) APIs.
 
 stepfx runs on torch 2.11 (GPU machines) and 2.13 (CI). Every private or
 moving torch API it needs is wrapped here, so a torch upgrade changes this
-file and nothing else. Each wrapper says what it wraps and why the public
+file and nothing else; likewise the one private piece of Triton's
+interpreter it patches (``patch_triton_language_once``). Each wrapper says what it wraps and why the public
 API does not do the job.
 """
 from __future__ import annotations
@@ -231,3 +232,42 @@ def compile_region(gm: fx.GraphModule) -> Callable[..., Any]:
     inductor, through the public ``torch.compile``: static shapes, one graph
     (a region that does not compile whole raises here, not later)."""
     return torch.compile(gm, backend="inductor", fullgraph=True, dynamic=False)
+
+
+# --------------------------------------------------------------------------
+# Triton's interpreter (TRITON_INTERPRET=1: kernels on the CPU, for tests)
+
+
+def patch_triton_language_once() -> None:
+    """Make the Triton interpreter set up ``triton.language`` once per
+    process instead of on every launch.
+
+    Wraps ``triton.runtime.interpreter._patch_lang`` (private; Triton 3.6 and
+    later as installed here), which every launch and every call of a
+    ``@triton.jit`` helper from inside a kernel runs: it walks
+    ``triton.language``, ``.core``, ``.math`` and ``tensor`` with
+    ``inspect.getmembers`` and wraps each builtin to run on NumPy, ~2 ms a
+    call, and the helpers' calls never undo it. stepfx's kernels call
+    helpers per block, so on the CPU this set-up was ~15% of a codegen
+    step's time. Here the first call patches and keeps the patches (the
+    scope handed back has nothing to undo); later calls find the language
+    patched. Under the interpreter no kernel is compiled, so nothing needs
+    the unpatched language back. Only call it when interpreting."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:  # pragma: no cover - triton is a dependency
+        return
+    if getattr(interpreter, "_stepfx_patched_once", False) or not hasattr(interpreter, "_LangPatchScope"):
+        return
+    original = interpreter._patch_lang
+    patched: set[frozenset] = set()
+
+    def patch_lang(fn):
+        key = frozenset(id(v) for v in fn.__globals__.values() if v is interpreter.tl or v is interpreter.tl.core)
+        if key not in patched:
+            original(fn)
+            patched.add(key)
+        return interpreter._LangPatchScope()
+
+    interpreter._patch_lang = patch_lang
+    interpreter._stepfx_patched_once = True

@@ -117,9 +117,11 @@ def _sum_squares_many_kernel(table_ptr, chunks_ptr, partial_ptr, X_DTYPE: tl.con
     x_ptr = tl.load(table_ptr + t).to(tl.pointer_type(X_DTYPE), bitcast=True)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for i in range(ITERS):
-        offs = base + i * BLOCK + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
-        acc += x * x
+        # blocks wholly past the chunk's end would add zeros: skipped
+        if i * BLOCK < n - base:
+            offs = base + i * BLOCK + tl.arange(0, BLOCK)
+            x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+            acc += x * x
     tl.store(partial_ptr + slot, tl.sum(acc, axis=0))
 
 

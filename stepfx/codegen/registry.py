@@ -30,6 +30,11 @@ KERNELS: dict[str, Kernel] = {}
 def register(name: str, *, reference: Callable, jit: tuple = (), what: str = "") -> Callable[[Callable], Callable]:
     """Decorator for a kernel launcher: records it in :data:`KERNELS`."""
 
+    if interpreting():
+        from ..compat import patch_triton_language_once
+
+        patch_triton_language_once()
+
     def wrap(launch: Callable) -> Callable:
         if name in KERNELS and KERNELS[name].launch is not launch:
             raise ValueError(f"kernel {name!r} registered twice")

@@ -247,3 +247,22 @@ def test_column_sum_empty_and_bad_input():
     with pytest.raises(ValueError, match="x is not contiguous"):
         column_sum(torch.zeros(4, 6, device=DEVICE).t())
     assert "_column_partials_kernel" in kernel_source("column_sum") and "column_sum" in KERNELS
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="Triton's interpreter runs the kernels only on CPU-only machines here")
+def test_the_interpreter_sets_up_the_language_once(monkeypatch):
+    """Under TRITON_INTERPRET=1, registering stepfx's kernels wraps the
+    interpreter's per-launch set-up of triton.language (compat's
+    patch_triton_language_once): a Triton that renames it would silently
+    bring back ~15% of every CPU codegen test's time. Launches after the
+    first set nothing up again and still compute the reference."""
+    from triton.runtime import interpreter
+
+    assert getattr(interpreter, "_stepfx_patched_once", False)
+    calls = []
+    wrapped = interpreter._patch_lang
+    monkeypatch.setattr(interpreter, "_patch_lang", lambda fn: calls.append(fn) or wrapped(fn))
+    x = torch.randn(5000)
+    for _ in range(2):
+        torch.testing.assert_close(sum_squares(x), sum_squares_reference(x), rtol=1e-6, atol=0)
+    assert calls and all(not scope._changes for scope in map(wrapped, calls))
