@@ -21,7 +21,7 @@ demo: $(STAMP)
 	$(PY) -m torch.distributed.run --standalone --nproc_per_node 2 examples/demo_gpt.py
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadgroup
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

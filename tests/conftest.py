@@ -7,4 +7,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Tiny tensors gain nothing from intra-op threads, and the suite runs two
+# test processes (pytest-xdist) plus their rank processes on two cores:
+# one thread each keeps them from spinning against each other.
+torch.set_num_threads(1)
+
 pytest_plugins = ["stepfx.testing.pytest_plugin"]

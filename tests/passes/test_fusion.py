@@ -11,6 +11,7 @@ is not expected; the measured differences are ~1e-7.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -159,34 +160,38 @@ def test_step_counter_on_the_device_is_read_there(monkeypatch):
                    for n in nodes), "the step counter is still read on the host"
 
 
+@pytest.mark.xdist_group("bf16_gpt_runs")  # one test process: they share _bf16_gpt's runs
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_fused_kernels_read_16_bit_gradients(precision):
     """Mixed precision: the fp32 copies of the 16-bit gradients are dropped
     and the kernels read the gradients themselves: the same bits as with
     the copies (widening is exact), one kernel and 6 B/element fewer."""
-    cfg = {"bf16": {"enabled": True}} if precision == "bf16" else {
-        "fp16": {"enabled": True, "auto_cast": True, "initial_scale_power": 8}}
-    runs = []
-    for disable in ([], ["fold_gradient_casts"]):
-        torch.manual_seed(0)
-        model = tiny_gpt()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-        step = stepfx.parallelize({**CODEGEN, **cfg, "gradient_clipping": 1.0, "stepfx": {"codegen": True, "disable": disable}})(lm_step)
-        losses = [step(model, opt, *batch) for batch in token_batches(3)]
-        runs.append((step, losses, [p.detach().clone() for p in model.parameters()]))
-    (folded, losses, params), (kept, kept_losses, kept_params) = runs
+    if precision == "bf16":
+        (losses, params, nodes), (kept_losses, kept_params, kept_nodes) = _bf16_gpt_with_and_without("fold_gradient_casts")
+    else:
+        runs = []
+        for disable in ([], ["fold_gradient_casts"]):
+            torch.manual_seed(0)
+            model = tiny_gpt()
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+            step = stepfx.parallelize({**CODEGEN, "fp16": {"enabled": True, "auto_cast": True, "initial_scale_power": 8},
+                                       "gradient_clipping": 1.0, "stepfx": {"codegen": True, "disable": disable}})(lm_step)
+            losses = [step(model, opt, *batch) for batch in token_batches(3)]
+            runs.append((losses, [p.detach().clone() for p in model.parameters()],
+                         [n for n in step.plan.graph.gm.graph.nodes if n.op == "call_function"]))
+        (losses, params, nodes), (kept_losses, kept_params, kept_nodes) = runs
     assert all(torch.equal(a, b) for a, b in zip(losses, kept_losses))
     assert all(torch.equal(a, b) for a, b in zip(params, kept_params))
 
-    def grad_copies(step):
-        return [n for n in step.plan.graph.gm.graph.nodes if n.target is torch.ops.aten._to_copy.default
+    def grad_copies(nodes):
+        return [n for n in nodes if n.target is torch.ops.aten._to_copy.default
                 and str(n.meta["phase"]) == "backward"  # (not the forward's upcast of fp16 logits)
                 and n.meta["val"].dtype == torch.float32 and n.args[0].meta["val"].dtype != torch.float32]
 
     n_params = len(list(tiny_gpt().parameters()))
-    assert len(grad_copies(kept)) >= n_params and grad_copies(folded) == []
+    assert len(grad_copies(kept_nodes)) >= n_params and grad_copies(nodes) == []
     grads = []
-    for n in folded.plan.graph.gm.graph.nodes:
+    for n in nodes:
         name = getattr(n.target, "__name__", "")
         if name == "sum_squares":
             grads.append(n.args[0])
@@ -242,22 +247,28 @@ def test_parameter_casts_by_the_cast_kernel(monkeypatch, stage):
     assert all(torch.equal(a, b) for a, b in zip(params, kept_params))
 
 
+@functools.cache
+def _bf16_gpt(disable: tuple[str, ...] = ()):
+    """Three bf16 AdamW steps of the tiny GPT with codegen and clipping, the
+    passes in ``disable`` off: (losses, parameters after, the final graph's
+    calls). Cached: several tests compare a pass against the run with every
+    pass on, which is the same run (and callers only read the results)."""
+    torch.manual_seed(0)
+    model = tiny_gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    step = stepfx.parallelize({**CODEGEN, "bf16": {"enabled": True}, "gradient_clipping": 1.0,
+                               "stepfx": {"codegen": True, "disable": list(disable)}})(lm_step)
+    losses = [step(model, opt, *batch) for batch in token_batches(3)]
+    nodes = [n for n in step.plan.graph.gm.graph.nodes if n.op == "call_function"]
+    return losses, [p.detach().clone() for p in model.parameters()], nodes
+
+
 def _bf16_gpt_with_and_without(pass_name: str):
-    """Three bf16 AdamW steps of the tiny GPT with codegen, with the pass and
-    with it disabled: (losses, parameters after, the final graph's calls) each."""
-    runs = []
-    for disable in ([], [pass_name]):
-        torch.manual_seed(0)
-        model = tiny_gpt()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-        step = stepfx.parallelize({**CODEGEN, "bf16": {"enabled": True}, "gradient_clipping": 1.0,
-                                   "stepfx": {"codegen": True, "disable": disable}})(lm_step)
-        losses = [step(model, opt, *batch) for batch in token_batches(3)]
-        nodes = [n for n in step.plan.graph.gm.graph.nodes if n.op == "call_function"]
-        runs.append((losses, [p.detach().clone() for p in model.parameters()], nodes))
-    return runs
+    """:func:`_bf16_gpt` with every pass, and with ``pass_name`` disabled."""
+    return [_bf16_gpt(()), _bf16_gpt((pass_name,))]
 
 
+@pytest.mark.xdist_group("bf16_gpt_runs")  # one test process: they share _bf16_gpt's runs
 def test_parameter_casts_batched_into_one_launch_are_the_same_bits():
     """batch_parameter_casts: every parameter's bf16 copy is a view of one
     packed buffer (one cast_pack launch), at offsets aligned for cuBLAS;
@@ -338,20 +349,13 @@ def test_a_region_inductor_cannot_compile_runs_as_its_ops(monkeypatch, caplog):
     assert "runs as aten ops" in caplog.text
 
 
+@pytest.mark.xdist_group("bf16_gpt_runs")  # one test process: they share _bf16_gpt's runs
 def test_updates_batched_into_one_launch_are_bit_identical():
     """batch_optimizer_updates: every in-place Adam update of the step in
     one multi-tensor call (the tied embedding's too, whose step argument
     comes in the other form), the same bits as one call per parameter."""
-    runs = []
-    for disable in ([], ["batch_optimizer_updates"]):
-        torch.manual_seed(0)
-        model = tiny_gpt()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-        step = stepfx.parallelize({**CODEGEN, "bf16": {"enabled": True}, "gradient_clipping": 1.0,
-                                   "stepfx": {"codegen": True, "disable": disable}})(lm_step)
-        losses = [step(model, opt, *batch) for batch in token_batches(4)]
-        names = [getattr(n.target, "__name__", "") for n in step.plan.graph.gm.graph.nodes]
-        runs.append((losses, [p.detach().clone() for p in model.parameters()], names))
+    runs = [(losses, params, [getattr(n.target, "__name__", "") for n in nodes])
+            for losses, params, nodes in _bf16_gpt_with_and_without("batch_optimizer_updates")]
     (losses, params, names), (kept_losses, kept_params, kept_names) = runs
     n_params = len(params)
     assert names.count("adam_step_many") == 1 and "adam_step" not in names
@@ -524,6 +528,7 @@ def test_bias_gradients_by_the_column_sum_kernel(monkeypatch, model):
     assert counts == [(linears, 0), (0, linears)], counts
 
 
+@pytest.mark.xdist_group("bf16_gpt_runs")  # one test process: they share _bf16_gpt's runs
 def test_residual_adds_fused_into_the_layer_norm_are_the_same_bits():
     """fuse_residual_layer_norm: every residual add the GPT normalizes next
     (two per block) runs in the LayerNorm kernel, and every add of a norm's
