@@ -283,7 +283,7 @@ def precision_run(stage: int, precision: str, comm: str | None, steps: int, devi
     from stepfx.passes.collectives import COLLECTIVE_OPS
     from tests.steps import adamw
 
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     torch.manual_seed(0)
     if device == "cuda":
         torch.cuda.set_device(rank)

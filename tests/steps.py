@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from stepfx.testing.models import GPT, MLP, SmallCNN, gpt_config, lm_loss
+from stepfx.testing.models import GPT, MLP, SmallCNN, gpt_config, lm_loss  # noqa: F401  (SmallCNN re-exported to the tests)
 
 
 def ce_step(model, optimizer, x, y):

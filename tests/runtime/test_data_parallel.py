@@ -14,6 +14,8 @@ Tolerances, and why:
 """
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -37,15 +39,17 @@ def test_stages_two_ranks_bitwise(rank_pool, stage, opt):
     assert report.bitwise and report.steps == 3
 
 
-# four ranks at stage 0 are stage 1's collective (whole gradient buckets
-# all-reduced, test_stages_four_ranks_adamw[1]) without the sharded update
-@pytest.mark.parametrize("stage", [2, 3])
+# Four ranks cost four processes on CI's two cores: one run per collective
+# pattern. SGD at stage 3 (pieces reduce-scattered over four ranks, as at
+# stage 2, and parameters gathered), AdamW at stage 1 (whole buckets
+# all-reduced, as at stage 0, and Adam's state sharded four ways).
+@pytest.mark.parametrize("stage", [3])
 def test_stages_four_ranks_sgd(rank_pool, stage):
     report = assert_data_parallel_equivalent(rank_pool(4), lm_step, tiny_gpt, sgd, dp_batches(4, steps=4), config=_cfg(stage), rtol=1e-6, atol=0)
     assert max(report.state_rel) <= 1e-6
 
 
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("stage", [1])
 def test_stages_four_ranks_adamw(rank_pool, stage):
     report = assert_data_parallel_equivalent(
         rank_pool(4), lm_step, tiny_gpt, adamw, dp_batches(4, steps=5), config=_cfg(stage), rtol=5e-3, atol=0
@@ -229,15 +233,22 @@ def test_config_optimizer_and_scheduler_under_zero(rank_pool, stage):
 # reference (bf16 keeps 8 mantissa bits; alone, bf16 measured <= 7.1e-3).
 
 
+@functools.cache
+def _fp32_reference_20_steps():
+    """The fp32 single-process losses every 16-bit run below is compared
+    with: the same for all of them, made once (callers only read it)."""
+    from stepfx.testing.equivalence import data_parallel_reference
+
+    return data_parallel_reference(lm_step, tiny_gpt, adamw, dp_batches(2, steps=20))[0]
+
+
 @pytest.mark.parametrize("stage, precision, comm", [
     (1, "bf16", None), (2, "bf16", "bf16"), (3, "bf16", None), (3, "bf16", "bf16"),
     (1, "fp16", None), (2, "fp16", "fp16"), (3, "fp16", None),
 ])
 def test_16_bit_tracks_fp32_over_20_steps(rank_pool, stage, precision, comm):
-    from stepfx.testing.equivalence import data_parallel_reference
-
     results = rank_pool(2).run(W.precision_run, stage, precision, comm, 20)
-    reference, _, _ = data_parallel_reference(lm_step, tiny_gpt, adamw, dp_batches(2, steps=20))
+    reference = _fp32_reference_20_steps()
     for rank, result in enumerate(results):
         assert result["skipped"] == 0
         worst = max(abs(a - b[rank].item()) / abs(b[rank].item()) for a, b in zip(result["losses"], reference))
