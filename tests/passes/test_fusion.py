@@ -160,26 +160,13 @@ def test_step_counter_on_the_device_is_read_there(monkeypatch):
                    for n in nodes), "the step counter is still read on the host"
 
 
-@pytest.mark.xdist_group("bf16_gpt_runs")  # one test process: they share _bf16_gpt's runs
+@pytest.mark.xdist_group("gpt16_runs")  # one test process: they share _gpt16's runs
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_fused_kernels_read_16_bit_gradients(precision):
     """Mixed precision: the fp32 copies of the 16-bit gradients are dropped
     and the kernels read the gradients themselves: the same bits as with
     the copies (widening is exact), one kernel and 6 B/element fewer."""
-    if precision == "bf16":
-        (losses, params, nodes), (kept_losses, kept_params, kept_nodes) = _bf16_gpt_with_and_without("fold_gradient_casts")
-    else:
-        runs = []
-        for disable in ([], ["fold_gradient_casts"]):
-            torch.manual_seed(0)
-            model = tiny_gpt()
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-            step = stepfx.parallelize({**CODEGEN, "fp16": {"enabled": True, "auto_cast": True, "initial_scale_power": 8},
-                                       "gradient_clipping": 1.0, "stepfx": {"codegen": True, "disable": disable}})(lm_step)
-            losses = [step(model, opt, *batch) for batch in token_batches(3)]
-            runs.append((losses, [p.detach().clone() for p in model.parameters()],
-                         [n for n in step.plan.graph.gm.graph.nodes if n.op == "call_function"]))
-        (losses, params, nodes), (kept_losses, kept_params, kept_nodes) = runs
+    (losses, params, nodes), (kept_losses, kept_params, kept_nodes) = _gpt16_with_and_without("fold_gradient_casts", precision)
     assert all(torch.equal(a, b) for a, b in zip(losses, kept_losses))
     assert all(torch.equal(a, b) for a, b in zip(params, kept_params))
 
@@ -247,28 +234,32 @@ def test_parameter_casts_by_the_cast_kernel(monkeypatch, stage):
     assert all(torch.equal(a, b) for a, b in zip(params, kept_params))
 
 
+_PRECISION = {"bf16": {"bf16": {"enabled": True}},
+              "fp16": {"fp16": {"enabled": True, "auto_cast": True, "initial_scale_power": 8}}}
+
+
 @functools.cache
-def _bf16_gpt(disable: tuple[str, ...] = ()):
-    """Three bf16 AdamW steps of the tiny GPT with codegen and clipping, the
-    passes in ``disable`` off: (losses, parameters after, the final graph's
-    calls). Cached: several tests compare a pass against the run with every
-    pass on, which is the same run (and callers only read the results)."""
+def _gpt16(precision: str = "bf16", disable: tuple[str, ...] = ()):
+    """Three 16-bit AdamW steps of the tiny GPT with codegen and clipping,
+    the passes in ``disable`` off: (losses, parameters after, the final
+    graph's calls). Cached: several tests compare a pass against the bf16
+    run with every pass on, which is the same run (callers only read it)."""
     torch.manual_seed(0)
     model = tiny_gpt()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    step = stepfx.parallelize({**CODEGEN, "bf16": {"enabled": True}, "gradient_clipping": 1.0,
+    step = stepfx.parallelize({**CODEGEN, **_PRECISION[precision], "gradient_clipping": 1.0,
                                "stepfx": {"codegen": True, "disable": list(disable)}})(lm_step)
     losses = [step(model, opt, *batch) for batch in token_batches(3)]
     nodes = [n for n in step.plan.graph.gm.graph.nodes if n.op == "call_function"]
     return losses, [p.detach().clone() for p in model.parameters()], nodes
 
 
-def _bf16_gpt_with_and_without(pass_name: str):
-    """:func:`_bf16_gpt` with every pass, and with ``pass_name`` disabled."""
-    return [_bf16_gpt(()), _bf16_gpt((pass_name,))]
+def _gpt16_with_and_without(pass_name: str, precision: str = "bf16"):
+    """:func:`_gpt16` with every pass, and with ``pass_name`` disabled."""
+    return [_gpt16(precision, ()), _gpt16(precision, (pass_name,))]
 
 
-@pytest.mark.xdist_group("bf16_gpt_runs")  # one test process: they share _bf16_gpt's runs
+@pytest.mark.xdist_group("gpt16_runs")  # one test process: they share _gpt16's runs
 def test_parameter_casts_batched_into_one_launch_are_the_same_bits():
     """batch_parameter_casts: every parameter's bf16 copy is a view of one
     packed buffer (one cast_pack launch), at offsets aligned for cuBLAS;
@@ -276,7 +267,7 @@ def test_parameter_casts_batched_into_one_launch_are_the_same_bits():
     parameter."""
     from stepfx.graph.layout import ALIGN
 
-    (losses, params, nodes), (kept_losses, kept_params, kept_nodes) = _bf16_gpt_with_and_without("batch_parameter_casts")
+    (losses, params, nodes), (kept_losses, kept_params, kept_nodes) = _gpt16_with_and_without("batch_parameter_casts")
     assert all(torch.equal(a, b) for a, b in zip(losses, kept_losses))
     assert all(torch.equal(a, b) for a, b in zip(params, kept_params))
     model = tiny_gpt()
@@ -349,13 +340,13 @@ def test_a_region_inductor_cannot_compile_runs_as_its_ops(monkeypatch, caplog):
     assert "runs as aten ops" in caplog.text
 
 
-@pytest.mark.xdist_group("bf16_gpt_runs")  # one test process: they share _bf16_gpt's runs
+@pytest.mark.xdist_group("gpt16_runs")  # one test process: they share _gpt16's runs
 def test_updates_batched_into_one_launch_are_bit_identical():
     """batch_optimizer_updates: every in-place Adam update of the step in
     one multi-tensor call (the tied embedding's too, whose step argument
     comes in the other form), the same bits as one call per parameter."""
     runs = [(losses, params, [getattr(n.target, "__name__", "") for n in nodes])
-            for losses, params, nodes in _bf16_gpt_with_and_without("batch_optimizer_updates")]
+            for losses, params, nodes in _gpt16_with_and_without("batch_optimizer_updates")]
     (losses, params, names), (kept_losses, kept_params, kept_names) = runs
     n_params = len(params)
     assert names.count("adam_step_many") == 1 and "adam_step" not in names
@@ -528,7 +519,7 @@ def test_bias_gradients_by_the_column_sum_kernel(monkeypatch, model):
     assert counts == [(linears, 0), (0, linears)], counts
 
 
-@pytest.mark.xdist_group("bf16_gpt_runs")  # one test process: they share _bf16_gpt's runs
+@pytest.mark.xdist_group("gpt16_runs")  # one test process: they share _gpt16's runs
 def test_residual_adds_fused_into_the_layer_norm_are_the_same_bits():
     """fuse_residual_layer_norm: every residual add the GPT normalizes next
     (two per block) runs in the LayerNorm kernel, and every add of a norm's
@@ -538,7 +529,7 @@ def test_residual_adds_fused_into_the_layer_norm_are_the_same_bits():
         return (sum(getattr(n.target, "__name__", "") == "add_layer_norm" for n in nodes),
                 sum(n.kwargs.get("residual_grad") is not None for n in nodes))
 
-    (losses, params, nodes), (kept_losses, kept_params, kept_nodes) = _bf16_gpt_with_and_without("fuse_residual_layer_norm")
+    (losses, params, nodes), (kept_losses, kept_params, kept_nodes) = _gpt16_with_and_without("fuse_residual_layer_norm")
     fused, kept = fusions(nodes), fusions(kept_nodes)
     assert all(torch.equal(a, b) for a, b in zip(losses, kept_losses))
     assert all(torch.equal(a, b) for a, b in zip(params, kept_params))
