@@ -9,7 +9,7 @@ if not torch.cuda.is_available():
 
 # Tiny tensors gain nothing from intra-op threads, and the suite runs two
 # test processes (pytest-xdist) plus their rank processes on two cores:
-# one thread each keeps them from spinning against each other.
+# one thread each, as the rank processes already have (testing/ranks.py).
 torch.set_num_threads(1)
 
 pytest_plugins = ["stepfx.testing.pytest_plugin"]
