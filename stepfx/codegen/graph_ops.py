@@ -16,7 +16,8 @@ import importlib
 import torch
 
 __all__ = ["adam_step", "adam_step_reference", "sgd_step", "sgd_step_reference", "host_float", "sum_squares",
-           "layer_norm", "layer_norm_backward", "linear_cross_entropy", "KERNELS_OF", "kernels_of"]
+           "layer_norm", "layer_norm_backward", "cat_column_sum",
+           "linear_cross_entropy", "KERNELS_OF", "kernels_of"]
 
 
 def host_float(value) -> float:
@@ -137,11 +138,14 @@ def add_layer_norm(input, residual, normalized_shape, weight, bias, eps):
     return _kernels("norm_kernels").add_layer_norm_forward(input, residual, normalized_shape, weight, bias, eps)
 
 
-def layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask, *, residual_grad=None):
+def layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask, *, residual_grad=None,
+                        grad_input_sum=None):
     """``aten.native_layer_norm_backward``'s contract: (grad_input, grad_weight, grad_bias);
-    with ``residual_grad``, grad_input + residual_grad in its place (``fuse_residual_layer_norm``)."""
+    with ``residual_grad``, grad_input + residual_grad in its place (``fuse_residual_layer_norm``);
+    with ``grad_input_sum`` ("keepdim" / "flat"), a fourth result: grad_input's column sum
+    (``fuse_bias_gradients``)."""
     return _kernels("norm_kernels").layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, bias,
-                                                        output_mask, residual_grad)
+                                                        output_mask, residual_grad, grad_input_sum)
 
 
 def linear_cross_entropy(hidden, weight, target, *, ignore_index: int, reduction: str, logits_dtype):
@@ -181,6 +185,12 @@ def run_region(key: str, *inputs):
     return REGIONS[key](*inputs)
 
 
+def cat_column_sum(parts, *, keepdim: bool):
+    """(``aten.cat(parts, -1)``, its sum over every dim but the last) in one pass: attention's
+    q, k, v gradients into the qkv projection's, and its bias gradient (``fuse_bias_gradients``)."""
+    return _kernels("column_sum_kernels").cat_column_sum(parts, keepdim)
+
+
 # graph function -> (its kernel module, the registered kernels it launches), for explain() and the dumps
 KERNELS_OF = {
     adam_step: ("optimizer_kernels", ("adam_update",)),
@@ -194,6 +204,7 @@ KERNELS_OF = {
     layer_norm: ("norm_kernels", ("layer_norm_forward",)),
     add_layer_norm: ("norm_kernels", ("add_layer_norm_forward",)),
     layer_norm_backward: ("norm_kernels", ("layer_norm_backward",)),
+    cat_column_sum: ("column_sum_kernels", ("cat_column_sum",)),
     linear_cross_entropy: ("cross_entropy_kernels", ("linear_cross_entropy",)),
 }
 

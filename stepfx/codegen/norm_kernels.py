@@ -109,18 +109,21 @@ def _layer_norm_fwd_kernel(X, W, B, Y, MEAN, RSTD, R, S, M, N, eps,
 
 
 @triton.jit
-def _layer_norm_bwd_kernel(DY, X, W, MEAN, RSTD, DX, DW_PART, DB_PART, R, M, N,
+def _layer_norm_bwd_kernel(DY, X, W, MEAN, RSTD, DX, DW_PART, DB_PART, DS_PART, R, M, N,
                            HAS_W: tl.constexpr, DO_DX: tl.constexpr,
                            DO_DW: tl.constexpr, DO_DB: tl.constexpr,
-                           HAS_R: tl.constexpr, DX_BF16: tl.constexpr,
+                           HAS_R: tl.constexpr, DO_DS: tl.constexpr, DX_BF16: tl.constexpr,
                            ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
     # Persistent: program p of G handles row tiles p, p+G, p+2G, ... For a row,
     #   xhat = (x-mean)*rstd;  g = w*dy
     #   dx   = rstd * (g - mean(g) - xhat*mean(g*xhat))     (means over the row)
     # and, summed over rows into this program's fp32 registers,
     #   dw_p = sum dy*xhat;  db_p = sum dy      -> row p of DW_PART / DB_PART (G, N)
+    # DO_DS: also ds_p = sum of dx as stored (+ r with HAS_R) -> DS_PART: the
+    # column sum of grad_input, the bias gradient of the linear layer whose
+    # output gradient it is (no second read of dx).
     # Memory: reads dy, x (2*M*N), mean, rstd (2*M), w (N, once per program);
-    # writes dx (M*N) and the partials (2*G*N fp32, G ~ a few per SM << M).
+    # writes dx (M*N) and the partials (2-3 * G*N fp32, G ~ a few per SM << M).
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)
@@ -129,6 +132,7 @@ def _layer_norm_bwd_kernel(DY, X, W, MEAN, RSTD, DX, DW_PART, DB_PART, R, M, N,
         w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     dw_acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     db_acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    ds_acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     for tile in tl.range(pid, tl.cdiv(M, ROWS), G):
         rows = tile * ROWS + tl.arange(0, ROWS)
         row_ok = rows < M
@@ -150,7 +154,10 @@ def _layer_norm_bwd_kernel(DY, X, W, MEAN, RSTD, DX, DW_PART, DB_PART, R, M, N,
                 # sum rounded once (aten's add of the two) - the values the add apart gives
                 r = tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)
                 dx = _rounded(dx.to(DX.dtype.element_ty).to(tl.float32) + r, DX, DX_BF16)
-            tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
+            dx = dx.to(DX.dtype.element_ty)
+            tl.store(DX + offs, dx, mask=mask)
+            if DO_DS:
+                ds_acc += tl.where(mask, dx.to(tl.float32), 0.0)
         if DO_DW:
             dw_acc += dy * xhat
         if DO_DB:
@@ -159,6 +166,8 @@ def _layer_norm_bwd_kernel(DY, X, W, MEAN, RSTD, DX, DW_PART, DB_PART, R, M, N,
         tl.store(DW_PART + pid.to(tl.int64) * N + cols, tl.sum(dw_acc, axis=0), mask=col_ok)
     if DO_DB:
         tl.store(DB_PART + pid.to(tl.int64) * N + cols, tl.sum(db_acc, axis=0), mask=col_ok)
+    if DO_DS:
+        tl.store(DS_PART + pid.to(tl.int64) * N + cols, tl.sum(ds_acc, axis=0), mask=col_ok)
 
 
 @triton.jit
@@ -218,16 +227,19 @@ def _rms_norm_bwd_kernel(DY, X, W, RSTD, DX, DW_PART, M, N,
 
 
 @triton.jit
-def _sum_partials_kernel(P0, P1, OUT0, OUT1, G, N,
-                         DO_0: tl.constexpr, DO_1: tl.constexpr,
+def _sum_partials_kernel(P0, P1, P2, OUT0, OUT1, OUT2, G, N,
+                         DO_0: tl.constexpr, DO_1: tl.constexpr, DO_2: tl.constexpr, OUT2_BF16: tl.constexpr,
                          BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr):
-    # out[c] = sum_g P[g, c] for up to two (G, N) fp32 partial buffers (dw, db),
-    # one program per BLOCK_C columns, rounded once to the output dtype.
-    # Memory: reads 2*G*N fp32, writes 2*N: small next to the M*N passes.
+    # out[c] = sum_g P[g, c] for up to three (G, N) fp32 partial buffers (dw,
+    # db, and grad_input's column sum), one program per BLOCK_C columns,
+    # rounded once to the output dtype (OUT2 to nearest even also under the
+    # interpreter, as stepfx's column sums are).
+    # Memory: reads 3*G*N fp32, writes 3*N: small next to the M*N passes.
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_ok = cols < N
     acc0 = tl.zeros((BLOCK_G, BLOCK_C), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_G, BLOCK_C), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_G, BLOCK_C), dtype=tl.float32)
     for g0 in tl.range(0, G, BLOCK_G):
         g = g0 + tl.arange(0, BLOCK_G)
         mask = (g < G)[:, None] & col_ok[None, :]
@@ -236,10 +248,14 @@ def _sum_partials_kernel(P0, P1, OUT0, OUT1, G, N,
             acc0 += tl.load(P0 + offs, mask=mask, other=0.0)
         if DO_1:
             acc1 += tl.load(P1 + offs, mask=mask, other=0.0)
+        if DO_2:
+            acc2 += tl.load(P2 + offs, mask=mask, other=0.0)
     if DO_0:
         tl.store(OUT0 + cols, tl.sum(acc0, axis=0).to(OUT0.dtype.element_ty), mask=col_ok)
     if DO_1:
         tl.store(OUT1 + cols, tl.sum(acc1, axis=0).to(OUT1.dtype.element_ty), mask=col_ok)
+    if DO_2:
+        tl.store(OUT2 + cols, _rounded(tl.sum(acc2, axis=0), OUT2, OUT2_BF16), mask=col_ok)
 
 
 # ----------------------------------------------------------------------------
@@ -346,19 +362,22 @@ def _layer_norm_stat_dtype(input, weight, bias) -> torch.dtype:
     return torch.float32
 
 
-def _reduce_partials(part0, part1, out0, out1) -> None:
-    """out = column sums of the (G, N) fp32 partials; either pair may be None.
+def _reduce_partials(part0, part1, out0, out1, part2=None, out2=None) -> None:
+    """out = column sums of the (G, N) fp32 partials; any pair may be None.
 
     Narrow column blocks (16) give N/16 programs, enough to spread even
     N = 2048 over the SMs; the partials were just written and sit in L2."""
-    like = part0 if part0 is not None else part1
+    like = next(p for p in (part0, part1, part2) if p is not None)
     g, n = like.shape
+
+    def given(t):
+        return t if t is not None else like
+
     block_c = 16
     _sum_partials_kernel[(triton.cdiv(n, block_c),)](
-        part0 if part0 is not None else like, part1 if part1 is not None else like,
-        out0 if out0 is not None else like, out1 if out1 is not None else like,
-        g, n, DO_0=part0 is not None, DO_1=part1 is not None,
-        BLOCK_G=128, BLOCK_C=block_c, num_warps=4)
+        given(part0), given(part1), given(part2), given(out0), given(out1), given(out2),
+        g, n, DO_0=part0 is not None, DO_1=part1 is not None, DO_2=part2 is not None,
+        OUT2_BF16=out2 is not None and out2.dtype == torch.bfloat16, BLOCK_G=128, BLOCK_C=block_c, num_warps=4)
 
 
 # ----------------------------------------------------------------------------
@@ -421,14 +440,32 @@ def layer_norm_forward(input, normalized_shape, weight, bias, eps):
     return out, mean, rstd
 
 
-@register("layer_norm_backward", reference=aten.native_layer_norm_backward.default,
+def _layer_norm_backward_reference(grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask,
+                                   residual_grad=None, grad_input_sum=None):
+    """aten's LayerNorm backward, the residual add and grad_input's column sum as separate ops."""
+    out = list(aten.native_layer_norm_backward.default(grad_out, input, normalized_shape, mean, rstd, weight, bias,
+                                                       output_mask))
+    if residual_grad is not None:
+        out[0] = aten.add.Tensor(out[0], residual_grad)
+    if grad_input_sum is not None:
+        flat = out[0].reshape(-1, math.prod(normalized_shape))
+        out.append(aten.sum.dim_IntList(flat, [0], grad_input_sum == "keepdim"))
+    return tuple(out)
+
+
+@register("layer_norm_backward", reference=_layer_norm_backward_reference,
           jit=(_rounded, _layer_norm_bwd_kernel, _sum_partials_kernel),
           what="LayerNorm backward: dx, dw, db in one pass over (dy, x), dw/db from per-program partials")
-def layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask, residual_grad=None):
+def layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask, residual_grad=None,
+                        grad_input_sum=None):
     """``aten.native_layer_norm_backward``: ``(grad_input, grad_weight, grad_bias)``.
     ``residual_grad``: grad_input comes back as ``grad_input + residual_grad``
     (the residual stream's gradient, added as aten's add would: both rounded
-    as apart), written once instead of written, read and added."""
+    as apart), written once instead of written, read and added.
+    ``grad_input_sum`` ("keepdim" or "flat"): a fourth result, grad_input
+    (as returned) summed over its rows, fp32 accumulation, in its dtype,
+    shape [1, N] or [N] - the bias gradient of the linear layer whose output
+    gradient grad_input is, without a second read of it."""
     m, n = _check(input, normalized_shape, weight, bias)
     _check_like("grad_out", grad_out, input)
     _check_like("mean", mean, input, numel=m)
@@ -441,30 +478,37 @@ def layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, b
         if residual_grad.dtype != input.dtype or not do_dx:
             raise ValueError(f"stepfx norm kernel: residual_grad ({residual_grad.dtype}) needs grad_input "
                              f"(output_mask[0]) and the input's dtype ({input.dtype})")
+    if grad_input_sum not in (None, "keepdim", "flat") or (grad_input_sum is not None and not do_dx):
+        raise ValueError(f"stepfx norm kernel: grad_input_sum must be None, 'keepdim' or 'flat' and needs grad_input "
+                         f"(output_mask[0]); got {grad_input_sum!r} with output_mask {list(output_mask)}")
+    do_ds = grad_input_sum is not None
     dx = torch.empty_like(input) if do_dx else None
     dw = torch.empty_like(weight) if do_dw else None
     db = torch.empty_like(bias) if do_db else None
+    ds = torch.empty([1, n] if grad_input_sum == "keepdim" else [n], dtype=input.dtype, device=input.device) if do_ds else None
     if m == 0 or not (do_dx or do_dw or do_db):
-        return dx, dw.zero_() if do_dw else None, db.zero_() if do_db else None
+        zeroed = (dx, dw.zero_() if do_dw else None, db.zero_() if do_db else None)
+        return (*zeroed, ds.zero_()) if do_ds else zeroed
     block_n, rows, num_warps = _config(n, **_BWD)
     tiles = triton.cdiv(m, rows)
     g = _persistent_programs(input.device, tiles, num_warps)
-    part = torch.empty((int(do_dw) + int(do_db), g, n), dtype=torch.float32, device=input.device)
+    part = torch.empty((int(do_dw) + int(do_db) + int(do_ds), g, n), dtype=torch.float32, device=input.device)
     dw_part = part[0] if do_dw else None
-    db_part = part[-1] if do_db else None
+    db_part = part[int(do_dw)] if do_db else None
+    ds_part = part[-1] if do_ds else None
     _layer_norm_bwd_kernel[(g,)](
         grad_out, input, weight if weight is not None else input, mean, rstd,
         dx if do_dx else input, dw_part if do_dw else input, db_part if do_db else input,
-        residual_grad if residual_grad is not None else input, m, n,
+        ds_part if do_ds else input, residual_grad if residual_grad is not None else input, m, n,
         HAS_W=weight is not None, DO_DX=do_dx, DO_DW=do_dw, DO_DB=do_db,
-        HAS_R=residual_grad is not None, DX_BF16=input.dtype == torch.bfloat16,
+        HAS_R=residual_grad is not None, DO_DS=do_ds, DX_BF16=input.dtype == torch.bfloat16,
         ROWS=rows, BLOCK_N=block_n, num_warps=num_warps,
         # no fused multiply-adds: in fp32 the compiler contracted dx * rstd + r into one rounding, so
         # grad_input + residual_grad differed in the last bit from dx and the add apart (H200: results/2026-11-30_gpu_tests_h200x2_run6.txt)
         enable_fp_fusion=False)
-    if do_dw or do_db:
-        _reduce_partials(dw_part, db_part, dw, db)
-    return dx, dw, db
+    if do_dw or do_db or do_ds:
+        _reduce_partials(dw_part, db_part, dw, db, ds_part, ds)
+    return (dx, dw, db, ds) if do_ds else (dx, dw, db)
 
 
 @register("rms_norm_forward", reference=_rms_norm_forward_reference,

@@ -10,6 +10,7 @@ from .eliminate_dead_code import eliminate_dead_code
 from .fold_gradient_casts import fold_gradient_casts
 from .functionalize_graph import functionalize_graph
 from .fuse_bucket_packing import fuse_bucket_packing
+from .fuse_bias_gradients import fuse_bias_gradients
 from .fuse_casts import fuse_casts
 from .fuse_column_sums import fuse_column_sums
 from .fuse_generic_regions import fuse_generic_regions, regions_apply
@@ -186,6 +187,12 @@ PIPELINE: tuple[PipelineEntry, ...] = (
         "fuse_column_sums",
         fuse_column_sums,
         "codegen: a swap by identity (bias gradients); before fuse_generic_regions, which would take them as reductions",
+        applies=codegen_enabled,
+    ),
+    PipelineEntry(
+        "fuse_bias_gradients",
+        fuse_bias_gradients,
+        "codegen, after fuse_column_sums and the norm fusions: the kernels that write a bias's output gradient also sum it",
         applies=codegen_enabled,
     ),
     PipelineEntry(

@@ -323,3 +323,45 @@ def test_layer_norm_backward_adds_the_residual_gradient_as_apart(shape, k, dtype
         assert torch.equal(got, want)
     with pytest.raises(ValueError, match="residual_grad"):
         nk.layer_norm_backward(dy, x, norm, mean, rstd, w, b, [False, True, True], residual_grad=r)
+
+
+@pytest.mark.parametrize("dtype,residual", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, True),
+                                            (torch.float16, False)], ids=["fp32", "fp32_residual", "bf16_residual", "fp16"])
+@pytest.mark.parametrize("shape,k", SHAPES, ids=[f"{s}_{k}" for s, k in SHAPES])
+def test_layer_norm_backward_sums_its_grad_input(shape, k, dtype, residual):
+    """``grad_input_sum``: a fourth result, the column sum of grad_input as
+    returned (the bias gradient of the layer it flows into): within fp32
+    summation error of summing the returned grad_input, then one rounding;
+    the other results bitwise those without it."""
+    gen = torch.Generator().manual_seed(sum(shape) + 11 * k)
+    x = (torch.randn(shape, generator=gen) * 2).to(dtype).to(DEVICE)
+    dy = torch.randn(shape, generator=gen).to(dtype).to(DEVICE)
+    r = torch.randn(shape, generator=gen).to(dtype).to(DEVICE) if residual else None
+    norm = list(shape[-k:])
+    w = (torch.randn(norm, generator=gen) + 1).to(dtype).to(DEVICE)
+    b = torch.randn(norm, generator=gen).to(dtype).to(DEVICE)
+    _, mean, rstd = nk.layer_norm_forward(x, norm, w, b, 1e-5)
+    apart = nk.layer_norm_backward(dy, x, norm, mean, rstd, w, b, [True, True, True], residual_grad=r)
+    n = apart[0].shape[-1] if k == 1 else apart[0][0].numel()
+    flat = apart[0].reshape(-1, n)
+    for keep in ("keepdim", "flat"):
+        fused = nk.layer_norm_backward(dy, x, norm, mean, rstd, w, b, [True, True, True], residual_grad=r,
+                                       grad_input_sum=keep)
+        assert len(fused) == 4
+        for got, want in zip(fused[:3], apart):
+            assert torch.equal(got, want)
+        total = fused[3]
+        want = flat.double().sum(0, keepdim=keep == "keepdim")
+        assert total.shape == want.shape and total.dtype == dtype
+        slack = 4 * EPS32 * flat.double().abs().sum(0, keepdim=keep == "keepdim") + torch.finfo(dtype).eps * want.abs()
+        assert ((total.double() - want).abs() <= slack).all(), (total.double() - want).abs().max()
+    reference = KERNELS["layer_norm_backward"].reference(dy, x, norm, mean, rstd, w, b, [True, True, True],
+                                                         residual_grad=r, grad_input_sum="flat")
+    assert len(reference) == 4 and reference[3].shape == (n,)
+    with pytest.raises(ValueError, match="grad_input_sum"):
+        nk.layer_norm_backward(dy, x, norm, mean, rstd, w, b, [False, True, True], grad_input_sum="flat")
+    with pytest.raises(ValueError, match="grad_input_sum"):
+        nk.layer_norm_backward(dy, x, norm, mean, rstd, w, b, [True, True, True], grad_input_sum="rows")
+
+
+EPS32 = torch.finfo(torch.float32).eps

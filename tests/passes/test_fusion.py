@@ -486,10 +486,14 @@ def test_logits_the_step_returns_are_not_fused_away():
 
 @pytest.mark.parametrize("model", ["gpt", "mlp"])
 def test_bias_gradients_by_the_column_sum_kernel(monkeypatch, model):
-    """fuse_column_sums (every size here): the bias gradients of the linear
-    layers are column_sum calls, and the fp32 step stays within the
+    """fuse_column_sums and fuse_bias_gradients (every size here): the bias
+    gradients of the linear layers are column sums, taken by the kernel that
+    writes their input where one does (the concatenation of the GPT's q, k, v
+    gradients; a LayerNorm backward: the GPT's attention projection and MLP
+    output), by column_sum otherwise (after a GELU: the GPT's tanh, the MLP's
+    exact); the fp32 step stays within the
     project's bound of eager (SGD: the other summation order shows at its
-    own size); without the pass they are aten sums."""
+    own size); without the passes they are aten sums."""
     from stepfx.passes import fuse_column_sums
     from tests.passes.test_precision import clipped_reference
     from tests.steps import ce_step
@@ -497,26 +501,31 @@ def test_bias_gradients_by_the_column_sum_kernel(monkeypatch, model):
     monkeypatch.setattr(fuse_column_sums, "MIN_NUMEL", 0)
     if model == "gpt":
         make, step_fn, batches = tiny_gpt, lm_step, token_batches(3)
+        # per block: qkv's by the q/k/v gradients' concatenation, proj's and fc_out's by a LayerNorm backward
+        cats, norm_sums = len(tiny_gpt().blocks), 2 * len(tiny_gpt().blocks)
     else:
         def make():
             return MLP((8, 24, 16, 4))
-        step_fn, batches = ce_step, mlp_batches(3)
+        step_fn, batches, cats, norm_sums = ce_step, mlp_batches(3), 0, 0
     report = assert_step_equivalent(step_fn, make, sgd_momentum, batches,
                                     config={**CODEGEN, "gradient_clipping": 1.0}, reference_fn=clipped_reference(step_fn, 1.0),
                                     rtol=1e-5, atol=1e-7, resync=True)
     assert report.steps == 3
     counts = []
-    for disable in ([], ["fuse_column_sums"]):
+    for disable in ([], ["fuse_bias_gradients"], ["fuse_column_sums"]):
         torch.manual_seed(0)
         net = make()
         step = stepfx.parallelize({**CODEGEN, "stepfx": {"codegen": True, "disable": disable}})(step_fn)
         step(net, sgd_momentum(net), *batches[0])
         nodes = [n for n in step.plan.graph.gm.graph.nodes if n.op == "call_function"]
-        counts.append((sum(getattr(n.target, "__name__", "") == "column_sum" for n in nodes),
+        names = [getattr(n.target, "__name__", "") for n in nodes]
+        counts.append((names.count("column_sum"), names.count("cat_column_sum"),
+                       sum(name == "layer_norm_backward" and n.kwargs.get("grad_input_sum") is not None
+                           for n, name in zip(nodes, names)),
                        sum(n.target is torch.ops.aten.sum.dim_IntList and n.args[1] == [0] and n.args[0].meta["val"].dim() == 2
                            for n in nodes)))
     linears = sum(isinstance(m, torch.nn.Linear) and m.bias is not None for m in make().modules())
-    assert counts == [(linears, 0), (0, linears)], counts
+    assert counts == [(linears - cats - norm_sums, cats, norm_sums, 0), (linears, 0, 0, 0), (0, 0, 0, linears)], counts
 
 
 @pytest.mark.xdist_group("gpt16_runs")  # one test process: they share _gpt16's runs
