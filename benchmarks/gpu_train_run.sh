@@ -9,7 +9,7 @@
 # Everything goes to $WORK (default /tmp/o) and is packed into $OUT/r.tgz
 # (the device tool brings back at most 8 files). Knobs: SYSTEMS (train_gpt's
 # list), TRAIN_S (its time limit), SINGLE=0 skips the single-GPU timing, MULTIGPU=0 the NCCL tests,
-# SINGLE_SYSTEMS its systems, SWEEP=1 first runs optimizer_sweep.py (SWEEP_ARGS its flags), KSWEEP=1 kernel_sweep.py (KSWEEP_ARGS), TESTS=0 skips the GPU tests, SINGLE_PROFILE=1 profiles them (SINGLE_TRACE: systems whose Chrome trace is kept), TRACE=1 keeps rank 0's trace of train_gpt's profiled systems, DEEPSPEED wheels are installed from .whl/
+# SINGLE_SYSTEMS its systems (SINGLE_S its time limit), SWEEP=1 first runs optimizer_sweep.py (SWEEP_ARGS its flags), KSWEEP=1 kernel_sweep.py (KSWEEP_ARGS; KBEST=1 times the step with its fastest geometries), TESTS=0 skips the GPU tests, SINGLE_PROFILE=1 profiles them (SINGLE_TRACE: systems whose Chrome trace is kept), TRACE=1 keeps rank 0's trace of train_gpt's profiled systems, DEEPSPEED wheels are installed from .whl/
 # when present (see benchmarks/README.md).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -38,11 +38,13 @@ fi
 if [ "${KSWEEP:-0}" = 1 ]; then
   CUDA_VISIBLE_DEVICES=0 timeout 240 python3 benchmarks/kernel_sweep.py --out "$W" ${KSWEEP_ARGS:-} > "$W/kernel_sweep.log" 2>&1
   mark kernel_sweep $?
+  # KBEST=1: the single-GPU step runs with the sweep's fastest launch geometries
+  if [ "${KBEST:-0}" = 1 ]; then SINGLE_SET=$(python3 benchmarks/kernel_sweep.py --best "$W/kernel_sweep.jsonl"); echo "set $SINGLE_SET" >> "$W/timeline.txt"; fi
 fi
 PIDS=()
 [ "${SINGLE:-1}" = 1 ] && (
-  CUDA_VISIBLE_DEVICES=0 timeout 240 python3 benchmarks/single_gpu.py --systems "${SINGLE_SYSTEMS:-eager,compile,stepfx-codegen,stepfx-codegen-graphs}" \
-    --warmup 5 --steps 20 ${SINGLE_PROFILE:+--profile} --trace "${SINGLE_TRACE:-}" --out "$W" > "$W/single_gpu.log" 2>&1
+  CUDA_VISIBLE_DEVICES=0 timeout "${SINGLE_S:-240}" python3 benchmarks/single_gpu.py --systems "${SINGLE_SYSTEMS:-eager,compile,stepfx-codegen,stepfx-codegen-graphs}" \
+    --warmup 5 --steps 20 ${SINGLE_PROFILE:+--profile} --trace "${SINGLE_TRACE:-}" --set "${SINGLE_SET:-}" --out "$W" > "$W/single_gpu.log" 2>&1
   mark single_gpu $?
 ) &
 PIDS+=($!)
@@ -50,7 +52,7 @@ if [ "$NGPU" = 1 ]; then wait "${PIDS[@]}"; PIDS=(); fi  # never a bare wait: nv
 [ "${TESTS:-1}" = 1 ] && (
   CUDA_VISIBLE_DEVICES=$TEST_GPU timeout 130 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu > "$W/gpu_tests.log" 2>&1
   mark gpu_tests $?
-  CUDA_VISIBLE_DEVICES=$TEST_GPU timeout 60 python3 -m pytest -q -p no:cacheprovider tests/codegen -k "many or multi or cast_pack or column or gelu or add_layer_norm or residual" > "$W/codegen_tests.log" 2>&1
+  CUDA_VISIBLE_DEVICES=$TEST_GPU timeout "${CODEGEN_S:-150}" python3 -m pytest -q -p no:cacheprovider tests/codegen -k "many or multi or cast_pack or column or gelu or add_layer_norm or residual or grad_input" > "$W/codegen_tests.log" 2>&1
   mark codegen_tests $?
 ) &
 PIDS+=($!)

@@ -5,7 +5,10 @@ sweep of launch geometries, against the aten ops they replace, on one GPU.
 
 Shapes: 8192 tokens (batch 4 x seq 2048), d_model 2048, MLP width 8192,
 bf16. Cases: the bias gradients' column sums (2048, 6144 and 8192
-columns); the LayerNorm backward with the residual gradient added; causal
+columns); the LayerNorm backward with the residual gradient added; the
+q, k, v gradients' concatenation with the qkv bias gradient (fused or
+apart); the LayerNorm backward with its grad_input's column sum (fused or
+apart); causal
 attention forward + backward under each SDPA backend. Each stepfx kernel
 runs at every geometry of its flag (module constants patched for the run);
 every time is device time (``kernels.graph_ms``: CUDA-graph replays; events
@@ -38,6 +41,17 @@ def _ints(text: str) -> list[tuple[int, ...]]:
     return [tuple(int(v) for v in item.split("x")) for item in text.split(",") if item]
 
 
+def best_constants(path: str) -> str:
+    """``module.NAME=value,...``: the constants of the fastest stepfx row of each case in a sweep's JSON lines."""
+    best: dict[str, dict] = {}
+    with open(path) as f:
+        for line in f:
+            row = json.loads(line)
+            if row.get("consts") and (row["case"] not in best or row["us"] < best[row["case"]]["us"]):
+                best[row["case"]] = row
+    return ",".join(f"{k}={v}" for row in best.values() for k, v in row["consts"].items())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT"))
@@ -46,8 +60,15 @@ def main() -> None:
                     help="ROWSxBLOCK_NxWARPSxPER_SM")
     ap.add_argument("--ln-bwd", default="4096x16x16,4096x16x32,2048x8x16,2048x8x32,8192x16x16",
                     help="TILExPER_THREADxWARPS_PER_SM")
-    ap.add_argument("--cases", default="column,ln,addmm,sdpa", help="which sections run")
+    ap.add_argument("--cat", default="8x256x4x4,8x256x4x2,16x256x8x2,4x512x4x8,8x512x8x4,32x256x8x1",
+                    help="ROWSxBLOCK_NxWARPSxITERS")
+    ap.add_argument("--best", metavar="JSONL", help="print, for each case of a finished sweep whose stepfx rows carry "
+                    "module constants, the fastest row's as single_gpu.py's --set argument, and exit")
+    ap.add_argument("--cases", default="column,ln,cat,lnsum,addmm,sdpa", help="which sections run")
     args = ap.parse_args()
+    if args.best:
+        print(best_constants(args.best))
+        return
     cases = args.cases.split(",")
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -96,6 +117,46 @@ def main() -> None:
             norm._BWD, norm.BWD_WARPS_PER_SM = dict(tile=tile, per_thread=per_thread), warps_per_sm
             record(case, "stepfx", 8 * x.numel(),
                    lambda: norm.layer_norm_backward(g, x, [D], mean, rstd, w, b, [True, True, True], r),
+                   tile=tile, per_thread=per_thread, warps_per_sm=warps_per_sm)
+        norm._BWD, norm.BWD_WARPS_PER_SM = dict(tile=4096, per_thread=16), 16
+
+    if "cat" in cases:
+        # attention's q, k, v gradients concatenated into the qkv projection's, and its bias gradient
+        from stepfx.codegen import column_sum_kernels as csk
+
+        qkv = [torch.randn(TOKENS, D, device=dev, generator=gen).to(bf16) for _ in range(3)]
+        case = "cat qkv grads + bias grad 8192x3x2048"
+        record(case, "aten cat", 4 * 3 * TOKENS * D, lambda: aten.cat(qkv, 1))
+        record(case, "aten cat + stepfx column_sum", 4 * 3 * TOKENS * D, lambda: red.column_sum(aten.cat(qkv, 1), True))
+        names = ("CAT_ROWS", "CAT_BLOCK_N", "CAT_WARPS", "CAT_ITERS")
+        saved = [getattr(csk, n) for n in names]
+        for geometry in _ints(args.cat):
+            for n, v in zip(names, geometry):
+                setattr(csk, n, v)
+            record(case, "stepfx fused", 4 * 3 * TOKENS * D, lambda: csk.cat_column_sum(qkv, True),
+                   consts={f"column_sum_kernels.{n}": v for n, v in zip(names, geometry)})
+        for n, v in zip(names, saved):
+            setattr(csk, n, v)
+        del qkv
+
+    if "lnsum" in cases:
+        # LayerNorm backward + residual gradient, and the column sum of the result (a bias gradient):
+        # apart (stepfx's kernel, then column_sum) and summed by the backward kernel (grad_input_sum)
+        x = torch.randn(TOKENS, D, device=dev, generator=gen).to(bf16)
+        g = torch.randn(TOKENS, D, device=dev, generator=gen).to(bf16)
+        r = torch.randn(TOKENS, D, device=dev, generator=gen).to(bf16)
+        w = torch.randn(D, device=dev, generator=gen).to(bf16)
+        b = torch.randn(D, device=dev, generator=gen).to(bf16)
+        _, mean, rstd = aten.native_layer_norm(x, [D], w, b, 1e-5)
+        case = "layer norm bwd + residual + column sum 8192x2048"
+        record(case, "stepfx apart", 8 * x.numel(), lambda: red.column_sum(
+            norm.layer_norm_backward(g, x, [D], mean, rstd, w, b, [True, True, True], r)[0], True))
+        record(case, "stepfx without the sum", 8 * x.numel(),
+               lambda: norm.layer_norm_backward(g, x, [D], mean, rstd, w, b, [True, True, True], r))
+        for tile, per_thread, warps_per_sm in _ints(args.ln_bwd):
+            norm._BWD, norm.BWD_WARPS_PER_SM = dict(tile=tile, per_thread=per_thread), warps_per_sm
+            record(case, "stepfx summed by the backward", 8 * x.numel(),
+                   lambda: norm.layer_norm_backward(g, x, [D], mean, rstd, w, b, [True, True, True], r, "keepdim"),
                    tile=tile, per_thread=per_thread, warps_per_sm=warps_per_sm)
         norm._BWD, norm.BWD_WARPS_PER_SM = dict(tile=4096, per_thread=16), 16
 

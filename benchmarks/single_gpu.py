@@ -27,6 +27,7 @@ import datetime
 import functools
 import gc
 import gzip
+import importlib
 import json
 import os
 import shutil
@@ -232,10 +233,21 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT"))
     ap.add_argument("--profile", action="store_true", help="also profile 3 steps of each system (after the timed ones)")
     ap.add_argument("--trace", default="", help="with --profile: systems whose Chrome trace is kept (gzipped)")
+    ap.add_argument("--set", default="", metavar="MODULE.NAME=INT,...",
+                    help="override stepfx.codegen module constants (launch geometries) for this run, e.g. the "
+                         "fastest of a sweep: kernel_sweep.py --best")
     args = ap.parse_args()
+    for item in filter(None, args.set.split(",")):  # before any step: launchers read them at each call
+        name, value = item.split("=")
+        module, const = name.rsplit(".", 1)
+        target = importlib.import_module(f"stepfx.codegen.{module}")
+        if not hasattr(target, const):
+            raise SystemExit(f"--set: stepfx.codegen.{module} has no {const}")
+        setattr(target, const, int(value))
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     meta = {"date": datetime.date.today().isoformat(), "gpu": gpu, "torch": torch.__version__,
-            "command": f"python3 benchmarks/single_gpu.py --size {args.size} --systems {args.systems}"}
+            "command": f"python3 benchmarks/single_gpu.py --size {args.size} --systems {args.systems}"
+                       + (f" --set {args.set}" if args.set else "")}
     rows = []
     for kind in args.systems.split(","):
         try:
