@@ -10,7 +10,9 @@ Which regions go where, and why:
   (``reduction_kernels``); packing and casting pieces for collectives
   (``reduction_kernels.cast_pack``); LayerNorm / RMSNorm forward and
   backward (``norm_kernels``); linear + cross-entropy in row chunks that
-  never materialize the full fp32 logits (``cross_entropy_kernels``).
+  never materialize the full fp32 logits (``cross_entropy_kernels``);
+  bias gradients summed by the kernel that writes their input
+  (``column_sum_kernels``, and the LayerNorm backward's ``grad_input_sum``).
 - **Handed to inductor** — the generic rest: chains of pointwise ops and
   the row reductions between them (an RMSNorm written out by hand, rotary
   embeddings, activation backward chains). Inductor fuses those well and a
