@@ -18,19 +18,14 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from single_gpu import stepfx_step  # noqa: E402  (the step single_gpu.py times)
 
 from stepfx.capture import CaptureOptions, capture_step  # noqa: E402
 from stepfx.config import load_config  # noqa: E402
 from stepfx.passes import PIPELINE, PassManager, PassOptions  # noqa: E402
-from stepfx.testing.models import GPT, gpt_config, lm_loss  # noqa: E402
-
-
-def step(model, optimizer, tokens):
-    loss = lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss
+from stepfx.testing.models import GPT, gpt_config  # noqa: E402
 
 
 def main() -> None:
@@ -47,7 +42,7 @@ def main() -> None:
         opt.state[p] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
     tokens = torch.zeros(4, 2049, dtype=torch.long, device=device)
     config = load_config({"bf16": {"enabled": True}, "gradient_clipping": 1.0, "stepfx": {"codegen": True}})
-    graph = capture_step(step, model, opt, (tokens,), {}, options=CaptureOptions(compute_dtype=torch.bfloat16))
+    graph = capture_step(stepfx_step, model, opt, (tokens,), {}, options=CaptureOptions(compute_dtype=torch.bfloat16))
     records = PassManager(PIPELINE).run(graph, PassOptions(config=config, device_type="cuda"))
     for record in records:
         print(record.provenance())

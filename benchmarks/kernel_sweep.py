@@ -18,6 +18,7 @@ around calls where a graph cannot hold the work). JSON lines to
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -39,6 +40,28 @@ TOKENS, D, FF = 8192, 2048, 8192
 
 def _ints(text: str) -> list[tuple[int, ...]]:
     return [tuple(int(v) for v in item.split("x")) for item in text.split(",") if item]
+
+
+@contextlib.contextmanager
+def _patched(module, **values):
+    """Set a kernel module's launch constants for a measurement; restore them after."""
+    saved = {name: getattr(module, name) for name in values}
+    for name, value in values.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
+
+
+def _layer_norm_inputs(dev, gen):
+    """A bf16 LayerNorm backward's inputs as in the bf16 step (fp32 stats): x, dy, the residual gradient r,
+    w, b, mean, rstd."""
+    x, g, r = (torch.randn(TOKENS, D, device=dev, generator=gen).to(torch.bfloat16) for _ in range(3))
+    w, b = (torch.randn(D, device=dev, generator=gen).to(torch.bfloat16) for _ in range(2))
+    _, mean, rstd = aten.native_layer_norm(x, [D], w, b, 1e-5)
+    return x, g, r, w, b, mean, rstd
 
 
 def best_constants(path: str) -> str:
@@ -96,29 +119,22 @@ def main() -> None:
             case = f"column sum 8192x{cols}"
             record(case, "aten sum", 2 * x.numel(), lambda: aten.sum(x, [0], True))
             for rows, block_n, warps, per_sm in _ints(args.column):
-                red.COLUMN_ROWS, red.COLUMN_BLOCK_N, red.COLUMN_WARPS, red.COLUMN_PER_SM = rows, block_n, warps, per_sm
-                record(case, "stepfx", 2 * x.numel(), lambda: red.column_sum(x, True), rows=rows, block_n=block_n,
-                       warps=warps, per_sm=per_sm)
-            red.COLUMN_ROWS, red.COLUMN_BLOCK_N, red.COLUMN_WARPS, red.COLUMN_PER_SM = 64, 128, 4, 4
+                with _patched(red, COLUMN_ROWS=rows, COLUMN_BLOCK_N=block_n, COLUMN_WARPS=warps, COLUMN_PER_SM=per_sm):
+                    record(case, "stepfx", 2 * x.numel(), lambda: red.column_sum(x, True), rows=rows, block_n=block_n,
+                           warps=warps, per_sm=per_sm)
             del x
 
     if "ln" in cases:
-        # LayerNorm backward (bf16 x, weight, bias as in the bf16 step; fp32 stats) with the residual gradient added
-        x = torch.randn(TOKENS, D, device=dev, generator=gen).to(bf16)
-        g = torch.randn(TOKENS, D, device=dev, generator=gen).to(bf16)
-        r = torch.randn(TOKENS, D, device=dev, generator=gen).to(bf16)
-        w = torch.randn(D, device=dev, generator=gen).to(bf16)
-        b = torch.randn(D, device=dev, generator=gen).to(bf16)
-        _, mean, rstd = aten.native_layer_norm(x, [D], w, b, 1e-5)
+        # LayerNorm backward with the residual gradient added
+        x, g, r, w, b, mean, rstd = _layer_norm_inputs(dev, gen)
         case = "layer norm bwd + residual 8192x2048"
         record(case, "aten+add", 10 * x.numel(),
                lambda: aten.add(aten.native_layer_norm_backward(g, x, [D], mean, rstd, w, b, [True, True, True])[0], r))
         for tile, per_thread, warps_per_sm in _ints(args.ln_bwd):
-            norm._BWD, norm.BWD_WARPS_PER_SM = dict(tile=tile, per_thread=per_thread), warps_per_sm
-            record(case, "stepfx", 8 * x.numel(),
-                   lambda: norm.layer_norm_backward(g, x, [D], mean, rstd, w, b, [True, True, True], r),
-                   tile=tile, per_thread=per_thread, warps_per_sm=warps_per_sm)
-        norm._BWD, norm.BWD_WARPS_PER_SM = dict(tile=4096, per_thread=16), 16
+            with _patched(norm, _BWD=dict(tile=tile, per_thread=per_thread), BWD_WARPS_PER_SM=warps_per_sm):
+                record(case, "stepfx", 8 * x.numel(),
+                       lambda: norm.layer_norm_backward(g, x, [D], mean, rstd, w, b, [True, True, True], r),
+                       tile=tile, per_thread=per_thread, warps_per_sm=warps_per_sm)
 
     if "cat" in cases:
         # attention's q, k, v gradients concatenated into the qkv projection's, and its bias gradient
@@ -129,36 +145,26 @@ def main() -> None:
         record(case, "aten cat", 4 * 3 * TOKENS * D, lambda: aten.cat(qkv, 1))
         record(case, "aten cat + stepfx column_sum", 4 * 3 * TOKENS * D, lambda: red.column_sum(aten.cat(qkv, 1), True))
         names = ("CAT_ROWS", "CAT_BLOCK_N", "CAT_WARPS", "CAT_ITERS")
-        saved = [getattr(csk, n) for n in names]
         for geometry in _ints(args.cat):
-            for n, v in zip(names, geometry):
-                setattr(csk, n, v)
-            record(case, "stepfx fused", 4 * 3 * TOKENS * D, lambda: csk.cat_column_sum(qkv, True),
-                   consts={f"column_sum_kernels.{n}": v for n, v in zip(names, geometry)})
-        for n, v in zip(names, saved):
-            setattr(csk, n, v)
+            with _patched(csk, **dict(zip(names, geometry))):
+                record(case, "stepfx fused", 4 * 3 * TOKENS * D, lambda: csk.cat_column_sum(qkv, True),
+                       consts={f"column_sum_kernels.{n}": v for n, v in zip(names, geometry)})
         del qkv
 
     if "lnsum" in cases:
         # LayerNorm backward + residual gradient, and the column sum of the result (a bias gradient):
         # apart (stepfx's kernel, then column_sum) and summed by the backward kernel (grad_input_sum)
-        x = torch.randn(TOKENS, D, device=dev, generator=gen).to(bf16)
-        g = torch.randn(TOKENS, D, device=dev, generator=gen).to(bf16)
-        r = torch.randn(TOKENS, D, device=dev, generator=gen).to(bf16)
-        w = torch.randn(D, device=dev, generator=gen).to(bf16)
-        b = torch.randn(D, device=dev, generator=gen).to(bf16)
-        _, mean, rstd = aten.native_layer_norm(x, [D], w, b, 1e-5)
+        x, g, r, w, b, mean, rstd = _layer_norm_inputs(dev, gen)
         case = "layer norm bwd + residual + column sum 8192x2048"
         record(case, "stepfx apart", 8 * x.numel(), lambda: red.column_sum(
             norm.layer_norm_backward(g, x, [D], mean, rstd, w, b, [True, True, True], r)[0], True))
         record(case, "stepfx without the sum", 8 * x.numel(),
                lambda: norm.layer_norm_backward(g, x, [D], mean, rstd, w, b, [True, True, True], r))
         for tile, per_thread, warps_per_sm in _ints(args.ln_bwd):
-            norm._BWD, norm.BWD_WARPS_PER_SM = dict(tile=tile, per_thread=per_thread), warps_per_sm
-            record(case, "stepfx summed by the backward", 8 * x.numel(),
-                   lambda: norm.layer_norm_backward(g, x, [D], mean, rstd, w, b, [True, True, True], r, "keepdim"),
-                   tile=tile, per_thread=per_thread, warps_per_sm=warps_per_sm)
-        norm._BWD, norm.BWD_WARPS_PER_SM = dict(tile=4096, per_thread=16), 16
+            with _patched(norm, _BWD=dict(tile=tile, per_thread=per_thread), BWD_WARPS_PER_SM=warps_per_sm):
+                record(case, "stepfx summed by the backward", 8 * x.numel(),
+                       lambda: norm.layer_norm_backward(g, x, [D], mean, rstd, w, b, [True, True, True], r, "keepdim"),
+                       tile=tile, per_thread=per_thread, warps_per_sm=warps_per_sm)
 
     if "addmm" in cases:
         # the forward linear layers (cuBLAS, bias epilogue) with the weight a tensor of

@@ -238,12 +238,14 @@ def main() -> None:
                          "fastest of a sweep: kernel_sweep.py --best")
     args = ap.parse_args()
     for item in filter(None, args.set.split(",")):  # before any step: launchers read them at each call
-        name, value = item.split("=")
-        module, const = name.rsplit(".", 1)
-        target = importlib.import_module(f"stepfx.codegen.{module}")
-        if not hasattr(target, const):
-            raise SystemExit(f"--set: stepfx.codegen.{module} has no {const}")
-        setattr(target, const, int(value))
+        name, _, value = item.partition("=")
+        module, _, const = name.rpartition(".")
+        try:
+            target = importlib.import_module(f"stepfx.codegen.{module}")
+            getattr(target, const)
+            setattr(target, const, int(value))
+        except (ImportError, AttributeError, ValueError) as exc:
+            raise SystemExit(f"--set {item!r}: expected stepfx.codegen MODULE.NAME=INT of an existing constant ({exc})")
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     meta = {"date": datetime.date.today().isoformat(), "gpu": gpu, "torch": torch.__version__,
             "command": f"python3 benchmarks/single_gpu.py --size {args.size} --systems {args.systems}"

@@ -110,24 +110,26 @@ def _norm_grad_input(src: fx.Node) -> fx.Node | None:
 def fuse_bias_gradients(graph: StepGraph, options: PassOptions) -> PassResult:
     from ..codegen import graph_ops
 
-    cats, norms = [], []
+    cats, norms, taken = [], [], set()  # taken: producers already summing one column sum
     for node in graph.gm.graph.nodes:
         if node.op != "call_function" or node.target is not graph_ops.column_sum:
             continue
         src = _summed_input(node)
         if src is None:
             continue
-        if _last_dim_cat(src) and not any(c is src for _, c in cats):
+        if _last_dim_cat(src) and src not in taken:
             cats.append((node, src))
-        elif (backward := _norm_grad_input(src)) is not None and not any(b is backward for _, b in norms):
+            taken.add(src)
+        elif (backward := _norm_grad_input(src)) is not None and backward not in taken:
             norms.append((node, backward))
+            taken.add(backward)
     if not cats and not norms:
         return PassResult(graph, False)
     graph, copy_of = clone_step_graph_mapped(graph)
     g = graph.gm.graph
     for old_sum, old_cat in cats:
         cat = copy_of[old_cat]
-        _swap_producer(g, copy_of[old_sum], cat, graph_ops.cat_column_sum, (list(cat.args[0]),), {}, "cat_sum")
+        _swap_producer(g, copy_of[old_sum], cat, graph_ops.cat_column_sum, (list(cat.args[0]),), "cat_sum")
     for old_sum, old_backward in norms:
         total, backward = copy_of[old_sum], copy_of[old_backward]
         keepdim = bool(total.kwargs.get("keepdim", False))
@@ -143,11 +145,11 @@ def fuse_bias_gradients(graph: StepGraph, options: PassOptions) -> PassResult:
                                    f"{len(norms)} by the LayerNorm backward")
 
 
-def _swap_producer(g: fx.Graph, total: fx.Node, producer: fx.Node, target, args: tuple, kwargs: dict, name: str) -> None:
+def _swap_producer(g: fx.Graph, total: fx.Node, producer: fx.Node, target, args: tuple, name: str) -> None:
     """Replace ``producer`` and the column sum ``total`` of (a flattening of) its result by one call of
-    ``target(*args, **kwargs, keepdim=...)`` placed where the producer was, returning (result, sum)."""
+    ``target(*args, keepdim=...)`` placed where the producer was, returning (result, sum)."""
     with g.inserting_before(producer):
-        fused = make_node(g, target, args, {**kwargs, "keepdim": bool(total.kwargs.get("keepdim", False))},
+        fused = make_node(g, target, args, {"keepdim": bool(total.kwargs.get("keepdim", False))},
                           val=(producer.meta["val"], total.meta["val"]), like=producer, name=name)
         result = make_node(g, operator.getitem, (fused, 0), val=producer.meta["val"], like=producer,
                            name=producer.name + "_out")
