@@ -57,23 +57,33 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, step, grad_fac
 
 
 def adam_step_many(count: int, *flat, step_is_new: bool, eps: float, weight_decay: float, decoupled: bool,
-                   maximize: bool, step_on_device: bool = False):
+                   maximize: bool, step_on_device: bool = False, copy_offsets: tuple[int, ...] | None = None):
     """``count`` in-place Adam/AdamW updates in one launch per gradient dtype.
     ``flat``: the params, then the grads, the exp_avgs, the exp_avg_sqs
     (``count`` each), then lr, beta1, beta2, step, grad_factor, found_inf as
     :func:`adam_step` takes them. Returns (param, exp_avg, exp_avg_sq) of
-    each tensor in turn, flat: the inputs, updated."""
+    each tensor in turn, flat: the inputs, updated.
+
+    With ``copy_offsets`` (one per parameter, -1 for none) ``flat`` ends with
+    a flat 16-bit buffer: parameter i's updated value, rounded, is written
+    into it at its offset, and the buffer (updated in place) is the last
+    result (``carry_parameter_copies``: the next step's compute copies)."""
     ps, gs, ms, vs = (list(flat[i * count:(i + 1) * count]) for i in range(4))
-    lr, beta1, beta2, step, grad_factor, found_inf = flat[4 * count:]
+    lr, beta1, beta2, step, grad_factor, found_inf = flat[4 * count:4 * count + 6]
+    copies, buffer = None, None
+    if copy_offsets is not None:
+        buffer = flat[4 * count + 6]
+        copies = [buffer[o:o + p.numel()] if o >= 0 else None for o, p in zip(copy_offsets, ps, strict=True)]
     kernels = _kernels("optimizer_kernels")
     common = dict(eps=eps, weight_decay=weight_decay, decoupled=decoupled, maximize=maximize,
-                  grad_factor=grad_factor, found_inf=found_inf)
+                  grad_factor=grad_factor, found_inf=found_inf, copies=copies)
     if step_on_device:
         kernels.adam_update_many(ps, gs, ms, vs, lr=host_float(lr), beta1=host_float(beta1), beta2=host_float(beta2),
                                  step=None, device_scalars=step, **common)
     else:
         kernels.adam_update_many(ps, gs, ms, vs, **common, **_adam_args(lr, beta1, beta2, step, step_is_new))
-    return tuple(t for i in range(count) for t in (ps[i], ms[i], vs[i]))
+    results = tuple(t for i in range(count) for t in (ps[i], ms[i], vs[i]))
+    return results if buffer is None else results + (buffer,)
 
 
 def adam_scalars(step, lr, beta1, beta2, *, step_is_new: bool):
@@ -162,12 +172,13 @@ def cast(x, *, dtype):
     return _kernels("reduction_kernels").cast_pack([(x, 0)], x.numel(), dtype).view(x.shape)
 
 
-def pack(parts, offsets, total: int, *, dtype, scale: float | None = None):
-    """A new flat ``total``-element bucket of ``dtype``: each part flattened,
+def pack(parts, offsets, total: int, *, dtype, scale: float | None = None, out=None):
+    """A new flat ``total``-element bucket of ``dtype`` (or ``out``, written
+    over): each part flattened,
     converted (multiplied by ``scale`` first, if given) and written at its
     offset, zeros elsewhere, in one pass (``fuse_bucket_packing``: the
     collectives' buckets)."""
-    return _kernels("reduction_kernels").cast_pack(list(zip(parts, offsets, strict=True)), total, dtype, scale)
+    return _kernels("reduction_kernels").cast_pack(list(zip(parts, offsets, strict=True)), total, dtype, scale, out)
 
 
 def column_sum(x, *, keepdim: bool):

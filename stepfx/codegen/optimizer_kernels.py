@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from . import multi_tensor
+from .reduction_kernels import _rounded
 from .registry import register
 
 __all__ = ["adam_device_scalars", "adam_update", "adam_update_many", "adam_update_many_reference", "adam_update_reference", "sgd_update", "sgd_update_reference"]
@@ -279,7 +280,7 @@ def adam_update(param, grad, exp_avg, exp_avg_sq, *, lr: float, beta1: float, be
 
 @triton.jit
 def _adam_many_kernel(
-    table_ptr,  # int64 [T, 4]: addresses of param, grad, exp_avg, exp_avg_sq of tensor t
+    table_ptr,  # int64 [T, COLUMNS]: addresses of param, grad, exp_avg, exp_avg_sq (and copy) of tensor t
     blocks_ptr,  # int64 [B, 2]: (tensor, first element) of each program's block
     numels_ptr,  # int64 [T]
     grad_factor_ptr, found_inf_ptr, scalars_ptr,
@@ -287,19 +288,27 @@ def _adam_many_kernel(
     GRAD_DTYPE: tl.constexpr,
     COUPLED_WD: tl.constexpr, DECOUPLED_WD: tl.constexpr, MAXIMIZE: tl.constexpr,
     HAS_GRAD_FACTOR: tl.constexpr, HAS_FOUND_INF: tl.constexpr, DEVICE_SCALARS: tl.constexpr,
+    HAS_COPY: tl.constexpr, COPY_DTYPE: tl.constexpr, COPY_BF16: tl.constexpr, COLUMNS: tl.constexpr,
     BLOCK: tl.constexpr, ITERS: tl.constexpr,
 ):
     # _adam_kernel's update, in place, over many tensors in one launch: each
     # program takes one chunk (ITERS blocks) of one tensor, whose addresses it
     # reads from the table (multi-tensor apply). Same math, same bits per element.
+    # HAS_COPY: a fifth column holds the address of a 16-bit copy of the
+    # parameter (0: none), written with the new values rounded to nearest
+    # even, the bits of cast_pack / torch's .to(); 2 B more per element.
+    # COLUMNS: 5 with HAS_COPY, else 4.
     pid = tl.program_id(0).to(tl.int64)
     t = tl.load(blocks_ptr + 2 * pid)
     start = tl.load(blocks_ptr + 2 * pid + 1)
     n = tl.load(numels_ptr + t)
-    p_ptr = tl.load(table_ptr + 4 * t).to(tl.pointer_type(tl.float32), bitcast=True)
-    g_ptr = tl.load(table_ptr + 4 * t + 1).to(tl.pointer_type(GRAD_DTYPE), bitcast=True)
-    m_ptr = tl.load(table_ptr + 4 * t + 2).to(tl.pointer_type(tl.float32), bitcast=True)
-    v_ptr = tl.load(table_ptr + 4 * t + 3).to(tl.pointer_type(tl.float32), bitcast=True)
+    p_ptr = tl.load(table_ptr + COLUMNS * t).to(tl.pointer_type(tl.float32), bitcast=True)
+    g_ptr = tl.load(table_ptr + COLUMNS * t + 1).to(tl.pointer_type(GRAD_DTYPE), bitcast=True)
+    m_ptr = tl.load(table_ptr + COLUMNS * t + 2).to(tl.pointer_type(tl.float32), bitcast=True)
+    v_ptr = tl.load(table_ptr + COLUMNS * t + 3).to(tl.pointer_type(tl.float32), bitcast=True)
+    if HAS_COPY:
+        copy_addr = tl.load(table_ptr + COLUMNS * t + 4)
+        c_ptr = copy_addr.to(tl.pointer_type(COPY_DTYPE), bitcast=True)
     n_live = n
     if HAS_FOUND_INF:
         n_live = tl.where(tl.load(found_inf_ptr) != 0, 0, n)
@@ -316,24 +325,37 @@ def _adam_many_kernel(
             tl.store(p_ptr + offs, p, mask=mask)
             tl.store(m_ptr + offs, m, mask=mask)
             tl.store(v_ptr + offs, v, mask=mask)
+            if HAS_COPY:
+                if copy_addr != 0:
+                    tl.store(c_ptr + offs, _rounded(p, c_ptr, COPY_BF16), mask=mask)
 
 
-def adam_update_many_reference(params, grads, exp_avgs, exp_avg_sqs, **kwargs) -> None:
+def adam_update_many_reference(params, grads, exp_avgs, exp_avg_sqs, copies=None, **kwargs) -> None:
     """The spec: :func:`adam_update_reference` in place on each tensor in turn
-    (host ``step`` only: the reference has no ``device_scalars``)."""
-    for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs, strict=True):
+    (host ``step`` only: the reference has no ``device_scalars``); then each
+    given copy (``copies[i]``, or None) holds ``params[i].to(copy.dtype)``."""
+    copies = [None] * len(params) if copies is None else copies
+    for p, g, m, v, c in zip(params, grads, exp_avgs, exp_avg_sqs, copies, strict=True):
         adam_update_reference(p, g, m, v, inplace=True, **kwargs)
+        if c is not None:
+            c.copy_(p.view_as(c).to(c.dtype))
 
 
-@register("adam_update_many", reference=adam_update_many_reference, jit=(_adam_math, _adam_block, _adam_many_kernel),
+@register("adam_update_many", reference=adam_update_many_reference, jit=(_adam_math, _adam_block, _rounded, _adam_many_kernel),
           what="Adam/AdamW over many tensors in one launch per gradient dtype (addresses from a table)")
 def adam_update_many(params, grads, exp_avgs, exp_avg_sqs, *, lr: float, beta1: float, beta2: float, eps: float,
                      weight_decay: float, step: float | None, decoupled: bool, maximize: bool = False,
                      grad_factor: torch.Tensor | None = None, found_inf: torch.Tensor | None = None,
-                     device_scalars: torch.Tensor | None = None) -> None:
+                     device_scalars: torch.Tensor | None = None, copies=None) -> None:
     """:func:`adam_update` in place over lists of tensors, one launch per
     gradient dtype: the same bits as one call per tensor, without the
-    launches (hundreds per step for a transformer's parameters)."""
+    launches (hundreds per step for a transformer's parameters).
+
+    ``copies`` (one entry per parameter: a contiguous bf16/fp16 tensor of
+    its size, or None; one dtype for all): the kernel also writes each
+    updated parameter, rounded, into its copy (the next step's 16-bit
+    compute copy, ``carry_parameter_copies``); a skipped step (``found_inf``)
+    writes nothing there either."""
     count = len(params)
     if not (len(grads) == len(exp_avgs) == len(exp_avg_sqs) == count):
         raise ValueError(f"adam_update_many: {count} params, {len(grads)} grads, {len(exp_avgs)} exp_avg, "
@@ -351,6 +373,16 @@ def adam_update_many(params, grads, exp_avgs, exp_avg_sqs, *, lr: float, beta1: 
             raise ValueError(f"adam_update_many: tensor #{i}: param and state must be float32")
         if grads[i].dtype not in _GRAD_DTYPES:
             raise ValueError(f"adam_update_many: grad #{i} has dtype {grads[i].dtype}")
+    copies = [None] * count if copies is None else list(copies)
+    if len(copies) != count:
+        raise ValueError(f"adam_update_many: {count} params, {len(copies)} copies")
+    copy_dtypes = {c.dtype for c in copies if c is not None}
+    if len(copy_dtypes) > 1 or not copy_dtypes <= {torch.bfloat16, torch.float16}:
+        raise ValueError(f"adam_update_many: copies must all be bfloat16 or all float16, got {sorted(map(str, copy_dtypes))}")
+    for i, c in enumerate(copies):
+        if c is not None and not (c.is_contiguous() and c.device == device and c.numel() == params[i].numel()):
+            raise ValueError(f"adam_update_many: copy #{i} must be a contiguous tensor on {device} of {params[i].numel()} elements")
+    copy_dtype = next(iter(copy_dtypes), None)
     if device_scalars is not None:
         _check_tensor("device_scalars", device_scalars, (torch.float32,), 2, device)
         step = 1.0 if step is None else step
@@ -368,7 +400,11 @@ def adam_update_many(params, grads, exp_avgs, exp_avg_sqs, *, lr: float, beta1: 
         if params[i].numel():
             by_dtype.setdefault(grads[i].dtype, []).append(i)
     for dtype, members in by_dtype.items():
+        columns = 4 if copy_dtype is None else 5
         ptrs = tuple(t.data_ptr() for i in members for t in (params[i], grads[i], exp_avgs[i], exp_avg_sqs[i]))
+        if copy_dtype is not None:  # the fifth column: the copy's address, 0 for none
+            ptrs = tuple(a for k, i in enumerate(members) for a in (
+                *ptrs[4 * k:4 * k + 4], 0 if copies[i] is None else copies[i].data_ptr()))
         numels = tuple(params[i].numel() for i in members)
 
         def geometry():
@@ -376,8 +412,8 @@ def adam_update_many(params, grads, exp_avgs, exp_avg_sqs, *, lr: float, beta1: 
             return multi_tensor.device_table(rows, device), multi_tensor.device_table(list(numels), device)
 
         block_table, numel_table = multi_tensor.cached(("adam blocks", chunk, numels, device), geometry, geometry=True)
-        table = multi_tensor.cached(("adam ptrs", ptrs, device), lambda: multi_tensor.device_table(
-            [list(ptrs[k:k + 4]) for k in range(0, len(ptrs), 4)], device))
+        table = multi_tensor.cached(("adam ptrs", columns, ptrs, device), lambda: multi_tensor.device_table(
+            [list(ptrs[k:k + columns]) for k in range(0, len(ptrs), columns)], device))
         if multi_tensor.FALLBACK is None:
             try:
                 with _device_guard(params[0]):
@@ -391,6 +427,9 @@ def adam_update_many(params, grads, exp_avgs, exp_avg_sqs, *, lr: float, beta1: 
                         GRAD_DTYPE=multi_tensor.TRITON_DTYPES[dtype], COUPLED_WD=coupled, DECOUPLED_WD=decoupled_wd,
                         MAXIMIZE=bool(maximize), HAS_GRAD_FACTOR=grad_factor is not None,
                         HAS_FOUND_INF=found_inf is not None, DEVICE_SCALARS=device_scalars is not None,
+                        HAS_COPY=copy_dtype is not None,
+                        COPY_DTYPE=multi_tensor.TRITON_DTYPES[copy_dtype or torch.bfloat16],
+                        COPY_BF16=copy_dtype is torch.bfloat16, COLUMNS=columns,
                         BLOCK=BLOCK, ITERS=MANY_ITERS, num_warps=NUM_WARPS, enable_fp_fusion=False,
                     )
                 continue
@@ -400,6 +439,8 @@ def adam_update_many(params, grads, exp_avgs, exp_avg_sqs, *, lr: float, beta1: 
             adam_update(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                         weight_decay=weight_decay, step=step, decoupled=decoupled, maximize=maximize,
                         grad_factor=grad_factor, found_inf=found_inf, inplace=True, device_scalars=device_scalars)
+            if copies[i] is not None:  # torch's rounding: the kernel's bits (a skipped step changed nothing)
+                copies[i].copy_(params[i].view_as(copies[i]).to(copy_dtype))
 
 
 def adam_device_scalars(step: torch.Tensor, *, lr: float, beta1: float, beta2: float) -> torch.Tensor:

@@ -330,8 +330,9 @@ def _cast_pack_many(ranges, out: torch.Tensor, scale) -> None:
 @register("cast_pack", reference=cast_pack_reference, jit=(_rounded, _cast_pack_kernel, _cast_pack_many_kernel),
           what="pack pieces into one flat buffer of the collective's dtype, casting; gaps zeroed")
 def cast_pack(parts: list[tuple[torch.Tensor, int]], total: int, dtype: torch.dtype,
-              scale: float | None = None) -> torch.Tensor:
-    """New flat ``total``-element tensor of ``dtype``: each ``(tensor, offset)`` is
+              scale: float | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """New flat ``total``-element tensor of ``dtype`` (or ``out``, written
+    over): each ``(tensor, offset)`` is
     flattened, cast and written at ``offset``; every element not covered is 0.
     ``scale``: each value is multiplied by it in fp32 before the rounding
     (a power of two, e.g. 1/N before a sum over N ranks, changes no bit of
@@ -346,11 +347,14 @@ def cast_pack(parts: list[tuple[torch.Tensor, int]], total: int, dtype: torch.dt
     Without parts the buffer is all zeros (on the CPU).
     """
     live = _check_pack(parts, total, dtype)
+    if out is not None and not (out.dtype == dtype and out.shape == (total,) and out.is_contiguous()):
+        raise ValueError(f"cast_pack out must be a contiguous flat {dtype} tensor of {total} elements, "
+                         f"got {out.dtype} {tuple(out.shape)}")
     if not live:
         device = parts[0][0].device if parts else None
-        return torch.zeros(total, dtype=dtype, device=device)
+        return torch.zeros(total, dtype=dtype, device=device) if out is None else out.zero_()
     device = live[0][0].device
-    out = torch.empty(total, dtype=dtype, device=device)
+    out = torch.empty(total, dtype=dtype, device=device) if out is None else out
     bounds = [0] + [offset for _, offset in live[1:]] + [total]
     ranges = [(t, offset, lo, hi) for (t, offset), lo, hi in zip(live, bounds, bounds[1:])]
     one_by_one = ranges

@@ -370,3 +370,53 @@ def test_adam_many_falls_back_to_one_launch_per_tensor(monkeypatch):
     adam_update_many([many[0]], [g], [many[1]], [many[2]], **ADAM)
     assert all(torch.equal(a, b) for a, b in zip(many, singles))
     assert "no inttoptr here" in multi_tensor.FALLBACK
+
+
+@pytest.mark.parametrize("copy_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("variant", ["plain", "flag-set", "fallback"])
+def test_adam_many_writes_each_parameters_16bit_copy(copy_dtype, variant, monkeypatch):
+    """``copies``: the kernel writes each updated parameter, rounded, into its
+    copy (views of one flat buffer at aligned offsets, one parameter without a
+    copy): the bits of ``param.to(dtype)`` after the update, the buffer's gaps
+    untouched; a skipped step (found_inf) writes no copy either; the
+    per-tensor fallback writes the same bits; the reference agrees."""
+    from stepfx.codegen import multi_tensor
+    from stepfx.codegen.optimizer_kernels import adam_update_many, adam_update_many_reference
+
+    if variant == "fallback":
+        monkeypatch.setattr(multi_tensor, "FALLBACK", "forced by the test")
+    gen = torch.Generator().manual_seed(11)
+    shapes, offsets = [(9,), (41, 3), (4231,), (2049,)], [0, 64, 192, 4480]
+    groups = []
+    for shape in shapes:
+        p, m = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen) * 0.1
+        v, g = torch.rand(shape, generator=gen) * 1e-3, torch.randn(shape, generator=gen).to(torch.bfloat16)
+        groups.append([t.to(DEVICE) for t in (p, g, m, v)])
+    buf = torch.full((6600,), 7.0, dtype=copy_dtype, device=DEVICE)  # 7.0 marks what nobody may write
+    copies = [buf[o:o + torch.Size(s).numel()] for o, s in zip(offsets, shapes)]
+    copies[2] = None
+    hyper = dict(ADAM)
+    if variant == "flag-set":
+        hyper["found_inf"] = torch.tensor(True, device=DEVICE)
+    params, grads, ms, vs = (list(x) for x in zip(*groups))
+    before = [p.clone() for p in params]
+    ref = [[t.clone() for t in grp] for grp in groups]
+    ref_buf = buf.clone()
+    ref_copies = [None if c is None else ref_buf[o:o + c.numel()] for c, o in zip(copies, offsets)]
+    adam_update_many(params, grads, ms, vs, copies=copies, **hyper)
+    adam_update_many_reference(*(list(x) for x in zip(*ref)), copies=ref_copies, **hyper)
+    written = torch.zeros(buf.numel(), dtype=torch.bool, device=DEVICE)
+    for p, p0, c, o, r in zip(params, before, copies, offsets, ref):
+        assert torch.equal(p, p0) == (variant == "flag-set")
+        torch.testing.assert_close(p, r[0], rtol=1e-6, atol=1e-7)
+        if c is None:
+            continue
+        written[o:o + c.numel()] = True
+        expected = p.reshape(-1).to(copy_dtype) if variant != "flag-set" else torch.full_like(c, 7.0)
+        assert torch.equal(c, expected)
+    assert bool((buf[~written] == 7.0).all())  # the gaps and the copy-less parameter's range
+    assert (multi_tensor.FALLBACK is None) == (variant != "fallback")
+    with pytest.raises(ValueError, match="copy #1 must be a contiguous tensor"):
+        adam_update_many(params[:2], grads[:2], ms[:2], vs[:2], copies=[copies[0], buf[:200]], **ADAM)
+    with pytest.raises(ValueError, match="copies must all be bfloat16 or all float16"):
+        adam_update_many(params[:1], grads[:1], ms[:1], vs[:1], copies=[torch.empty(9, device=DEVICE)], **ADAM)
