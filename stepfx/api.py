@@ -129,10 +129,12 @@ class ParallelStep:
         if self._dp is None:
             self.config = _resolve_precision(_resolve_model_sizes(self.config, model))
         optimizer = self._config_optimizer(model, optimizer)
-        if self._model is not None and (model is not self._model or optimizer is not self._optimizer) and self._store.tensors:
-            raise ValueError(
-                f"{self.__name__} holds sharded state of another model/optimizer; use one decorated step per model"
-            )
+        if self._model is not None and (model is not self._model or optimizer is not self._optimizer):
+            if self._store.holds_user_state():
+                raise ValueError(
+                    f"{self.__name__} holds sharded state of another model/optimizer; use one decorated step per model"
+                )
+            self._store.drop_carried()
         self._calls += 1
         if self._dp is None:
             device_type = _device_type(list(model.parameters()) + list(model.buffers()))

@@ -110,6 +110,8 @@ def explain_plan(step, plan) -> str:
     rank = dp.rank if dp is not None else 0
     lines.append(f"config: {getattr(cfg, 'source', '<config>')}    device: {plan.device_type}    world size: {world}    rank: {rank}")
     lines.append(f"replay: {plan.executor.graphs_note}")
+    for note in plan.executor.binding.carried_notes():
+        lines.append(f"carried compute copies: {note}")
     lines.append("")
 
     total = sum(r.seconds for r in plan.records)

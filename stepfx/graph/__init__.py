@@ -4,7 +4,8 @@ Shared by capture (which produces step graphs), passes (which rewrite them)
 and the runtime (which binds and runs them). Imports nothing else of stepfx.
 """
 from .update_rule import UPDATE_RULES_KEY, UpdateRule
-from .signature import RUNTIME_INIT_KEY, STATE_ROLES, Role, Slot, StepSignature, Storage, TensorSpec
+from .signature import (CARRIED_COPIES_KEY, RUNTIME_INIT_KEY, STATE_ROLES, CarriedCopies, Role, Slot, StepSignature,
+                        Storage, TensorSpec)
 from .step_graph import (
     META_DONATED,
     META_GRAD_OF,
@@ -24,6 +25,8 @@ from .printer import format_graph
 from .verify import verify_step_graph
 
 __all__ = [
+    "CARRIED_COPIES_KEY",
+    "CarriedCopies",
     "Role",
     "Slot",
     "Storage",

@@ -23,7 +23,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import TreeSpec
 
-__all__ = ["Role", "Storage", "Slot", "StepSignature", "STATE_ROLES", "RUNTIME_INIT_KEY", "TensorSpec", "hyperparam_tensor"]
+__all__ = ["Role", "Storage", "Slot", "StepSignature", "STATE_ROLES", "RUNTIME_INIT_KEY", "CARRIED_COPIES_KEY",
+           "CarriedCopies", "TensorSpec", "hyperparam_tensor"]
 
 
 class Role(str, enum.Enum):
@@ -48,6 +49,22 @@ STATE_ROLES = frozenset({Role.PARAM, Role.BUFFER, Role.GRAD, Role.OPTIMIZER_STAT
 # StepSignature.extra key: initial values of RUNTIME_STATE slots,
 # ``{name: (python value, torch dtype)}``, made on the parameters' device.
 RUNTIME_INIT_KEY = "runtime_init"
+# StepSignature.extra key: RUNTIME_STATE slots that hold the parameters'
+# 16-bit compute copies across steps, ``{slot key: CarriedCopies}``
+# (``carry_parameter_copies``).
+CARRIED_COPIES_KEY = "carried_copies"
+
+
+@dataclass(frozen=True)
+class CarriedCopies:
+    """A flat ``total``-element buffer of ``dtype`` holding parameter
+    ``names[i]`` rounded at ``offsets[i]`` (zeros between): what
+    ``graph_ops.pack`` makes of them, kept from one step to the next."""
+
+    names: tuple[str, ...]
+    offsets: tuple[int, ...]
+    total: int
+    dtype: Any
 
 
 class Storage(str, enum.Enum):

@@ -13,7 +13,9 @@ bitwise).
 Requires: ``fuse_casts`` ran (large casts are ``graph_ops.cast``). Ensures:
 the conversions fp32 -> bf16/fp16 of contiguous graph inputs (``cast`` or
 aten ``_to_copy``), when there are at least two of one target dtype, are
-one ``graph_ops.pack`` placed where the first of them was, each at an
+one ``graph_ops.pack`` placed where the first of them was (the parameters'
+in one, other inputs' in another: ``carry_parameter_copies`` may keep the
+parameters' between steps), each at an
 offset aligned to ``ALIGN`` elements (128 bytes in bf16: the alignment
 cuBLAS's fastest kernels need), and every former cast is a view of it.
 Matched by op identity; the values are the same bits.
@@ -34,7 +36,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..graph import StepGraph
+from ..graph import Role, StepGraph
 from ..graph.build import clone_step_graph
 from ..graph.layout import ALIGN, align
 from ..graph.ops import dtype_cast
@@ -74,7 +76,10 @@ def batch_parameter_casts(graph: StepGraph, options: PassOptions) -> PassResult:
         found = _conversion(node)
         if found is not None:
             source, dtype = found
-            groups.setdefault((dtype, source.meta["val"].device), []).append(node)
+            # the parameters' copies apart from other inputs' (batch tensors): carry_parameter_copies
+            # keeps a pack of parameters from one step to the next
+            is_param = getattr(source.meta.get("slot"), "role", None) is Role.PARAM
+            groups.setdefault((dtype, source.meta["val"].device, is_param), []).append(node)
     groups = {k: v for k, v in groups.items() if len(v) >= 2}
     if not groups:
         return PassResult(graph, False)
@@ -82,7 +87,7 @@ def batch_parameter_casts(graph: StepGraph, options: PassOptions) -> PassResult:
     g = graph.gm.graph
     by_name = {n.name: n for n in g.nodes}
     done = []
-    for (dtype, _), old_nodes in groups.items():
+    for (dtype, _, _), old_nodes in groups.items():
         casts = [by_name[n.name] for n in old_nodes]
         sources = [c.args[0] for c in casts]
         offsets, at = [], 0

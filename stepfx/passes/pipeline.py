@@ -5,6 +5,7 @@ from __future__ import annotations
 from .batch_optimizer_updates import batch_optimizer_updates
 from .batch_parameter_casts import batch_parameter_casts
 from .batch_sum_squares import batch_sum_squares
+from .carry_parameter_copies import carry_parameter_copies
 from .drop_profiler_nodes import drop_profiler_nodes
 from .eliminate_dead_code import eliminate_dead_code
 from .fold_gradient_casts import fold_gradient_casts
@@ -205,6 +206,13 @@ PIPELINE: tuple[PipelineEntry, ...] = (
         "batch_optimizer_updates",
         batch_optimizer_updates,
         "after fold_gradient_casts (which reads single updates' gradient arguments): hundreds of launches become one",
+        applies=codegen_enabled,
+    ),
+    PipelineEntry(
+        "carry_parameter_copies",
+        carry_parameter_copies,
+        "after batch_parameter_casts (the copies are one pack) and batch_optimizer_updates (the update that "
+        "writes them is one call), when no later pass moves a reader of the copies past it",
         applies=codegen_enabled,
     ),
     PipelineEntry(

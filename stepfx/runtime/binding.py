@@ -27,9 +27,10 @@ from typing import Any, Callable
 import torch
 import torch.utils._pytree as pytree
 
-from ..graph import RUNTIME_INIT_KEY, Role, StepSignature, Storage
+from ..graph import CARRIED_COPIES_KEY, RUNTIME_INIT_KEY, Role, StepSignature, Storage
 from ..graph.layout import LAYOUT_KEY, Sharding
 from ..graph.signature import hyperparam_tensor
+from .carried import CarriedCopy
 
 __all__ = ["ModuleBinding", "RankStore"]
 
@@ -44,12 +45,28 @@ class RankStore:
     def __init__(self):
         self.tensors: dict[tuple, torch.Tensor] = {}
         self.held: dict[tuple, Any] = {}
+        self.carried: dict[tuple, CarriedCopy] = {}  # by slot identity: the carried compute copies' bookkeeping
 
     def __contains__(self, ident) -> bool:
         return ident in self.tensors
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def holds_user_state(self) -> bool:
+        """Whether it holds state of the user's objects (ZeRO pieces, the
+        loss scaler's), not only compute copies it can make again."""
+        return any(ident not in self.carried for ident in self.tensors)
+
+    def drop_carried(self) -> None:
+        """Forget the compute copies (they are of another model's parameters)."""
+        for ident in self.carried:
+            self.tensors.pop(ident, None)
+        self.carried.clear()
+
+
+def _is_carried(slot, carried: dict) -> bool:
+    return slot.role is Role.RUNTIME_STATE and slot.storage is Storage.RANK and slot.key in carried
 
 
 def _owner(model: torch.nn.Module, name: str):
@@ -75,6 +92,10 @@ class ModuleBinding:
         self.store = store if store is not None else RankStore()
         params = dict(model.named_parameters())
         self._params = params
+        # the compute copies this plan carries (plans with the same layout share one)
+        carried = signature.extra.get(CARRIED_COPIES_KEY, {})
+        self._carried = {s.ident: self.store.carried.setdefault(s.ident, CarriedCopy(carried[s.key], [params[n] for n in carried[s.key].names]))
+                         for s in signature.inputs if _is_carried(s, carried)}
         self._readers: list[Callable[[], Any] | None] = []
         self._batch_positions: list[int] = []
         for i, slot in enumerate(signature.inputs):
@@ -91,7 +112,10 @@ class ModuleBinding:
         # the rank keeps all optimizer state of these; under ZeRO-3 their values too
         self._state_owned = [params[p.name] for b, p in sharded if b.shards_state]
         self._params_owned = [params[p.name] for b, p in sharded if b.sharding is Sharding.PARAMETERS]
-        self._whole_scalars = {(s.role, s.name, s.key): s.ident for s in (*signature.inputs, *signature.outputs) if s.storage is Storage.RANK and s.piece is None}
+        self._whole_scalars = {(s.role, s.name, s.key): s.ident for s in (*signature.inputs, *signature.outputs)
+                               if s.storage is Storage.RANK and s.piece is None and s.ident not in self._carried}
+        # the parameters the step writes: their versions are bumped after it, as optimizer.step() does
+        self._stepped_params = [params[s.name] for s in signature.outputs if s.role is Role.PARAM and s.storage is Storage.USER]
         # rank-held gradients an update consumes (read, not written back)
         out_idents = {s.ident for s in signature.outputs}
         self._consumed = [s for s in signature.inputs if s.storage is Storage.RANK and s.role is Role.GRAD and s.ident not in out_idents]
@@ -124,6 +148,15 @@ class ModuleBinding:
 
     def _reader(self, slot, params):
         role = slot.role
+        if slot.ident in self._carried:
+            store, ident, kept = self.store, slot.ident, self._carried[slot.ident]
+
+            def read_carried():
+                value = kept.read(store.tensors.get(ident))
+                store.tensors[ident] = value
+                return value
+
+            return read_carried
         if slot.storage is Storage.RANK:
             source = self._user_tensor(slot, params)
             store, ident, piece = self.store, slot.ident, slot.piece
@@ -226,7 +259,20 @@ class ModuleBinding:
         for p in self._grads_cleared:
             p.grad = None
         self._release_user_copies()
+        if self._stepped_params:
+            torch.autograd.graph.increment_version(self._stepped_params)
+        for c in self._carried.values():
+            c.stepped()
         return self.user_result(user_leaves)
+
+    def failed(self) -> None:
+        """The step failed: carried copies are packed afresh next time."""
+        for c in self._carried.values():
+            c.forget()
+
+    def carried_notes(self) -> list[str]:
+        """What explain() says of the compute copies this plan carries."""
+        return [c.describe() for c in self._carried.values()]
 
     def _release_user_copies(self) -> None:
         """The rank now holds these; the user's objects must not keep stale

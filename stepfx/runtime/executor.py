@@ -55,6 +55,7 @@ class LocalExecutor:
                 else:
                     outputs = self.gm(*inputs)
         except Exception as exc:
+            self.binding.failed()
             raise failed_together(self.dp, exc, self.runs) from exc
         self.runs += 1
         return self.binding.write(outputs)

@@ -267,7 +267,9 @@ def test_parameter_casts_batched_into_one_launch_are_the_same_bits():
     parameter."""
     from stepfx.graph.layout import ALIGN
 
-    (losses, params, nodes), (kept_losses, kept_params, kept_nodes) = _gpt16_with_and_without("batch_parameter_casts")
+    # without carry_parameter_copies, which makes the pack an input of the step
+    (losses, params, nodes), (kept_losses, kept_params, kept_nodes) = [
+        _gpt16("bf16", ("carry_parameter_copies",)), _gpt16("bf16", ("carry_parameter_copies", "batch_parameter_casts"))]
     assert all(torch.equal(a, b) for a, b in zip(losses, kept_losses))
     assert all(torch.equal(a, b) for a, b in zip(params, kept_params))
     model = tiny_gpt()
@@ -544,3 +546,27 @@ def test_residual_adds_fused_into_the_layer_norm_are_the_same_bits():
     assert all(torch.equal(a, b) for a, b in zip(params, kept_params))
     blocks = len(tiny_gpt().blocks)
     assert fused == (2 * blocks, 2 * blocks) and kept == (0, 0)
+
+
+@pytest.mark.xdist_group("gpt16_runs")  # one test process: they share _gpt16's runs
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_parameter_copies_carried_between_steps_are_the_same_bits(precision):
+    """carry_parameter_copies: the step packs no parameter copies; the
+    multi-tensor Adam update writes every parameter's next copy into the
+    buffer the rank keeps; losses and parameters over the 16-bit steps are
+    bitwise those of packing at each step's start."""
+    (losses, params, nodes), (kept_losses, kept_params, kept_nodes) = _gpt16_with_and_without(
+        "carry_parameter_copies", precision)
+    assert all(torch.equal(a, b) for a, b in zip(losses, kept_losses))
+    assert all(torch.equal(a, b) for a, b in zip(params, kept_params))
+
+    def packs(nodes):
+        return [n for n in nodes if getattr(n.target, "__name__", "") == "pack" and n.name.startswith("params16")]
+
+    assert packs(nodes) == [] and len(packs(kept_nodes)) == 1
+    (update,) = [n for n in nodes if getattr(n.target, "__name__", "") == "adam_step_many"]
+    offsets = update.kwargs["copy_offsets"]
+    assert len(offsets) == update.args[0] == len(list(tiny_gpt().parameters())) and min(offsets) >= 0
+    buffer = update.args[-1]
+    assert buffer.op == "placeholder" and buffer.meta["slot"].name == "param_copies"
+    assert len(update.meta[META_DONATED]) == 3 * update.args[0] + 1 and update.meta[META_DONATED][-1] == len(update.args) - 1

@@ -1,0 +1,127 @@
+"""The parameters' 16-bit compute copies, kept from one step to the next.
+
+``carry_parameter_copies`` makes the step read its bf16/fp16 copies of the
+parameters from a buffer the rank keeps, and the optimizer kernel write the
+updated parameters' copies into it; without this, every step begins by
+reading all fp32 parameters to round them again (5.2 GB on the 1.3B GPT).
+The buffer is only right while nothing but the step changed the
+parameters, so before each step :class:`CarriedCopy` compares a token of
+each parameter with the one taken after the last step, and packs the copies
+afresh from the parameters when any differs. What the token sees:
+
+- writes through the parameter or any ``detach()`` of it (``p.mul_()`` under
+  ``no_grad``, ``load_state_dict``, ``torch.nn.init``, in-place collectives):
+  they bump the tensor's version counter;
+- a new tensor put in its place (``p.data = t``, ``module.to()``): its
+  address changes;
+- writes through ``p.data``, which makes a tensor with a version counter of
+  its own (torch's rule): a carried parameter is made a
+  :class:`WatchedParameter`, an ``nn.Parameter`` whose ``data`` attribute
+  counts its uses. Any use of ``.data`` of any watched parameter, read or
+  write, makes every carried copy pack afresh before the next step, so a
+  loop that reads ``p.data`` each step costs the pack it would have saved
+  (``CarriedCopy.repacks`` counts them; explain() shows it).
+- stepfx's own in-place updates: after a step the binding bumps the version
+  of each parameter the step wrote (as ``optimizer.step()`` does), so a
+  carried copy of another plan or another decorated step sees them.
+
+Not seen: writes that bypass torch (a raw pointer from ``data_ptr()``, a
+DLPack export), and parameters of another ``nn.Parameter`` subclass, whose
+class is left alone: their copies are packed every step, as without this.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..graph import CarriedCopies
+
+__all__ = ["CarriedCopy", "WatchedParameter", "watch"]
+
+# uses of ``.data`` of any watched parameter (one shared count: cheap, and conservative)
+_DATA_USES = [0]
+
+
+class WatchedParameter(torch.nn.Parameter):
+    """An ``nn.Parameter`` whose ``.data`` (get or set) is counted: see the
+    module docstring. Everything else is ``nn.Parameter``'s; it pickles and
+    deep-copies as a plain ``nn.Parameter``."""
+
+    @property
+    def data(self):
+        _DATA_USES[0] += 1
+        return torch.nn.Parameter.data.__get__(self)
+
+    @data.setter
+    def data(self, value):
+        _DATA_USES[0] += 1
+        torch.nn.Parameter.data.__set__(self, value)
+
+    def __repr__(self) -> str:
+        shown = torch.nn.Parameter.data.__get__(self).requires_grad_(self.requires_grad)
+        return "Parameter containing:\n" + repr(shown)
+
+    def __deepcopy__(self, memo):
+        if id(self) in memo:
+            return memo[id(self)]
+        data = torch.nn.Parameter.data.__get__(self).clone(memory_format=torch.preserve_format)
+        result = torch.nn.Parameter(data, self.requires_grad)
+        memo[id(self)] = result
+        return result
+
+
+def watch(p: torch.nn.Parameter) -> bool:
+    """Make ``p`` a :class:`WatchedParameter` (same object, class swapped,
+    as ``torch.nn.utils.parametrize`` swaps a module's); False when ``p``
+    is of another subclass, which is left as it is."""
+    if type(p) is torch.nn.Parameter:
+        p.__class__ = WatchedParameter
+    return type(p) is WatchedParameter
+
+
+class CarriedCopy:
+    """One carried buffer of a plan: the parameters it copies, the token
+    taken after the last step that left it right, and how often it was
+    packed afresh."""
+
+    def __init__(self, layout: CarriedCopies, params: list[torch.nn.Parameter]):
+        self.layout = layout
+        self.params = params
+        self.watched = all(watch(p) for p in params)
+        self.token: tuple | None = None
+        self.repacks = 0
+        self.reads = 0
+
+    def _token(self) -> tuple | None:
+        if not self.watched:
+            return None
+        return (_DATA_USES[0], [p._version for p in self.params], [p.data_ptr() for p in self.params])
+
+    def read(self, held: torch.Tensor | None) -> torch.Tensor:
+        """The copies for this step: ``held`` when still right, else packed
+        afresh from the parameters (into ``held``, keeping its address)."""
+        from ..codegen import graph_ops
+
+        self.reads += 1
+        token = self._token()
+        if held is not None and token is not None and token == self.token:
+            return held
+        self.repacks += 1
+        lay = self.layout
+        return graph_ops.pack([p.detach() for p in self.params], list(lay.offsets), lay.total, dtype=lay.dtype,
+                              out=held)
+
+    def stepped(self) -> None:
+        """The step ran: the buffer holds the copies of the parameters as they are now."""
+        self.token = self._token()
+
+    def forget(self) -> None:
+        """The step failed: pack afresh next time."""
+        self.token = None
+
+    def describe(self) -> str:
+        lay = self.layout
+        size = lay.total * lay.dtype.itemsize / 2**20
+        text = f"{len(lay.names)} parameters' {str(lay.dtype).removeprefix('torch.')} copies ({size:.1f} MiB)"
+        if not self.watched:
+            return text + ": packed every step (a parameter is an nn.Parameter subclass stepfx does not watch)"
+        return text + f": packed afresh at {self.repacks} of {self.reads} steps"
