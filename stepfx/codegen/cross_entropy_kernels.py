@@ -20,10 +20,10 @@ The one large temporary is a chunk's logits. The count of non-ignored
 targets is taken once, on the device, and read by the kernel from memory:
 no host synchronization anywhere.
 
-Cost at the reference workload (bf16, d 2048, 4 chunks of 2048 rows): per
-chunk three matmuls of 2 * 2048 * 50304 * 2048 flop (1.27 Tflop, ~1.7 ms
-at ~750 Tflop/s) and the row kernel's <= 3 * 206 MB of traffic (~0.15 ms
-at ~4 TB/s): the matmuls bound it, as they bound the eager version, which
+Cost at the reference workload (bf16, d 2048, one chunk of 8192 rows):
+three matmuls of 2 * 8192 * 50304 * 2048 flop (5.1 Tflop, ~6.7 ms at
+~750 Tflop/s) and the row kernel's <= 3 * 824 MB of traffic (~0.6 ms at
+~4 TB/s): the matmuls bound it, as they bound the eager version, which
 in addition moves the fp32 logits, log-softmax and gradient (GBs) through
 memory.
 """
@@ -44,10 +44,14 @@ __all__ = ["linear_cross_entropy", "linear_cross_entropy_reference", "default_ch
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
-# The chunk's logits buffer: a few hundred MB on a GPU keeps every matmul
-# large (2048 rows x 50304 x 2048 at the reference workload), small on CPU
+# The chunk's logits buffer. On a GPU 1 GiB: the reference workload's 8192
+# rows x 50304 bf16 logits (824 MB) are one chunk, so grad_weight is one
+# matmul, as in eager, instead of a sum of chunk products in an fp32
+# accumulator (412 MB at d 2048, read and written by each chunk's matmul:
+# with 256 MiB chunks the four chunks held 256 + 412 MB and took 8.28 ms on
+# an H200). Several chunks where the rows' logits exceed it. Small on CPU,
 # where only the interpreter runs the kernel.
-_CHUNK_BYTES = {"cuda": 256 << 20, "cpu": 4 << 20}
+_CHUNK_BYTES = {"cuda": 1 << 30, "cpu": 4 << 20}
 # Rows per chunk are a multiple of this (tile-friendly matmul shapes).
 _ROW_QUANTUM = 64
 # Columns per Triton block: a 50304-wide row is 13 blocks per pass.
@@ -180,7 +184,7 @@ def _check(hidden, weight, target, ignore_index, reduction, logits_dtype, chunk_
 
 def default_chunk_rows(n_rows: int, vocab: int, dtype: torch.dtype, device_type: str) -> int:
     """Rows per chunk: the chunk's logits buffer stays under a per-device budget
-    (256 MiB on CUDA, 4 MiB on CPU), rows split evenly between the chunks and
+    (1 GiB on CUDA, 4 MiB on CPU), rows split evenly between the chunks and
     rounded up to a multiple of 64."""
     budget = _CHUNK_BYTES.get(device_type, _CHUNK_BYTES["cuda"])
     most = max(1, budget // (vocab * dtype.itemsize))

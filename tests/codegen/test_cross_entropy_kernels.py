@@ -122,8 +122,11 @@ def test_default_chunks_split_341_rows():
 
 
 def test_default_chunk_rows_gpu_workload():
-    # 8192 x 50304 bf16 logits are 824 MB: four chunks of 2048 rows (206 MB each)
-    assert default_chunk_rows(8192, 50304, torch.bfloat16, "cuda") == 2048
+    # 8192 x 50304 bf16 logits are 824 MB: one chunk (grad_weight in one matmul);
+    # twice the rows: two chunks of 8192 rows; fp32 logits of 8192 rows (1.6 GB): two of 4096
+    assert default_chunk_rows(8192, 50304, torch.bfloat16, "cuda") == 8192
+    assert default_chunk_rows(16384, 50304, torch.bfloat16, "cuda") == 8192
+    assert default_chunk_rows(8192, 50304, torch.float32, "cuda") == 4096
     assert default_chunk_rows(100, 50304, torch.bfloat16, "cuda") == 100
 
 
