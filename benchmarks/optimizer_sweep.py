@@ -15,7 +15,9 @@ shapes (fp32 gradients: it takes no bf16 gradient for fp32 parameters).
 Times are device times (``kernels.graph_ms``: CUDA-graph replays, so
 the host's table lookups are out, as they are in a step the host runs ahead
 of). A geometry is ``BLOCKxITERSxWARPS``. Controls: ``adam_update`` (one tensor) on a flat buffer
-of the same 1.3B elements and on a 64M one. JSON lines to ``$OUT/optimizer_sweep.jsonl``.
+of the same 1.3B elements and on a 64M one; ``adam_update_many`` also writing
+each parameter's bf16 copy (``carry_parameter_copies``), which replaces the
+update plus ``cast_pack`` in the step. JSON lines to ``$OUT/optimizer_sweep.jsonl``.
 """
 from __future__ import annotations
 
@@ -92,6 +94,20 @@ def main() -> None:
                         args.iters, reps=3),
                block=block, iters=iters, warps=warps)
     optimizer_kernels.BLOCK, optimizer_kernels.MANY_ITERS, optimizer_kernels.NUM_WARPS = defaults
+    # the update writing each parameter's bf16 copy too (carry_parameter_copies), at the default geometry:
+    # against the update alone plus cast_pack below, which it replaces in the step
+    offsets, total = [], 0
+    for p in params:
+        offsets.append(total)
+        total = -(-(total + p.numel()) // 64) * 64
+    carried = torch.zeros(total, dtype=torch.bfloat16, device=device)
+    copies = [carried[o:o + p.numel()] for p, o in zip(params, offsets)]
+    multi_tensor.clear_caches()
+    record("adam_update_many bf16 grad + bf16 copies", adam_bytes + n * 2,
+           graph_ms(lambda: optimizer_kernels.adam_update_many(params, grads, exp_avgs, exp_avg_sqs, copies=copies,
+                                                               **hyper), args.iters, reps=3),
+           block=defaults[0], iters=defaults[1], warps=defaults[2])
+    del carried, copies
 
     if not args.no_flat:
         for count in (n, 64 << 20):
@@ -112,10 +128,6 @@ def main() -> None:
                                                              args.iters, reps=3), block=block, iters=iters, warps=warps)
     reduction_kernels.SUM_BLOCK, reduction_kernels.SUM_ITERS, reduction_kernels.NUM_WARPS = 2048, 8, 8
 
-    offsets, total = [], 0
-    for p in params:
-        offsets.append(total)
-        total = -(-(total + p.numel()) // 64) * 64
     parts = [(p, o) for p, o in zip(params, offsets)]
     for block, _iters, warps in _geometries(args.pack):
         reduction_kernels.PACK_BLOCK, reduction_kernels.PACK_WARPS = block, warps

@@ -204,6 +204,7 @@ def run(kind: str, args) -> dict:
     if kind.startswith("stepfx"):
         row["captures"] = len(step.plans)
         row["replay"] = step.plan.executor.graphs_note
+        row["carried"] = step.plan.executor.binding.carried_notes()  # how often the kept bf16 copies were packed again
         if kind.startswith("stepfx-codegen"):
             text = step.explain()
             section = text.split("codegen:", 1)[1].split("\n\n", 1)[0]
