@@ -342,6 +342,23 @@ def bucket_packing_run(stage: int, pack: bool, steps: int = 3) -> dict:
             "adam_step_many": sum(getattr(n.target, "__name__", "") == "adam_step_many" for n in nodes)}
 
 
+def carried_copies_run(carry: bool, steps: int = 4) -> dict:
+    """``steps`` bf16 AdamW steps of the tiny GPT, data-parallel at ZeRO
+    stage 0 with codegen, the parameters' bf16 copies carried between steps
+    (``carry_parameter_copies``) or packed at each step: the losses, the
+    parameters after, and what each rank carried."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = tiny_gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    cfg = {"bf16": {"enabled": True}, "gradient_clipping": 1.0,
+           "stepfx": {"codegen": True, "disable": [] if carry else ["carry_parameter_copies"]}}
+    step = stepfx.parallelize(cfg)(lm_step)
+    losses = [float(step(model, opt, batch)) for (batch,) in token_batches(steps, seed=7 + 1000 * rank)]
+    return {"losses": losses, "params": [p.detach().clone() for p in model.parameters()],
+            "carried": step.plan.executor.binding.carried_notes()}
+
+
 def graphs_run(stage: int, graphs_on: bool, codegen: bool, steps: int = 6, device: str = "cpu", min_segment: int = 1) -> dict:
     """``steps`` AdamW steps (learning rate decayed every step, clipping;
     the second plan captures on call 4 and replays on calls 5-6) of the
