@@ -8,7 +8,7 @@ bf16. Cases: the bias gradients' column sums (2048, 6144 and 8192
 columns); the LayerNorm backward with the residual gradient added; the
 q, k, v gradients' concatenation with the qkv bias gradient (fused or
 apart); the LayerNorm backward with its grad_input's column sum (fused or
-apart); causal
+apart); the LayerNorm forward in fp32 and bf16 (``lnfwd``); causal
 attention forward + backward under each SDPA backend. Each stepfx kernel
 runs at every geometry of its flag (module constants patched for the run);
 every time is device time (``kernels.graph_ms``: CUDA-graph replays; events
@@ -83,6 +83,8 @@ def main() -> None:
                     help="ROWSxBLOCK_NxWARPSxPER_SM")
     ap.add_argument("--ln-bwd", default="4096x16x16,4096x16x32,2048x8x16,2048x8x32,8192x16x16",
                     help="TILExPER_THREADxWARPS_PER_SM")
+    ap.add_argument("--ln-fwd", default="2048x8,2048x4,2048x16,4096x8,4096x16,8192x16,1024x4",
+                    help="TILExPER_THREAD (the forward's _FWD)")
     ap.add_argument("--cat", default="8x256x4x4,8x256x4x2,16x256x8x2,4x512x4x8,8x512x8x4,32x256x8x1",
                     help="ROWSxBLOCK_NxWARPSxITERS")
     ap.add_argument("--best", metavar="JSONL", help="print, for each case of a finished sweep whose stepfx rows carry "
@@ -150,6 +152,20 @@ def main() -> None:
                 record(case, "stepfx fused", 4 * 3 * TOKENS * D, lambda: csk.cat_column_sum(qkv, True),
                        consts={f"column_sum_kernels.{n}": v for n, v in zip(names, geometry)})
         del qkv
+
+    if "lnfwd" in cases:
+        # LayerNorm forward (weight and bias, fp32 statistics) against aten, fp32 and bf16, two widths
+        for dtype, rows_, cols in ((torch.float32, TOKENS, D), (bf16, TOKENS, D), (torch.float32, 2 * TOKENS, D // 2)):
+            x = torch.randn(rows_, cols, device=dev, generator=gen).to(dtype)
+            w, b = (torch.randn(cols, device=dev, generator=gen).to(dtype) for _ in range(2))
+            case = f"layer norm fwd {rows_}x{cols} {str(dtype).removeprefix('torch.')}"
+            nbytes = 2 * x.numel() * x.element_size()
+            record(case, "aten", nbytes, lambda: aten.native_layer_norm(x, [cols], w, b, 1e-5))
+            for tile, per_thread in _ints(args.ln_fwd):
+                with _patched(norm, _FWD=dict(tile=tile, per_thread=per_thread)):
+                    record(case, "stepfx", nbytes, lambda: norm.layer_norm_forward(x, [cols], w, b, 1e-5),
+                           tile=tile, per_thread=per_thread)
+            del x
 
     if "lnsum" in cases:
         # LayerNorm backward + residual gradient, and the column sum of the result (a bias gradient):
