@@ -17,9 +17,9 @@ afresh from the parameters when any differs. What the token sees:
 - writes through ``p.data``, which makes a tensor with a version counter of
   its own (torch's rule): a carried parameter is made a
   :class:`WatchedParameter`, an ``nn.Parameter`` whose ``data`` attribute
-  counts its uses. Any use of ``.data`` of any watched parameter, read or
-  write, makes every carried copy pack afresh before the next step, so a
-  loop that reads ``p.data`` each step costs the pack it would have saved
+  counts its uses. Any use of a carried parameter's ``.data``, read or
+  write, makes its copies pack afresh before the next step, so a loop
+  that reads ``p.data`` each step costs the pack it would have saved
   (``CarriedCopy.repacks`` counts them; explain() shows it).
 - stepfx's own in-place updates: after a step the binding bumps the version
   of each parameter the step wrote (as ``optimizer.step()`` does), so a
@@ -31,30 +31,40 @@ class is left alone: their copies are packed every step, as without this.
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from ..graph import CarriedCopies
 
 __all__ = ["CarriedCopy", "WatchedParameter", "watch"]
 
-# uses of ``.data`` of any watched parameter (one shared count: cheap, and conservative)
-_DATA_USES = [0]
-
-
 class WatchedParameter(torch.nn.Parameter):
-    """An ``nn.Parameter`` whose ``.data`` (get or set) is counted: see the
-    module docstring. Everything else is ``nn.Parameter``'s; it pickles and
-    deep-copies as a plain ``nn.Parameter``."""
+    """An ``nn.Parameter`` whose ``.data`` (get or set) is counted in
+    ``data_uses``: see the module docstring. Everything else is
+    ``nn.Parameter``'s; it pickles and deep-copies as a plain
+    ``nn.Parameter`` (without the count)."""
+
+    data_uses = 0  # per parameter once counted (an instance attribute)
 
     @property
     def data(self):
-        _DATA_USES[0] += 1
+        self.data_uses += 1
         return torch.nn.Parameter.data.__get__(self)
 
     @data.setter
     def data(self, value):
-        _DATA_USES[0] += 1
+        self.data_uses += 1
         torch.nn.Parameter.data.__set__(self, value)
+
+    def _plain(self) -> torch.nn.Parameter:
+        """A plain ``nn.Parameter`` on the same storage, with the same attributes but the count."""
+        plain = torch.nn.Parameter(torch.nn.Parameter.data.__get__(self), self.requires_grad)
+        plain.__dict__.update({k: v for k, v in self.__dict__.items() if k != "data_uses"})
+        return plain
+
+    def __reduce_ex__(self, proto):
+        return self._plain().__reduce_ex__(proto)
 
     def __repr__(self) -> str:
         shown = torch.nn.Parameter.data.__get__(self).requires_grad_(self.requires_grad)
@@ -63,8 +73,7 @@ class WatchedParameter(torch.nn.Parameter):
     def __deepcopy__(self, memo):
         if id(self) in memo:
             return memo[id(self)]
-        data = torch.nn.Parameter.data.__get__(self).clone(memory_format=torch.preserve_format)
-        result = torch.nn.Parameter(data, self.requires_grad)
+        result = copy.deepcopy(self._plain(), memo)
         memo[id(self)] = result
         return result
 
@@ -94,7 +103,8 @@ class CarriedCopy:
     def _token(self) -> tuple | None:
         if not self.watched:
             return None
-        return (_DATA_USES[0], [p._version for p in self.params], [p.data_ptr() for p in self.params])
+        ps = self.params
+        return [p._version for p in ps], [p.data_ptr() for p in ps], [p.data_uses for p in ps]
 
     def read(self, held: torch.Tensor | None) -> torch.Tensor:
         """The copies for this step: ``held`` when still right, else packed
