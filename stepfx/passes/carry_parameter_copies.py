@@ -16,7 +16,12 @@ Applies to a ``pack`` of whole parameters (the user's, not ZeRO pieces)
 when each of them is either updated in place by a multi-tensor Adam update
 (``adam_step_many``) or not written by the step at all (frozen), and every
 reader of the copies runs before the updates that overwrite them. Else
-nothing changes, and the summary says which condition failed.
+nothing changes, and the summary says which condition failed. A step that
+writes none of them (a gradient-accumulation micro-step) reads the carried
+buffer and returns nothing: with the same layout (the same casts in the
+same order, as the micro-steps and the update of one model have) it is
+the update step's buffer, so accumulation neither packs nor holds a
+second copy.
 
 Requires: ``batch_parameter_casts`` and ``batch_optimizer_updates`` ran.
 Ensures: the pack is a RUNTIME_STATE placeholder held by the rank (its
@@ -91,8 +96,8 @@ def _plan(pack: fx.Node, graph: StepGraph, writers, order) -> tuple[dict | None,
         count = update.args[0]
         index = next(i for i in range(count) if update.args[1 + i] is part)
         plan.setdefault(update, {})[index] = offset
-    if not plan:
-        return None, "no parameter in it is updated by a multi-tensor Adam update"
+    if not plan:  # nothing here writes them (a gradient-accumulation micro-step): read-only
+        return plan, ""
     readers = [n for n in graph.gm.graph.nodes if any(storage_root(a) is pack for a in n.all_input_nodes)]
     if any(n.op == "output" for n in readers):
         return None, "the step returns a compute copy"
@@ -160,13 +165,16 @@ def carry_parameter_copies(graph: StepGraph, options: PassOptions) -> PassResult
                 current = make_node(g, operator.getitem, (update, 3 * count), val=buffer.meta["val"], like=update,
                                     name="param_copies_next")
         inputs.append(slot)
+        carried[slot.key] = layout
+        what = (f"{len(parts)} parameters' {str(dtype).removeprefix('torch.')} copies "
+                f"({total * dtype.itemsize / 2**20:.1f} MiB)")
+        if not old_plan:
+            done.append(what + ": read only (this step updates none of them)")
+            continue
         outputs.append(slot)
         returned.append(current)
-        carried[slot.key] = layout
         written = sum(len(p) for p in old_plan.values())
-        done.append(f"{len(parts)} parameters' {str(dtype).removeprefix('torch.')} copies "
-                    f"({total * dtype.itemsize / 2**20:.1f} MiB): {written} written by the Adam update, "
-                    f"{len(parts) - written} not updated")
+        done.append(what + f": {written} written by the Adam update, {len(parts) - written} not updated")
     out.args = (tuple(returned),)
     bind_placeholders(graph.gm, inputs)
     graph = graph.replace(signature=dataclasses.replace(sig, inputs=tuple(inputs), outputs=tuple(outputs),

@@ -152,6 +152,9 @@ class ModuleBinding:
             store, ident, kept = self.store, slot.ident, self._carried[slot.ident]
 
             def read_carried():
+                for other_ident, other in store.carried.items():  # one kept copy of a parameter at a time
+                    if other is not kept and other.overlaps(kept) and store.tensors.pop(other_ident, None) is not None:
+                        other.forget()
                 value = kept.read(store.tensors.get(ident))
                 store.tensors[ident] = value
                 return value

@@ -99,6 +99,12 @@ class CarriedCopy:
         self.token: tuple | None = None
         self.repacks = 0
         self.reads = 0
+        self._ids = frozenset(id(p) for p in params)
+
+    def overlaps(self, other: "CarriedCopy") -> bool:
+        """Whether the two copy some parameter in common (another plan's
+        layout of the same model): the rank keeps one of them at a time."""
+        return not self._ids.isdisjoint(other._ids)
 
     def _token(self) -> tuple | None:
         if not self.watched:

@@ -216,3 +216,64 @@ def test_an_fp16_step_skipped_for_overflow_keeps_the_copies_right():
     assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
     (kept,) = _carried(step)
     assert kept.repacks == 1 and kept.layout.dtype is torch.float16
+
+
+def test_gradient_accumulation_micro_steps_read_the_carried_copies():
+    """Micro-steps that only accumulate read the update step's carried
+    buffer (the same layout: one buffer, not a second copy) instead of
+    packing; bitwise equal to packing at every call."""
+    def run(carry):
+        torch.manual_seed(0)
+        model = MLP((8, 24, 4))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        step = stepfx.parallelize({**_config(carry), "gradient_accumulation_steps": 2})(bf16_step)
+        losses = [step(model, opt, *b) for b in mlp_batches(8)]
+        return losses, [p.detach().clone() for p in model.parameters()], step
+
+    losses, params, step = run(True)
+    ref_losses, ref_params, _ = run(False)
+    assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
+    assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
+    (kept,) = _carried(step)
+    read_only = [p for p in step.plans if any("read only" in r.summary for r in p.records)]
+    assert len(read_only) == 2  # the first micro-step's plan and the later ones' (with optimizer state)
+    # every call but the first update's (which creates the optimizer state out of place) reads it;
+    # packed at the first call and after that update
+    assert kept.reads == 7 and kept.repacks == 2, kept.describe()
+
+
+def test_two_layouts_of_one_model_keep_one_buffer():
+    """Plans whose packs hold different parameters (a frozen gain vector the
+    step uses only when asked) each carry a buffer; reading one drops the
+    others', so the rank keeps one copy of each parameter, and each switch
+    packs afresh: still bitwise equal to packing each call."""
+    def step_fn(model, optimizer, x, y, gained):
+        out = model(x.to(torch.bfloat16))
+        if gained:
+            out = out * model.gain.to(torch.bfloat16)
+        loss = F.cross_entropy(out.float(), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    def run(carry):
+        torch.manual_seed(0)
+        model = MLP((8, 24, 4))
+        model.gain = torch.nn.Parameter(torch.full((4,), 1.5), requires_grad=False)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        step = stepfx.parallelize(_config(carry))(step_fn)
+        losses, held = [], []
+        for i, b in enumerate(mlp_batches(8)):
+            losses.append(step(model, opt, *b, i % 2 == 1))
+            held.append(sum(k[1] == "param_copies" for k in step._store.tensors))
+        return losses, [p.detach().clone() for p in model.parameters()], step, held
+
+    losses, params, step, held = run(True)
+    ref_losses, ref_params, _, _ = run(False)
+    assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
+    assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
+    kept = _carried(step)
+    assert len({c.layout.names for c in kept}) == 2, [c.layout.names for c in kept]
+    assert max(held) == 1
+    assert all(c.repacks == c.reads for c in kept)  # each switch packs afresh
