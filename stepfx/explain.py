@@ -11,7 +11,7 @@ import collections
 
 import torch
 
-from .graph import META_DONATED, META_PHASE, Role, format_graph
+from .graph import CARRIED_COPIES_KEY, META_DONATED, META_PHASE, Role, format_graph
 from .graph.accounting import communication, estimate_memory
 from .graph.layout import LAYOUT_KEY
 from .passes.fuse_optimizer_update import FUSION_REPORT_KEY
@@ -54,6 +54,10 @@ def _zero_section(graph, world: int) -> list[str]:
     lines.append("memory on this rank (predicted):")
     for role in (Role.PARAM, Role.GRAD, Role.OPTIMIZER_STATE, Role.BUFFER):
         lines.append(f"  {role.value + ' at rest':<24} {format_bytes(mem.at_rest.get(role, 0)):>12}")
+    carried = graph.signature.extra.get(CARRIED_COPIES_KEY, {})
+    if carried:  # kept by the rank between steps, beside the parameters
+        size = sum(c.total * c.dtype.itemsize for c in carried.values())
+        lines.append(f"  {'carried copies at rest':<24} {format_bytes(size):>12}  (16-bit parameter copies)")
     lines.append(f"  {'peak during the step':<24} {format_bytes(mem.peak):>12}  (at {mem.peak_node})")
     comm = communication(graph, world)
     if comm:

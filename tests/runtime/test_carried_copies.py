@@ -192,6 +192,7 @@ def test_explain_says_what_is_carried():
     text = step.explain()
     assert "carry_parameter_copies" in text and "carried between steps: 4 parameters' bfloat16 copies" in text
     assert "packed afresh at 1 of 4 steps" in text
+    assert "carried copies at rest" in text  # the buffer the rank keeps between steps
 
 
 def test_an_fp16_step_skipped_for_overflow_keeps_the_copies_right():
