@@ -152,6 +152,7 @@ class ModuleBinding:
             store, ident, kept = self.store, slot.ident, self._carried[slot.ident]
 
             def read_carried():
+                store.carried.setdefault(ident, kept)  # again, if a switch of models dropped it
                 for other_ident, other in store.carried.items():  # one kept copy of a parameter at a time
                     if other is not kept and other.overlaps(kept) and store.tensors.pop(other_ident, None) is not None:
                         other.forget()

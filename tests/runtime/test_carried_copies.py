@@ -278,3 +278,22 @@ def test_two_layouts_of_one_model_keep_one_buffer():
     assert len({c.layout.names for c in kept}) == 2, [c.layout.names for c in kept]
     assert max(held) == 1
     assert all(c.repacks == c.reads for c in kept)  # each switch packs afresh
+
+
+def test_one_step_for_two_models_in_turn():
+    """One decorated step used for two models in turn (allowed when it holds
+    no ZeRO state): each switch drops the other model's copies, and a
+    switch back packs its own again; bitwise equal to packing each call."""
+    def run(carry):
+        torch.manual_seed(0)
+        models = [MLP((8, 24, 4)), MLP((8, 16, 4))]
+        opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+        step = stepfx.parallelize(_config(carry))(bf16_step)
+        losses = [step(models[i % 2], opts[i % 2], *b) for i, b in enumerate(mlp_batches(8))]
+        return losses, [p.detach().clone() for m in models for p in m.parameters()], step
+
+    losses, params, step = run(True)
+    ref_losses, ref_params, _ = run(False)
+    assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
+    assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
+    assert sum(k[1] == "param_copies" for k in step._store.tensors) == 1  # the last model's only
