@@ -14,7 +14,9 @@ what it sees, and what it cannot).
 
 Applies to a ``pack`` of whole parameters (the user's, not ZeRO pieces)
 when each of them is either updated in place by a multi-tensor Adam update
-(``adam_step_many``) or not written by the step at all (frozen), and every
+(``adam_step_many``; a lone in-place ``adam_step``, a param group of one
+tensor, becomes one with a count of 1: the same bits) or not written by
+the step at all (frozen), and every
 reader of the copies runs before the updates that overwrite them. Else
 nothing changes, and the summary says which condition failed. A step that
 writes none of them (a gradient-accumulation micro-step) reads the carried
@@ -89,12 +91,13 @@ def _plan(pack: fx.Node, graph: StepGraph, writers, order) -> tuple[dict | None,
                 return None, f"{slot.name} is updated out of place"
             continue  # not written by this step (frozen): its copy stays right
         update = found[0]
-        if len(found) > 1 or update.target is not graph_ops.adam_step_many:
-            return None, f"{slot.name} is written by {update.name}, not by one multi-tensor Adam update"
+        single = (update.target is graph_ops.adam_step and update.kwargs.get("inplace") and len(update.args) == 10
+                  and update.args[0] is part)
+        if len(found) > 1 or not (update.target is graph_ops.adam_step_many or single):
+            return None, f"{slot.name} is written by {update.name}, not by one in-place Adam update"
         if update.kwargs.get("copy_offsets") is not None:
             return None, f"{update.name} already writes copies"
-        count = update.args[0]
-        index = next(i for i in range(count) if update.args[1 + i] is part)
+        index = 0 if single else next(i for i in range(update.args[0]) if update.args[1 + i] is part)
         plan.setdefault(update, {})[index] = offset
     if not plan:  # nothing here writes them (a gradient-accumulation micro-step): read-only
         return plan, ""
@@ -155,6 +158,11 @@ def carry_parameter_copies(graph: StepGraph, options: PassOptions) -> PassResult
         current = buffer
         for old_update in sorted(old_plan, key=order.__getitem__):
             update = copy_of[old_update]
+            if update.target is graph_ops.adam_step:  # a lone update (a param group of one): the same math, count 1
+                update.target = graph_ops.adam_step_many
+                update.args = (1, *update.args)
+                update.kwargs = {k: v for k, v in update.kwargs.items() if k != "inplace"}
+                update.meta[META_DONATED] = tuple(i + 1 for i in update.meta.get(META_DONATED, ()))
             count = update.args[0]
             where = old_plan[old_update]
             update.args = (*update.args, current)
