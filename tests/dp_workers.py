@@ -344,9 +344,8 @@ def bucket_packing_run(stage: int, pack: bool, steps: int = 3) -> dict:
 
 def carried_copies_run(carry: bool, steps: int = 4) -> dict:
     """``steps`` bf16 AdamW steps of the tiny GPT, data-parallel at ZeRO
-    stage 0 with codegen, the parameters' bf16 copies carried between steps
-    (``carry_parameter_copies``) or packed at each step: the losses, the
-    parameters after, and what each rank carried."""
+    stage 0 with codegen, ``carry_parameter_copies`` on or off: the losses,
+    the parameters after, what each rank carried and the pass's summary."""
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = tiny_gpt()
@@ -355,8 +354,9 @@ def carried_copies_run(carry: bool, steps: int = 4) -> dict:
            "stepfx": {"codegen": True, "disable": [] if carry else ["carry_parameter_copies"]}}
     step = stepfx.parallelize(cfg)(lm_step)
     losses = [float(step(model, opt, batch)) for (batch,) in token_batches(steps, seed=7 + 1000 * rank)]
+    summary = next((r.summary for r in step.plan.records if r.name == "carry_parameter_copies"), "")
     return {"losses": losses, "params": [p.detach().clone() for p in model.parameters()],
-            "carried": step.plan.executor.binding.carried_notes()}
+            "carried": step.plan.executor.binding.carried_notes(), "summary": summary}
 
 
 def graphs_run(stage: int, graphs_on: bool, codegen: bool, steps: int = 6, device: str = "cpu", min_segment: int = 1) -> dict:

@@ -12,6 +12,8 @@ runtime checks before each step that nothing else changed the parameters
 since, packing afresh when something did (``stepfx.runtime.carried`` says
 what it sees, and what it cannot).
 
+Applies on one rank only: between steps, data-parallel jobs may broadcast
+parameters, and c10d's collectives write without bumping version counters.
 Applies to a ``pack`` of whole parameters (the user's, not ZeRO pieces)
 when each of them is either updated in place by a multi-tensor Adam update
 (``adam_step_many``; a lone in-place ``adam_step``, a param group of one
@@ -119,6 +121,11 @@ def carry_parameter_copies(graph: StepGraph, options: PassOptions) -> PassResult
              and n.kwargs.get("scale") is None and n.kwargs.get("out") is None]
     if not packs:
         return PassResult(graph, False)
+    if options.world_size > 1:
+        # c10d's in-place collectives (a broadcast of the parameters between steps, as data-parallel
+        # jobs do to resync) write without bumping version counters: the check could not see them
+        return PassResult(graph, False, "not carried: several ranks (c10d collectives on the parameters between "
+                                        "steps would not be seen)")
     writers = _writers(g0)
     order = {n: i for i, n in enumerate(g0.nodes)}
     plans, refused = [], []

@@ -10,8 +10,8 @@ each parameter with the one taken after the last step, and packs the copies
 afresh from the parameters when any differs. What the token sees:
 
 - writes through the parameter or any ``detach()`` of it (``p.mul_()`` under
-  ``no_grad``, ``load_state_dict``, ``torch.nn.init``, in-place collectives):
-  they bump the tensor's version counter;
+  ``no_grad``, ``load_state_dict``, ``torch.nn.init``): they bump the
+  tensor's version counter;
 - a new tensor put in its place (``p.data = t``, ``module.to()``): its
   address changes;
 - writes through ``p.data``, which makes a tensor with a version counter of
@@ -25,9 +25,12 @@ afresh from the parameters when any differs. What the token sees:
   of each parameter the step wrote (as ``optimizer.step()`` does), so a
   carried copy of another plan or another decorated step sees them.
 
-Not seen: writes that bypass torch (a raw pointer from ``data_ptr()``, a
-DLPack export), and parameters of another ``nn.Parameter`` subclass, whose
-class is left alone: their copies are packed every step, as without this.
+Not seen: writes that bypass torch's version counters (a raw pointer from
+``data_ptr()``, a DLPack export, and c10d's in-place collectives such as
+``dist.broadcast(p)``, measured: none bumps it; hence the pass carries only
+on one rank, where collectives on parameters have no use). Parameters of
+another ``nn.Parameter`` subclass keep their class: their copies are packed
+every step, as without this.
 """
 from __future__ import annotations
 
