@@ -19,6 +19,7 @@ __all__ = [
     "is_op",
     "mutated_arg_indices",
     "is_mutating",
+    "written_args",
     "is_random",
     "is_view",
     "is_collective",
@@ -119,6 +120,14 @@ def mutated_args(node: fx.Node) -> list:
         elif arg.name in node.kwargs:
             out.append(node.kwargs[arg.name])
     return out
+
+
+def written_args(node: fx.Node) -> list:
+    """What ``node`` writes in place: the inputs a fused kernel was donated
+    (``META_DONATED``), and the arguments its schema marks as written (``all_reduce_``)."""
+    from .step_graph import META_DONATED
+
+    return [node.args[i] for i in node.meta.get(META_DONATED, ())] + mutated_args(node)
 
 
 def is_mutating(node: fx.Node) -> bool:

@@ -52,7 +52,7 @@ import torch.fx as fx
 
 from ..graph import CARRIED_COPIES_KEY, META_DONATED, CarriedCopies, Role, Slot, StepGraph, Storage
 from ..graph.build import bind_placeholders, clone_step_graph_mapped
-from ..graph.ops import mutated_args, storage_root
+from ..graph.ops import storage_root, written_args
 from ..graph.step_graph import output_node
 from .collectives import make_node
 from .manager import PassOptions, PassResult
@@ -66,13 +66,10 @@ def _writers(g: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
     """Each node written in place, and the nodes that write it."""
     out: dict[fx.Node, list[fx.Node]] = {}
     for n in g.nodes:
-        if n.op != "call_function":
-            continue
-        for i in n.meta.get(META_DONATED, ()):
-            out.setdefault(n.args[i], []).append(n)
-        for a in mutated_args(n):
-            if isinstance(a, fx.Node):
-                out.setdefault(a, []).append(n)
+        if n.op == "call_function":
+            for a in written_args(n):
+                if isinstance(a, fx.Node):
+                    out.setdefault(a, []).append(n)
     return out
 
 
@@ -118,7 +115,7 @@ def carry_parameter_copies(graph: StepGraph, options: PassOptions) -> PassResult
 
     g0 = graph.gm.graph
     packs = [n for n in g0.nodes if n.op == "call_function" and n.target is graph_ops.pack
-             and n.kwargs.get("scale") is None and n.kwargs.get("out") is None]
+             and n.kwargs.get("scale") is None]
     if not packs:
         return PassResult(graph, False)
     if options.world_size > 1:

@@ -94,8 +94,13 @@ class ModuleBinding:
         self._params = params
         # the compute copies this plan carries (plans with the same layout share one)
         carried = signature.extra.get(CARRIED_COPIES_KEY, {})
-        self._carried = {s.ident: self.store.carried.setdefault(s.ident, CarriedCopy(carried[s.key], [params[n] for n in carried[s.key].names]))
-                         for s in signature.inputs if _is_carried(s, carried)}
+        self._carried = {}
+        for s in signature.inputs:
+            if _is_carried(s, carried):
+                if s.ident not in self.store.carried:
+                    layout = carried[s.key]
+                    self.store.carried[s.ident] = CarriedCopy(layout, [params[n] for n in layout.names])
+                self._carried[s.ident] = self.store.carried[s.ident]
         self._readers: list[Callable[[], Any] | None] = []
         self._batch_positions: list[int] = []
         for i, slot in enumerate(signature.inputs):

@@ -53,8 +53,7 @@ import torch
 import torch.fx as fx
 
 from ..graph import Role
-from ..graph.ops import mutated_args, storage_root
-from ..graph.step_graph import META_DONATED
+from ..graph.ops import storage_root, written_args
 
 __all__ = ["GraphedStep", "PoolHolder", "Segment", "partition", "WARMUP_RUNS", "EMULATE", "NotGraphable"]
 
@@ -101,12 +100,6 @@ def _is_host(val, device_type: str) -> bool:
     return isinstance(val, (torch.SymFloat, torch.SymInt, float, int)) and not isinstance(val, bool)
 
 
-def _written(node: fx.Node) -> list:
-    """What ``node`` writes in place: donated inputs, and the arguments its
-    schema marks as written (``all_reduce_``)."""
-    return [node.args[i] for i in node.meta.get(META_DONATED, ())] + mutated_args(node)
-
-
 def partition(gm: fx.GraphModule, device_type: str) -> list:
     """The program: :class:`Segment` s and eager nodes, in the order they run.
     Raises :class:`NotGraphable` when a collective and its wait would land
@@ -149,7 +142,7 @@ def partition(gm: fx.GraphModule, device_type: str) -> list:
             pending.append(node)
             pending_reads.update(storage_root(a) for a in inputs)
             continue
-        if any(a in eager for a in inputs) or {storage_root(w) for w in _written(node) if isinstance(w, fx.Node)} & pending_reads:
+        if any(a in eager for a in inputs) or {storage_root(w) for w in written_args(node) if isinstance(w, fx.Node)} & pending_reads:
             flush()
         current.append(node)
     flush()
