@@ -27,7 +27,7 @@ from typing import Any
 
 from .errors import ConfigError, bad_value, closest, join
 from .rules import Notes, Rule, auto_not_allowed, handle_unknown, is_auto, parse_fields, spec, validate_fields
-from .values import AUTO, Bool, Float, FrozenMap, Int, ListOf, OneOf, Optional, Str, StrList, freeze
+from .values import AUTO, Bool, Choice, Float, FrozenMap, Int, ListOf, OneOf, Optional, Str, StrList, freeze
 
 DEEPSPEED_OPTIMIZERS = ("adagrad", "adam", "adamw", "lamb", "onebitadam", "onebitlamb", "zerooneadam", "muadam",
                         "muadamw", "musgd", "lion", "muon")
@@ -162,6 +162,14 @@ class StepfxOptions:
         1.3B GPT took 1000 ms on the H200 where the others took ~129).
         Undone (``gc.unfreeze()``) before the next capture, so what was
         dropped meanwhile, an evicted plan included, is collected again.
+    dynamic: symbolic batch dimensions. "auto" (default): a dimension of a
+        batch tensor that changes between calls becomes symbolic and the
+        step is captured once more, for all its sizes (torch.compile's
+        automatic dynamic); true: every batch dimension is symbolic from
+        the first call; false: one captured variant per batch shape.
+    cast_inputs: cast floating-point batch tensors to the compute dtype
+        under bf16/fp16, as the Hugging Face Trainer does for DeepSpeed;
+        None = on when bf16 or fp16 is enabled, false to feed them as given.
     """
 
     codegen: bool | None = spec(None, Optional(Bool()))
@@ -171,6 +179,8 @@ class StepfxOptions:
     verify: bool = spec(True, Bool())
     cuda_graphs: bool | None = spec(None, Optional(Bool()))
     freeze_gc: bool = spec(True, Bool())
+    dynamic: str | bool = spec("auto", OneOf((Choice(("auto",)), Bool())), auto_value=True)
+    cast_inputs: bool | None = spec(None, Optional(Bool()))
 
     def __post_init__(self):
         validate_fields(self, "stepfx")

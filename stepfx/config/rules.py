@@ -96,6 +96,8 @@ def spec(default: Any = dataclasses.MISSING, check: Check | None = None, *, auto
 
     ``auto``: HF transformers / accelerate fill this key, so ``AUTO`` is a
     valid value. ``json``: other spellings DeepSpeed accepts for the key.
+    ``auto_value=True`` (in ``extra``): "auto" is one of the key's own values
+    (stepfx's keys, which HF never fills), handed to the checker as it is.
     """
     metadata = {"check": check, "auto": auto, "json": json, **extra}
     if factory is not dataclasses.MISSING:
@@ -119,8 +121,8 @@ def _coerce(f: dataclasses.Field, value: Any, path: str, pydantic: bool, notes: 
     HF does not fill means DeepSpeed's default (returns ``_DROPPED``);
     elsewhere it is an error.
     """
-    if not is_auto(value):
-        return f.metadata["check"](value, path)
+    if not is_auto(value) or f.metadata.get("auto_value"):
+        return f.metadata["check"]("auto" if value is AUTO else value, path)
     if f.metadata["auto"]:
         return AUTO
     if pydantic:
