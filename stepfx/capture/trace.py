@@ -45,6 +45,8 @@ from ..graph.signature import hyperparam_tensor
 from ..graph.update_rule import UPDATE_RULES_KEY, update_rule_of
 from ..graph.build import bind_placeholders, flatten_codegen, label_params
 from .checks import check_mutations, warn_python_only_reads
+from .host_random import refuse_host_random
+from .raising_checks import RaisingCheck, raising_check
 from .optimizers import check_optimizer, hyperparam_inputs, shared_step_count, state_tensors, trace_overrides
 from .source import innermost_user_frame, user_frame_from_traceback, user_frame_of_caller
 
@@ -313,6 +315,8 @@ class _TraceGuard(compat.dispatch_mode_base()):
             if self.step_value is None:
                 self.step_value = func(*args, **kwargs)
             return self.step_value
+        if func is torch.ops.aten._local_scalar_dense.default and (check := raising_check()) is not None:
+            return _assert_check(args[0], check)
         source = innermost_user_frame()
         if source is not None:
             with compat.annotate_nodes({"source": source}):
@@ -335,6 +339,17 @@ class _TraceGuard(compat.dispatch_mode_base()):
                         hint="register the tensor on the module (register_buffer) or return its new value from the step",
                     )
         return func(*args, **kwargs)
+
+
+def _assert_check(value: torch.Tensor, check: RaisingCheck):
+    """A branch whose one side only raises (raising_checks.py): record
+    that the tensor's truth is the passing one as a run-time assertion, and
+    let Python take the passing side."""
+    with compat.annotate_nodes({"source": check.source}):
+        ok = value if check.passes_when else torch.ops.aten.logical_not.default(value)
+        torch.ops.aten._assert_async.msg(ok, check.message)
+    kind = bool if value.dtype is torch.bool else float if value.is_floating_point() else int
+    return kind(check.passes_when)
 
 
 @contextlib.contextmanager
@@ -486,7 +501,8 @@ def capture_step(
     fake_mode = compat.make_fake_mode()
     fake_args = tuple(_fake_input(fake_mode, v) for v in inputs.values)
 
-    with _CAPTURE_LOCK, _preserved_rng():
+    # host random draws would be baked in as constants: refused (host_random.py)
+    with _CAPTURE_LOCK, _preserved_rng(), refuse_host_random():
         try:
             gm = compat.trace_step_function(traced, fake_args)
         except CaptureError:

@@ -15,6 +15,7 @@ aten = torch.ops.aten
 
 __all__ = [
     "PROFILER_OPS",
+    "ASSERT_OPS",
     "ALIAS_OPS",
     "is_op",
     "mutated_arg_indices",
@@ -40,6 +41,10 @@ PROFILER_OPS = frozenset(
         torch.ops.profiler._record_function_exit._RecordFunction,
     }
 )
+
+# Run-time checks (a batch check the step's code raises on, captured as an
+# assertion): they return nothing, and the step must still fail on a bad batch.
+ASSERT_OPS = frozenset({aten._assert_async.msg, aten._assert_async.default, aten._assert_scalar.default})
 
 # Ops that return their input unchanged in a functional graph run under
 # no_grad: ``detach`` (autograd bookkeeping), ``alias``, and
@@ -221,13 +226,14 @@ def functional_variant(op) -> "torch._ops.OpOverload | None":
 def has_side_effect(node: fx.Node) -> bool:
     """Nodes dead-code elimination must keep even when nothing reads them:
     inputs/outputs, in-place writes, random draws (removing an unread
-    dropout mask would shift every later draw of the RNG stream) and
-    collectives (every rank must issue the same sequence)."""
+    dropout mask would shift every later draw of the RNG stream),
+    collectives (every rank must issue the same sequence) and run-time
+    assertions (a bad batch must still fail the step)."""
     if node.op in ("placeholder", "output"):
         return True
     if node.op != "call_function":
         return False
-    return is_mutating(node) or is_random(node) or is_collective(node)
+    return is_mutating(node) or is_random(node) or is_collective(node) or node.target in ASSERT_OPS
 
 
 def dtype_cast(node: fx.Node) -> "tuple[torch.Tensor, torch.Tensor] | None":
