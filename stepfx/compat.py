@@ -9,6 +9,7 @@ API does not do the job.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Callable, Iterator
 
 import torch
@@ -111,6 +112,47 @@ def data_dependent_errors() -> tuple[type[BaseException], ...]:
 
 
 def unsupported_operator_error() -> type[BaseException]:
+_RNN_LAYER_SCHEMA = (
+    "mkldnn_rnn_layer(Tensor input, Tensor weight0, Tensor weight1, Tensor weight2, Tensor weight3, Tensor hx_, "
+    "Tensor cx_, bool reverse, int[] batch_sizes, int mode, int hidden_size, int num_layers, bool has_biases, "
+    "bool bidirectional, bool batch_first, bool train) -> (Tensor, Tensor, Tensor, Tensor)"
+)
+
+
+@functools.cache
+def _grad_mode_twins() -> tuple[Any, dict]:
+    """Ops whose CPU kernel looks at grad mode, each with a ``stepfx::`` twin
+    that runs it with grad mode on (defined once per process; the Library
+    handed back with the map keeps the definitions alive).
+
+    ``aten.mkldnn_rnn_layer`` (nn.LSTM on CPU through oneDNN) writes the
+    workspace its backward reads only when grad mode is on; a captured step
+    runs under ``no_grad``, where the workspace comes back undefined and the
+    captured ``mkldnn_rnn_layer_backward`` fails. The twin detaches its
+    inputs, so grad mode records nothing; its fake kernel is aten's meta
+    kernel. A ``torch.library.Library`` op costs ~25 us a call over the
+    aten op (``torch.library.custom_op``'s wrapper ~100 us); both are
+    public, the op it wraps is not."""
+    aten = torch.ops.aten
+
+    def rnn_layer(*args):
+        detached = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
+        with torch.enable_grad():
+            return aten.mkldnn_rnn_layer.default(*detached)
+
+    lib = torch.library.Library("stepfx", "FRAGMENT")
+    lib.define(_RNN_LAYER_SCHEMA)
+    lib.impl("mkldnn_rnn_layer", rnn_layer, "CompositeExplicitAutograd")
+    torch.library.register_fake("stepfx::mkldnn_rnn_layer", lambda *args: aten.mkldnn_rnn_layer.default(*args), lib=lib)
+    return lib, {aten.mkldnn_rnn_layer.default: torch.ops.stepfx.mkldnn_rnn_layer.default}
+
+
+def grad_mode_twin(func: Any) -> Any:
+    """The op capture records in place of ``func``: its grad-mode twin
+    (``_grad_mode_twins``) or ``func`` itself."""
+    return _grad_mode_twins()[1].get(func, func)
+
+
     from torch._subclasses.fake_tensor import UnsupportedOperatorException
 
     return UnsupportedOperatorException

@@ -304,6 +304,8 @@ class _TraceGuard(compat.dispatch_mode_base()):
       (cheaper than make_fx's stack traces, which format every frame).
     """
 
+    - Records an op whose kernel needs grad mode (oneDNN's LSTM layer) as
+      its twin that turns grad mode on (``compat.grad_mode_twin``).
     def __init__(self, shared_steps: frozenset[int] = frozenset()):
         super().__init__()
         self.shared_steps = shared_steps
@@ -319,6 +321,7 @@ class _TraceGuard(compat.dispatch_mode_base()):
             return _assert_check(args[0], check)
         source = innermost_user_frame()
         if source is not None:
+        func = compat.grad_mode_twin(func)  # the graph runs under no_grad: see compat._grad_mode_twins
             with compat.annotate_nodes({"source": source}):
                 return self._checked(func, args, kwargs)
         return self._checked(func, args, kwargs)

@@ -59,8 +59,32 @@ def functionalize_graph(graph: StepGraph, options: PassOptions) -> PassResult:
     except _NotLocal as why:
         result, count = _torch_functionalize(graph)
         how = f"torch functionalization ({why}); {count} input writes turned into outputs"
+    strided = _strided_writes(graph)
+    if strided:
+        how += (
+            f"; {strided} wrote a strided view (e.g. an RNN cell's gate chunk) and now make a contiguous tensor: "
+            "elementwise math read from it (sigmoid, tanh) runs in whole vectors where eager ran each row's tail "
+            "scalar, so results can differ from eager in the last bit"
+        )
     label_params(result)
     return PassResult(result, True, how)
+
+
+def _strided_writes(graph: StepGraph) -> int:
+    """In-place ops of the captured graph that write a non-contiguous tensor.
+    Their out-of-place twins return contiguous tensors, so the ops that read
+    the result iterate over it differently: CPU kernels vectorize whole
+    contiguous runs and fall back to scalar code for each run's tail, and
+    the two paths of transcendental functions round differently."""
+    count = 0
+    for node in graph.gm.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        for _, value in _written(node):
+            val = value.meta.get("val") if isinstance(value, fx.Node) else None
+            if isinstance(val, torch.Tensor) and not val.is_contiguous():
+                count += 1
+    return count
 
 
 # -- direct rewrite -------------------------------------------------------------
