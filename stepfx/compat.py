@@ -35,10 +35,45 @@ def make_fake_mode():
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+    _fake_kernel_fixes()
     return FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True, allow_non_fake_inputs=False)
 
 
-def trace_step_function(fn: Callable[..., Any], fake_args: tuple) -> fx.GraphModule:
+@functools.cache
+def _fake_kernel_fixes() -> Any:
+    """Fake kernels torch lacks or gets wrong for CPU, registered once per
+    process through the public ``torch.library.register_fake`` (consulted
+    before an op's meta kernel); the Library handed back keeps them.
+
+    - ``aten._grouped_mm`` (Hugging Face MoE experts, ``grouped_mm``): torch's
+      meta kernel demands bf16, as the CUDA kernel does, but the CPU kernel
+      multiplies any one floating dtype (fp32 included) and returns a
+      contiguous tensor. CPU inputs get that; others keep torch's meta
+      kernel (``torch._meta_registrations.meta_grouped_mm``, private)."""
+    from torch._meta_registrations import meta_grouped_mm
+
+    def grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+        if mat_a.device.type != "cpu":
+            return meta_grouped_mm(mat_a, mat_b, offs=offs, bias=bias, out_dtype=out_dtype)
+        torch._check(mat_a.dtype == mat_b.dtype and mat_a.is_floating_point(),
+                     lambda: f"grouped_mm: expected one floating dtype, got {mat_a.dtype} and {mat_b.dtype}")
+        torch._check(out_dtype is None or out_dtype == mat_a.dtype, lambda: f"grouped_mm: out_dtype {out_dtype} on CPU")
+        if mat_a.dim() == 2 and mat_b.dim() == 2:  # a weight gradient: one product per group
+            size = [offs.size(0), mat_a.size(0), mat_b.size(1)]
+        elif mat_a.dim() == 2:
+            size = [mat_a.size(0), mat_b.size(-1)]
+        elif mat_b.dim() == 2:
+            size = [mat_a.size(1), mat_b.size(1)]
+        else:
+            size = [mat_a.size(0), mat_a.size(1), mat_b.size(-1)]
+        return mat_a.new_empty(size)
+
+    lib = torch.library.Library("aten", "FRAGMENT")
+    torch.library.register_fake("aten::_grouped_mm", grouped_mm, lib=lib)
+    return lib
+
+
+def trace_step_function(fn: Callable[..., Any], fake_args: tuple, decompositions: dict | None = None) -> fx.GraphModule:
     """make_fx ``fn`` over fake args, keeping node metadata annotations
     (``fx.traceback.annotate``; node-meta preservation is not stable API).
     Stack traces are not recorded: capture annotates each op with its user
