@@ -291,9 +291,12 @@ class ParallelStep:
         fp16 = cfg.fp16.enabled is True
         compute = torch.float16 if fp16 else torch.bfloat16 if cfg.bf16.enabled is True else None
         k = cfg.gradient_accumulation_steps if isinstance(cfg.gradient_accumulation_steps, int) else 1
+        # floating batch tensors in the compute dtype, as the Hugging Face Trainer feeds DeepSpeed
+        # (stepfx.cast_inputs; None: whenever bf16/fp16 is on, fp16's own auto_cast included)
+        cast = cfg.stepfx.cast_inputs
         return CaptureOptions(
             compute_dtype=compute,
-            cast_inputs=fp16 and bool(cfg.fp16.auto_cast),
+            cast_inputs=compute is not None and (cast if cast is not None else True),
             loss_scale=fp16,
             grad_accumulation=k,
             accumulate_only=k > 1 and self._micro_steps % k != k - 1,

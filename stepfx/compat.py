@@ -146,7 +146,6 @@ def data_dependent_errors() -> tuple[type[BaseException], ...]:
     return (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException)
 
 
-def unsupported_operator_error() -> type[BaseException]:
 _RNN_LAYER_SCHEMA = (
     "mkldnn_rnn_layer(Tensor input, Tensor weight0, Tensor weight1, Tensor weight2, Tensor weight3, Tensor hx_, "
     "Tensor cx_, bool reverse, int[] batch_sizes, int mode, int hidden_size, int num_layers, bool has_biases, "
@@ -188,6 +187,7 @@ def grad_mode_twin(func: Any) -> Any:
     return _grad_mode_twins()[1].get(func, func)
 
 
+def unsupported_operator_error() -> type[BaseException]:
     from torch._subclasses.fake_tensor import UnsupportedOperatorException
 
     return UnsupportedOperatorException

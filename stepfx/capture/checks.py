@@ -4,7 +4,10 @@
   as a constant (a global, an unregistered module attribute) are refused
   with the op and the user's source line;
 - ``.item()`` values that only Python saw are warned about (they ran once,
-  at capture).
+  at capture);
+- matrix products and convolutions whose operands differ in dtype (an fp32
+  batch tensor meeting bf16 weights) are refused with the user's source
+  line: fake kernels let them through, the real kernels would fail.
 """
 from __future__ import annotations
 
@@ -15,10 +18,10 @@ import torch.fx as fx
 
 from ..errors import CaptureError, CaptureWarning
 from ..graph import META_PHASE, META_SLOT, META_SOURCE, Phase, Role, StepGraph, output_values
-from ..graph.ops import mutated_args
+from ..graph.ops import SAME_DTYPE_OPS, mutated_args
 from ..graph.verify import mutation_base
 
-__all__ = ["check_mutations", "warn_python_only_reads"]
+__all__ = ["check_mutations", "check_operand_dtypes", "warn_python_only_reads"]
 
 
 def warn_python_only_reads(graph: StepGraph) -> None:
@@ -66,3 +69,23 @@ def check_mutations(graph: StepGraph) -> None:
                     source=where,
                     hint="work on a copy (x = x.clone()) or return the new value",
                 )
+
+
+def check_operand_dtypes(graph: StepGraph) -> None:
+    """Matrix products and convolutions (``SAME_DTYPE_OPS``) need operands
+    of one dtype. Under bf16/fp16 a floating batch tensor fed as given
+    (``stepfx.cast_inputs`` false) meets 16-bit weights: refused here, with
+    the user's line, rather than when the compiled step first runs."""
+    for node in graph.gm.graph.nodes:
+        if node.op != "call_function" or node.target not in SAME_DTYPE_OPS:
+            continue
+        vals = [a.meta.get("val") for a in node.args if isinstance(a, fx.Node)]
+        dtypes = sorted({str(v.dtype).replace("torch.", "") for v in vals if isinstance(v, torch.Tensor)})
+        if len(dtypes) > 1:
+            raise CaptureError(
+                f"{node.target} multiplies tensors of different dtypes ({', '.join(dtypes)}); "
+                "the compiled step would fail when it runs",
+                source=node.meta.get(META_SOURCE),
+                hint="under bf16/fp16 leave stepfx.cast_inputs on (floating batch tensors are cast to the compute "
+                "dtype), or cast the tensor in the step (x.to(weight.dtype))",
+            )

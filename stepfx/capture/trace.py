@@ -44,7 +44,7 @@ from ..graph.layout import FROZEN_KEY
 from ..graph.signature import hyperparam_tensor
 from ..graph.update_rule import UPDATE_RULES_KEY, update_rule_of
 from ..graph.build import bind_placeholders, flatten_codegen, label_params
-from .checks import check_mutations, warn_python_only_reads
+from .checks import check_mutations, check_operand_dtypes, warn_python_only_reads
 from .host_random import refuse_host_random
 from .raising_checks import RaisingCheck, raising_check
 from .optimizers import check_optimizer, hyperparam_inputs, shared_step_count, state_tensors, trace_overrides
@@ -302,10 +302,10 @@ class _TraceGuard(compat.dispatch_mode_base()):
       see ``optimizers.shared_step_count``.
     - Records the user's source line of each op in the node annotations
       (cheaper than make_fx's stack traces, which format every frame).
-    """
-
     - Records an op whose kernel needs grad mode (oneDNN's LSTM layer) as
       its twin that turns grad mode on (``compat.grad_mode_twin``).
+    """
+
     def __init__(self, shared_steps: frozenset[int] = frozenset()):
         super().__init__()
         self.shared_steps = shared_steps
@@ -319,9 +319,9 @@ class _TraceGuard(compat.dispatch_mode_base()):
             return self.step_value
         if func is torch.ops.aten._local_scalar_dense.default and (check := raising_check()) is not None:
             return _assert_check(args[0], check)
+        func = compat.grad_mode_twin(func)  # the graph runs under no_grad: see compat._grad_mode_twins
         source = innermost_user_frame()
         if source is not None:
-        func = compat.grad_mode_twin(func)  # the graph runs under no_grad: see compat._grad_mode_twins
             with compat.annotate_nodes({"source": source}):
                 return self._checked(func, args, kwargs)
         return self._checked(func, args, kwargs)
@@ -554,6 +554,7 @@ def capture_step(
     graph = StepGraph(gm=gm, signature=signature, functional=False)
     annotate_step_graph(graph)
     check_mutations(graph)
+    check_operand_dtypes(graph)
     warn_python_only_reads(graph)
     return graph
 

@@ -17,6 +17,7 @@ __all__ = [
     "PROFILER_OPS",
     "ASSERT_OPS",
     "ALIAS_OPS",
+    "SAME_DTYPE_OPS",
     "is_op",
     "mutated_arg_indices",
     "is_mutating",
@@ -50,6 +51,21 @@ ASSERT_OPS = frozenset({aten._assert_async.msg, aten._assert_async.default, aten
 # no_grad: ``detach`` (autograd bookkeeping), ``alias``, and
 # ``lift_fresh_copy`` of a constant nobody mutates.
 ALIAS_OPS = frozenset({aten.detach.default, aten.alias.default, aten.lift_fresh_copy.default})
+
+# Matrix products and convolutions: every tensor operand must have one
+# dtype. Their fake kernels do not check it (the CPU/CUDA kernels do), so a
+# mismatch would first show when the compiled step runs.
+SAME_DTYPE_OPS = frozenset(
+    {
+        aten.mm.default,
+        aten.addmm.default,
+        aten.bmm.default,
+        aten.baddbmm.default,
+        aten.linear.default,
+        aten.convolution.default,
+        aten._convolution.default,
+    }
+)
 
 # Python-level scalar arithmetic that make_fx records for symbolic scalars
 # (learning rate, bias corrections computed from the step counter).

@@ -148,15 +148,21 @@ def _compare_states(step, compiled, ref_model, ref_opt, rtol, atol, normwise=Fal
     return worst_abs, worst_rel
 
 
-def mixed_precision_reference(step_fn: Callable, dtype: torch.dtype) -> Callable:
+def mixed_precision_reference(step_fn: Callable, dtype: torch.dtype, *, cast_inputs: bool = False) -> Callable:
     """The eager step DeepSpeed-style mixed precision stands for: the module
     computes with ``dtype`` copies of its fp32 parameters (differentiable
     casts, so gradients reach the fp32 parameters as fp32), and the
     optimizer updates the fp32 parameters. Use it as the reference of a
-    ``bf16`` step (and of an fp16 step whose loss scale changes nothing)."""
+    ``bf16`` step (and of an fp16 step whose loss scale changes nothing).
+    ``cast_inputs``: floating-point batch tensors are cast to ``dtype``
+    first, as ``stepfx.cast_inputs`` (on by default) does."""
     from stepfx import compat
 
     def reference(model, optimizer, *args, **kwargs):
+        if cast_inputs:
+            args, kwargs = pytree.tree_map(
+                lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x, (args, kwargs)
+            )
         casts = {n: (p.to(dtype) if p.is_floating_point() else p) for n, p in model.named_parameters()}
         with compat.reparametrize_module(model, casts):
             return step_fn(model, optimizer, *args, **kwargs)
