@@ -187,6 +187,23 @@ def grad_mode_twin(func: Any) -> Any:
     return _grad_mode_twins()[1].get(func, func)
 
 
+def op_without_fake_kernel(exc: BaseException) -> Any:
+    """The op a fake-tracing error is about when that op has neither a meta
+    kernel nor a registered fake kernel (``F.ctc_loss``'s ``_ctc_loss.Tensor``):
+    fake mode then reports it as a data-dependent output or an unsupported
+    operator, which would misname the cause. None otherwise."""
+    import torch._library.simple_registry as registry
+
+    op = getattr(exc, "func", None)
+    if not isinstance(op, torch._ops.OpOverload):
+        return None
+    if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "Meta"):
+        return None
+    if registry.singleton.find(op.name()).fake_impl.kernel is not None:
+        return None
+    return op
+
+
 def unsupported_operator_error() -> type[BaseException]:
     from torch._subclasses.fake_tensor import UnsupportedOperatorException
 

@@ -511,6 +511,12 @@ def capture_step(
         except CaptureError:
             raise
         except compat.data_dependent_errors() as exc:
+            if (op := compat.op_without_fake_kernel(exc)) is not None:
+                raise CaptureError(
+                    f"operator {op} has no fake (meta) kernel, so stepfx cannot trace it without running it",
+                    source=user_frame_from_traceback(exc.__traceback__),
+                    hint="compute it outside the step, or register a fake kernel for it (torch.library.register_fake)",
+                ) from exc
             raise CaptureError(
                 "Python code reads a tensor's value (tensor-dependent control flow, .item()/.tolist() used in Python, or a data-dependent shape)",
                 source=user_frame_from_traceback(exc.__traceback__),
