@@ -27,6 +27,8 @@ import torch.utils._pytree as pytree
 from .capture import CaptureOptions, capture_step, collect_inputs
 from .codegen import available as codegen_available
 from .capture.fingerprint import describe_change, fingerprint
+from .capture.initial_state import create_initial_state, drop_state, untouched_state
+from .config.implicit import implicit_defaults
 from .config import AUTO, Config, ConfigError, load_config, resolve_batch_sizes, resolve_zero_auto
 from .errors import ExecutionError, StepfxError
 from .graph import Role, StepGraph, Storage, TensorSpec
@@ -128,6 +130,8 @@ class ParallelStep:
             )
         if self._dp is None:
             self.config = _resolve_precision(_resolve_model_sizes(self.config, model))
+            for note in implicit_defaults(self.config):  # once: the first call
+                log.warning("stepfx: %s: %s", self.__name__, note)
         optimizer = self._config_optimizer(model, optimizer)
         if self._model is not None and (model is not self._model or optimizer is not self._optimizer):
             if self._store.holds_user_state():
@@ -144,12 +148,16 @@ class ParallelStep:
         elif self._dp.active and self._dp.group is None:
             raise ExecutionError(f"{self.__name__}: an earlier step failed and aborted stepfx's data-parallel group; restart the job")
         options = self._capture_options()
+        fresh = self._create_optimizer_state(optimizer)  # before the fingerprint: it includes the state
         key = fingerprint(model, optimizer, args, kwargs, held=self._store.held) + (("capture options", options),)
         plan = self._plans.get(key)
         if plan is None:
             plan = self._compile(key, model, optimizer, args, kwargs, options)
         else:
             self._plans.move_to_end(key)
+        if fresh and not options.accumulate_only and self._drop_unused_state(plan, model, optimizer, fresh):
+            self._calls -= 1  # the same call, captured anew without that state
+            return self(model, optimizer, *args, **kwargs)
         resharded = self._last is not None and plan is not self._last and bool(self._store.tensors) and self._reshard(
             self._last, plan, model, optimizer)
         batch = [x for x in pytree.tree_leaves((tuple(args), dict(kwargs))) if isinstance(x, torch.Tensor)]
@@ -201,6 +209,29 @@ class ParallelStep:
                     "pass that same optimizer on every call"
                 )
         return optimizer
+
+    def _create_optimizer_state(self, optimizer) -> list[torch.Tensor]:
+        """Adam's lazily created state, created before the first capture as
+        its first step would (capture/initial_state.py), so that a run
+        captures once. Not under ZeRO 1-3: there no rank is to hold the whole
+        state, not even for the first call."""
+        if self.config.zero_optimization.stage != 0:
+            return []
+        return create_initial_state(optimizer)
+
+    def _drop_unused_state(self, plan: Plan, model: torch.nn.Module, optimizer, fresh: list[torch.Tensor]) -> bool:
+        """Parameters given state by ``_create_optimizer_state`` that the
+        captured step does not update (the loss does not reach them) would
+        have no state in eager Adam: drop it and the plan that reads it."""
+        names = {id(p): n for n, p in model.named_parameters()}
+        unused = untouched_state(plan.captured, {names[id(p)] for p in fresh if id(p) in names})
+        if not unused:
+            return False
+        drop_state(optimizer, [p for p in fresh if names.get(id(p)) in unused])
+        self._plans.pop(plan.key, None)
+        log.info("stepfx: %s: %d parameter(s) get no gradient (e.g. %s); capturing again without optimizer state for them",
+                 self.__name__, len(unused), sorted(unused)[0])
+        return True
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:

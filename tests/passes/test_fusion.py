@@ -75,11 +75,14 @@ def _run(config, make_opt=None, steps=3):
     return step, model, opt
 
 
-def test_every_update_is_fused_in_place_and_the_first_step_is_not():
+def test_every_update_is_fused_in_place_and_a_state_creating_step_is_not():
     step, model, opt = _run(CODEGEN)
     calls, in_place, report = _fused(step)
     assert calls == 4 and in_place == 4 and report == []
-    first = step.plans[0]  # the step that creates the optimizer state runs its ops once
+    assert len(step.plans) == 1  # Adam's state exists before the first capture: its first step is fused too
+    # SGD's first step creates its momentum buffers (clones of the gradients): that step runs once, unfused
+    sgd, _, _ = _run(CODEGEN, _optimizers()["sgd-nesterov"])
+    first = sgd.plans[0]
     first_report = [r for r in first.graph.signature.extra[FUSION_REPORT_KEY] if r[0] == "fuse_optimizer_update"]
     assert len(first_report) == 4 and all("created in this step" in why for _, _, why in first_report)
     # in place: the module's parameters and the optimizer's state are the same tensors as before the step

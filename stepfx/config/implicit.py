@@ -1,0 +1,33 @@
+"""Defaults that change what training computes, taken without the user asking.
+
+A DeepSpeed config that omits ``gradient_clipping`` clips gradients at
+global norm 1.0 (DeepSpeed's default since #8068): a step that never clipped
+in eager PyTorch clips under stepfx. Said once, at the first call, so that a
+config that meant no clipping can say ``"gradient_clipping": 0``.
+
+Only configs read from JSON or a dict can tell a key left out from a key
+set to its default (``Config.raw`` is what the user wrote); a ``Config``
+built in Python, and ``parallelize()`` with no config (which does not clip),
+say nothing.
+"""
+from __future__ import annotations
+
+from .config import Config
+
+__all__ = ["implicit_defaults"]
+
+
+def implicit_defaults(config: Config) -> list[str]:
+    """One sentence per default in effect that changes the step's math and
+    that the user's config did not set."""
+    if config.source in ("<python>", "<defaults>"):
+        return []
+    notes = []
+    clip = config.gradient_clipping
+    if "gradient_clipping" not in config.raw and isinstance(clip, (int, float)) and clip > 0:
+        notes.append(
+            f"the config does not set gradient_clipping, so gradients are clipped to global norm {clip:g} "
+            '(DeepSpeed\'s default); set "gradient_clipping": 0 to train without clipping, or set it to the '
+            "norm you want to silence this"
+        )
+    return notes
