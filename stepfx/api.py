@@ -25,6 +25,8 @@ import torch
 import torch.utils._pytree as pytree
 
 from .capture import CaptureOptions, capture_step, collect_inputs
+from .capture.dynamic import BatchShapeGuard, changed_dims
+from .capture.trace import batch_slot_name
 from .codegen import available as codegen_available
 from .capture.fingerprint import describe_change, fingerprint
 from .capture.initial_state import create_initial_state, drop_state, untouched_state
@@ -47,6 +49,7 @@ from .runtime import (
     gather_sharded_state,
     preflight,
 )
+from .runtime.distributed import RankMismatchError
 from .schedules import build_scheduler
 
 __all__ = ["parallelize", "ParallelStep", "Plan", "DUMP_ENV"]
@@ -89,6 +92,13 @@ class Plan:
     device_type: str
     runs: int = field(default=0)
     held: dict = field(default_factory=dict)  # what the rank holds instead of the user's objects
+    # symbolic batch sizes (stepfx.dynamic): the fingerprint without batch
+    # sizes this variant serves, and the guard a call's sizes must pass
+    structure: tuple | None = None
+    guard: BatchShapeGuard | None = None
+    batch_shapes: dict = field(default_factory=dict)  # batch slot name -> shape at capture
+    dynamic_dims: dict = field(default_factory=dict)  # batch slot name -> the dims asked to be symbolic
+    last_batch_shapes: list | None = None  # the batch tensors' shapes at the last run (symbolic variants)
 
     @property
     def graph(self) -> StepGraph:
@@ -121,6 +131,7 @@ class ParallelStep:
         self._lr_scheduler: Any = None  # from the config's "scheduler" block
         self._schedule_pending = False  # fp16: advance the scheduler once the last update's overflow flag arrives
         self._graph_pool = PoolHolder()  # the memory pool all of this step's CUDA graphs share
+        self._agreed: set[tuple] = set()  # collective fingerprints every rank's pre-flight agreed on
 
     # -- calling --------------------------------------------------------------
     def __call__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *args, **kwargs) -> Any:
@@ -150,17 +161,22 @@ class ParallelStep:
         options = self._capture_options()
         fresh = self._create_optimizer_state(optimizer)  # before the fingerprint: it includes the state
         key = fingerprint(model, optimizer, args, kwargs, held=self._store.held) + (("capture options", options),)
+        batch = [x for x in pytree.tree_leaves((tuple(args), dict(kwargs))) if isinstance(x, torch.Tensor)]
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._compile(key, model, optimizer, args, kwargs, options)
-        else:
-            self._plans.move_to_end(key)
+            structure = fingerprint(model, optimizer, args, kwargs, held=self._store.held, batch_shapes=False) + (
+                ("capture options", options),)
+            plan = self._fitting_dynamic_plan(structure, batch)
+            if plan is None:
+                dims = self._dynamic_dims(structure, args, kwargs)
+                plan = self._compile(key, model, optimizer, args, kwargs, options, structure=structure,
+                                     dynamic_dims=dims)
+        self._plans.move_to_end(plan.key)
         if fresh and not options.accumulate_only and self._drop_unused_state(plan, model, optimizer, fresh):
             self._calls -= 1  # the same call, captured anew without that state
             return self(model, optimizer, *args, **kwargs)
         resharded = self._last is not None and plan is not self._last and bool(self._store.tensors) and self._reshard(
             self._last, plan, model, optimizer)
-        batch = [x for x in pytree.tree_leaves((tuple(args), dict(kwargs))) if isinstance(x, torch.Tensor)]
         self._check_loss_scale(wait=self._schedule_pending)
         result = plan.executor.run(batch)
         self._micro_steps += 1
@@ -173,6 +189,8 @@ class ParallelStep:
         if plan.runs == 0 or resharded:
             self._store.held.update({k: v for k, v in plan.held.items() if k not in self._store.held})
         plan.runs += 1
+        if plan.guard is not None:
+            plan.last_batch_shapes = [t.shape for t in batch]
         self._last = plan
         self._model, self._optimizer = model, optimizer
         return result
@@ -252,21 +270,74 @@ class ParallelStep:
             self._check_loss_scale(wait=True)
         return self._lr_scheduler
 
-    def _compile(self, key, model, optimizer, args, kwargs, options: CaptureOptions) -> Plan:
+    # -- symbolic batch sizes (stepfx.dynamic) ------------------------------------
+    def _fitting_dynamic_plan(self, structure: tuple, batch: list[torch.Tensor]) -> Plan | None:
+        """A variant captured with symbolic batch sizes whose guard this
+        call's batch passes (the most recently used first)."""
+        for plan in reversed(self._plans.values()):
+            if plan.guard is not None and plan.structure == structure and plan.guard.check(batch):
+                return plan
+        return None
+
+    def _dynamic_dims(self, structure: tuple, args, kwargs) -> dict[str, frozenset[int]]:
+        """Which batch dimensions the capture this call needs makes symbolic.
+
+        ``stepfx.dynamic`` false: none; true: every dimension of every batch
+        tensor; "auto" (torch.compile's automatic dynamic): the dimensions
+        whose size differs between this call and an earlier variant of the
+        same step structure on this rank. A variant already captured with
+        exactly these symbolic dimensions whose guard this call broke means
+        the graph specialized on a size: this call gets a variant of its own
+        sizes, as without symbolic sizes."""
+        mode = self.config.stepfx.dynamic
+        if mode is False:
+            return {}
+        shapes = _batch_shapes(args, kwargs)
+        if mode is True:
+            dims = {name: frozenset(range(len(shape))) for name, shape in shapes.items()}
+        else:
+            dims = {}
+            for plan in self._plans.values():
+                if plan.structure != structure:
+                    continue
+                for name, shape in shapes.items():
+                    old = plan.batch_shapes.get(name)
+                    before = plan.dynamic_dims.get(name, frozenset())
+                    changed = changed_dims(old, shape) if old is not None else frozenset()
+                    dims[name] = dims.get(name, frozenset()) | changed | before
+        dims = {name: d for name, d in dims.items() if d}
+        broken = any(plan.structure == structure and plan.dynamic_dims == dims for plan in self._plans.values())
+        return {} if broken else dims
+
+    def _compile(self, key, model, optimizer, args, kwargs, options: CaptureOptions, *, structure: tuple | None = None,
+                 dynamic_dims: dict | None = None) -> Plan:
         global _GC_FROZEN
         if _GC_FROZEN:  # what was dropped since the last capture becomes collectable again
             gc.unfreeze()
             _GC_FROZEN = False
         if self._last is not None:
             log.info("stepfx: re-capturing %s (call %d): %s", self.__name__, self._calls, describe_change(self._last.key, key))
+        if dynamic_dims:
+            log.info("stepfx: %s: capturing with symbolic batch sizes: %s", self.__name__,
+                     "; ".join(f"{n} dims {sorted(d)}" for n, d in dynamic_dims.items()))
         dp = self._dp
         error: BaseException | None = None
         plan = None
         try:
-            plan = self._build_plan(key, model, optimizer, args, kwargs, options)
+            plan = self._build_plan(key, model, optimizer, args, kwargs, options, dynamic_dims=dynamic_dims)
+            plan.structure, plan.dynamic_dims = structure, dict(dynamic_dims or {})
+            plan.batch_shapes = _batch_shapes(args, kwargs)
+            if plan.guard is not None:  # serves every size its guard admits, not just this call's
+                plan.key = key = structure + (("dynamic", _frozen_dims(dynamic_dims)),)
         except Exception as exc:  # every rank learns of it in the pre-flight
             error = exc
-        preflight(dp, collective_fingerprint(plan.graph) if plan else None, error)
+        collectives = collective_fingerprint(plan.graph) if plan else None
+        if self._local_recapture(key, collectives, error):
+            pass  # the ranks already agreed on these collectives: no exchange (other ranks are not capturing)
+        else:
+            preflight(dp, collectives, error)
+            if collectives is not None:
+                self._agreed.add(tuple(collectives))
         self._plans[key] = plan
         options = self.config.stepfx
         while len(self._plans) > max(1, options.cache_size):
@@ -289,12 +360,35 @@ class ParallelStep:
                 _register_thaw()
         return plan
 
-    def _build_plan(self, key, model, optimizer, args, kwargs, capture: CaptureOptions) -> Plan:
+    def _local_recapture(self, key: tuple, collectives: list[str] | None, error: BaseException | None) -> bool:
+        """Whether this capture happens on this rank alone, so no pre-flight
+        exchange may be started: after the first call, a capture that only
+        this call's batch sizes caused (every rank has its own batch shapes
+        and captures when its own sizes change). Its collectives must be
+        ones the ranks already agreed on; if not (or it failed), this rank
+        cannot tell the others, which are running the step: it aborts
+        stepfx's group, so their collectives fail instead of waiting."""
+        dp = self._dp
+        if not dp.active or self._last is None or not _only_batch_sizes_differ(self._last.key, key):
+            return False
+        if error is None and collectives is not None and tuple(collectives) in self._agreed:
+            return True
+        if error is None:
+            error = RankMismatchError(
+                f"{self.__name__}: rank {dp.rank} captured the step again for new batch sizes, and the new program's "
+                "collectives differ from those the ranks agreed on (they depend on the batch sizes, so ranks must "
+                "bring equal batch shapes): " + describe_change(self._last.key, key))
+        dp.abort()
+        raise error
+
+    def _build_plan(self, key, model, optimizer, args, kwargs, capture: CaptureOptions, *,
+                    dynamic_dims: dict | None = None) -> Plan:
         options = self.config.stepfx
         dp = self._dp
         start = time.perf_counter()
         inputs = collect_inputs(model, optimizer, args, kwargs, held=self._store.held, options=capture)
-        captured = capture_step(self.fn, model, optimizer, args, kwargs, inputs=inputs, options=capture)
+        captured = capture_step(self.fn, model, optimizer, args, kwargs, inputs=inputs, options=capture,
+                                dynamic_dims=dynamic_dims)
         capture_seconds = time.perf_counter() - start
         first = PassRecord(0, "capture", captured, True, capture_seconds, f"{captured.count_ops()} ops captured")
         # the model's own device (under ZeRO-3 its tensors are empty but keep
@@ -313,6 +407,9 @@ class ParallelStep:
                                  graph_pool=self._graph_pool)
         plan = Plan(key, records, executor, capture_seconds, passes_seconds, self._calls, device_type)
         plan.held = _held_specs(captured, final)
+        if dynamic_dims:
+            plan.guard = BatchShapeGuard.of({n.meta["slot"].name: n.meta["val"] for n in captured.gm.graph.nodes
+                                             if n.op == "placeholder" and n.meta["slot"].role is Role.BATCH})
         return plan
 
     def _capture_options(self) -> CaptureOptions:
@@ -617,6 +714,34 @@ def _held_specs(captured: StepGraph, final: StepGraph) -> dict:
         if bucket.sharding is Sharding.PARAMETERS:
             held[(Role.PARAM, p.name, None)] = whole[(Role.PARAM, p.name, None)]
     return held
+
+
+def _batch_shapes(args, kwargs) -> dict[str, tuple[int, ...]]:
+    """Batch slot name (as capture names it) -> shape, for every tensor argument."""
+    leaves, _ = pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))
+    return {batch_slot_name(path): tuple(leaf.shape) for path, leaf in leaves if isinstance(leaf, torch.Tensor)}
+
+
+def _frozen_dims(dims: dict) -> tuple:
+    return tuple(sorted((name, tuple(sorted(d))) for name, d in dims.items()))
+
+
+def _only_batch_sizes_differ(old: tuple, new: tuple) -> bool:
+    """Two plan keys (fingerprints) that differ in nothing but the sizes of
+    argument tensors (and the symbolic dimensions asked for)."""
+    a, b = dict(old), dict(new)
+    if set(a) - {"dynamic"} != set(b) - {"dynamic"}:
+        return False
+    for label, value in a.items():
+        other = b[label] if label in b else None
+        if label == "dynamic" or value == other:
+            continue
+        if not label.startswith("argument ") or not isinstance(value, tuple) or not isinstance(other, tuple):
+            return False
+        # a tensor argument: (shape or ndim, dtype, device, requires_grad)
+        if value[1:] != other[1:]:
+            return False
+    return True
 
 
 def _device_type(values) -> str:

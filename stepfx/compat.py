@@ -69,7 +69,13 @@ def _fake_kernel_fixes() -> Any:
         return mat_a.new_empty(size)
 
     lib = torch.library.Library("aten", "FRAGMENT")
-    torch.library.register_fake("aten::_grouped_mm", grouped_mm, lib=lib)
+    try:
+        torch.library.register_fake("aten::_grouped_mm", grouped_mm, lib=lib)
+    except RuntimeError:
+        # torch 2.11 registers that meta kernel in C++ (TORCH_LIBRARY), which
+        # register_fake refuses to shadow: there CPU fp32 MoE experts keep
+        # torch's bf16-only check (CUDA, where it is right, is unaffected)
+        pass
     return lib
 
 
@@ -77,11 +83,12 @@ def trace_step_function(fn: Callable[..., Any], fake_args: tuple, decompositions
     """make_fx ``fn`` over fake args, keeping node metadata annotations
     (``fx.traceback.annotate``; node-meta preservation is not stable API).
     Stack traces are not recorded: capture annotates each op with its user
-    source line itself, at a fraction of the cost."""
+    source line itself, at a fraction of the cost. ``decompositions``: ops
+    traced as the given Python functions instead."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     with fx_traceback.preserve_node_meta():
-        return make_fx(fn, tracing_mode="fake")(*fake_args)
+        return make_fx(fn, decomposition_table=decompositions, tracing_mode="fake")(*fake_args)
 
 
 def functionalize_graph_module(gm: fx.GraphModule, fake_args: tuple) -> fx.GraphModule:
@@ -321,11 +328,13 @@ def graph_module(root: torch.nn.Module, graph: fx.Graph) -> fx.GraphModule:
 
 
 
-def compile_region(gm: fx.GraphModule) -> Callable[..., Any]:
+def compile_region(gm: fx.GraphModule, dynamic: bool = False) -> Callable[..., Any]:
     """``gm`` (aten ops, positional tensor inputs, a tuple out) compiled by
-    inductor, through the public ``torch.compile``: static shapes, one graph
-    (a region that does not compile whole raises here, not later)."""
-    return torch.compile(gm, backend="inductor", fullgraph=True, dynamic=False)
+    inductor, through the public ``torch.compile``: one graph (a region that
+    does not compile whole raises here, not later); static shapes unless
+    ``dynamic`` (a region of a step with symbolic batch sizes: compiled once
+    for all sizes instead of once per size)."""
+    return torch.compile(gm, backend="inductor", fullgraph=True, dynamic=dynamic)
 
 
 # --------------------------------------------------------------------------
@@ -365,3 +374,123 @@ def patch_triton_language_once() -> None:
 
     interpreter._patch_lang = patch_lang
     interpreter._stepfx_patched_once = True
+
+
+# ---------------------------------------------------------------------------
+# Symbolic batch sizes (stepfx.dynamic)
+# ---------------------------------------------------------------------------
+
+
+def fake_with_symbolic_dims(fake_mode, tensor: torch.Tensor, dims, name: str):
+    """A fake copy of ``tensor`` whose dimensions ``dims`` are symbolic sizes
+    (SymInts of the mode's ShapeEnv, named after ``name`` in guards).
+
+    Why private: ``FakeTensorMode.from_tensor`` with a ``symbolic_context`` is
+    how dynamo and export make dynamic inputs; ``StatelessSymbolicContext``,
+    ``DimDynamic`` and the ``LocalSource`` that names the input in guards are
+    in private modules. Sizes 0 and 1 are specialized by the ShapeEnv (as in
+    torch.compile): such a dimension comes back as a plain int."""
+    from torch._dynamo.source import LocalSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
+
+    sizes = [DimDynamic.DUCK if i in dims else DimDynamic.STATIC for i in range(tensor.dim())]
+    context = StatelessSymbolicContext(dynamic_sizes=sizes)
+    return fake_mode.from_tensor(tensor.detach(), static_shapes=False, source=LocalSource(name),
+                                 symbolic_context=context)
+
+
+def shape_env_of(fake_mode):
+    """The ShapeEnv behind ``fake_mode`` (``FakeTensorMode.shape_env``)."""
+    return fake_mode.shape_env
+
+
+def guard_code(shape_env, placeholders) -> str | None:
+    """One Python expression over ``placeholders``' real counterparts that
+    is true when a call's sizes satisfy every guard the trace recorded
+    (sizes the graph specialized on, equalities between sizes, the ranges
+    symbolic sizes were assumed in), static dimensions included. None when
+    there is nothing to check. Wraps ``ShapeEnv.produce_guards_expression``."""
+    return shape_env.produce_guards_expression(list(placeholders), ignore_static=False)
+
+
+def evaluate_guard_code(shape_env, code: str, args) -> bool:
+    """``guard_code``'s expression evaluated on real tensors
+    (``ShapeEnv.evaluate_guards_expression``)."""
+    return bool(shape_env.evaluate_guards_expression(code, list(args)))
+
+
+class _GuardList(list):
+    """``ShapeEnv.guards`` that notes, as each guard is added, where the
+    user's code was (``where()``)."""
+
+    def __init__(self, items, where: Callable[[], str | None]):
+        super().__init__(items)
+        self.where = where
+        self.sources: dict[int, str | None] = {}
+
+    def append(self, guard) -> None:
+        self.sources[id(guard)] = self.where()
+        super().append(guard)
+
+
+def note_guard_sources(shape_env, where: Callable[[], str | None]) -> None:
+    """From now on, remember ``where()`` (the user's source line) for each
+    guard ``shape_env`` records. ``ShapeEnv.guards`` is a private list that
+    torch appends to when a guard is made; stepfx swaps in a list that
+    notes the caller (torch keeps only its own frame, or dynamo's user
+    stack, which make_fx has not)."""
+    if isinstance(getattr(shape_env, "guards", None), list):
+        shape_env.guards = _GuardList(shape_env.guards, where)
+
+
+def recorded_guards(shape_env) -> list[tuple[str, str | None]]:
+    """``(expression, where)`` of each guard recorded on symbolic sizes,
+    ``where`` being the user's line noted by ``note_guard_sources`` (or
+    torch's own note of the frame)."""
+    out = []
+    guards = getattr(shape_env, "guards", [])
+    sources = getattr(guards, "sources", {})
+    for g in guards:
+        where = sources.get(id(g))
+        sloc = getattr(g, "sloc", None)
+        if where is None and sloc is not None:
+            where = getattr(sloc, "maybe_user_loc", None) or getattr(sloc, "framework_loc", None)
+            where = str(where) if where else None
+        out.append((str(g.expr), where))
+    return out
+
+
+def is_symbolic(value: Any) -> bool:
+    """A SymInt/SymFloat/SymBool that is not a known constant."""
+    from torch.fx.experimental.symbolic_shapes import is_concrete_int
+
+    if isinstance(value, torch.SymInt):
+        return not is_concrete_int(value)
+    return isinstance(value, (torch.SymFloat, torch.SymBool))
+
+
+def size_expr(value: Any):
+    """The sympy expression of a size (an int for a static one).
+    ``SymInt.node.expr`` is private."""
+    if isinstance(value, torch.SymInt):
+        return value.node.expr
+    return int(value)
+
+
+def symbol_values(shape_env, symbols) -> dict:
+    """A value for each symbol, for sizing what a graph holds: the size
+    seen when the step was traced (a backed size's hint), or for a
+    data-dependent size (an unbacked symbol: ``nonzero``'s length) the
+    upper bound torch knows (``ShapeEnv.var_to_range``; None when it has
+    none). ``var_to_val`` and ``var_to_range`` are private."""
+    out = {}
+    backed = getattr(shape_env, "backed_var_to_val", None)  # torch 2.13's name for var_to_val
+    hints = backed if backed is not None else shape_env.var_to_val
+    for sym in symbols:
+        value = hints.get(sym)
+        if value is None:
+            bound = shape_env.var_to_range.get(sym)
+            upper = getattr(bound, "upper", None)
+            value = upper if upper is not None and getattr(upper, "is_finite", False) else None
+        out[sym] = None if value is None else int(value)
+    return out

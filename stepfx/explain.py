@@ -12,7 +12,7 @@ import collections
 import torch
 
 from .graph import CARRIED_COPIES_KEY, META_DONATED, META_PHASE, Role, format_graph
-from .graph.accounting import communication, estimate_memory
+from .graph.accounting import Sizes, communication, estimate_memory, size_values
 from .graph.layout import LAYOUT_KEY
 from .passes.fuse_optimizer_update import FUSION_REPORT_KEY
 
@@ -27,16 +27,22 @@ def format_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-def _value_size(val) -> tuple[int, int]:
+def _value_size(val, sizes: Sizes) -> tuple[int, int]:
     if isinstance(val, torch.Tensor):
-        return val.numel(), val.numel() * val.element_size()
+        nbytes = sizes.value(sizes.bytes_of(val))
+        return nbytes // val.element_size(), nbytes
     return 1, 8
 
 
-def _zero_section(graph, world: int) -> list[str]:
+def _expr(expr) -> str:
+    """A byte count's expression, for a trailing note (empty when static)."""
+    return f"  = {expr} bytes" if expr is not None else ""
+
+
+def _zero_section(graph, world: int, values: dict) -> list[str]:
     layout = graph.signature.extra.get(LAYOUT_KEY)
     lines: list[str] = []
-    mem = estimate_memory(graph)
+    mem = estimate_memory(graph, values)
     if layout is not None:
         kinds = collections.Counter(str(b.sharding) for b in layout.buckets)
         lines.append(
@@ -51,15 +57,17 @@ def _zero_section(graph, world: int) -> list[str]:
             )
         if len(layout.buckets) > 8:
             lines.append(f"  ... {len(layout.buckets) - 8} more buckets")
-    lines.append("memory on this rank (predicted):")
+    lines.append("memory on this rank (predicted" + (", at the last call's sizes" if mem.peak_expr is not None else "") + "):")
     for role in (Role.PARAM, Role.GRAD, Role.OPTIMIZER_STATE, Role.BUFFER):
         lines.append(f"  {role.value + ' at rest':<24} {format_bytes(mem.at_rest.get(role, 0)):>12}")
+    if Role.BATCH in mem.at_rest_expr:
+        lines.append(f"  {'batch':<24} {format_bytes(mem.at_rest[Role.BATCH]):>12}{_expr(mem.at_rest_expr[Role.BATCH])}")
     carried = graph.signature.extra.get(CARRIED_COPIES_KEY, {})
     if carried:  # kept by the rank between steps, beside the parameters
         size = sum(c.total * c.dtype.itemsize for c in carried.values())
         lines.append(f"  {'carried copies at rest':<24} {format_bytes(size):>12}  (16-bit parameter copies)")
-    lines.append(f"  {'peak during the step':<24} {format_bytes(mem.peak):>12}  (at {mem.peak_node})")
-    comm = communication(graph, world)
+    lines.append(f"  {'peak during the step':<24} {format_bytes(mem.peak):>12}  (at {mem.peak_node}){_expr(mem.peak_expr)}")
+    comm = communication(graph, world, values)
     if comm:
         lines.append("communication per step on this rank:")
         by_op: dict[str, list] = collections.defaultdict(lambda: [0, 0, 0.0])
@@ -70,6 +78,23 @@ def _zero_section(graph, world: int) -> list[str]:
             acc[2] += item.sent_bytes
         for op, (count, payload, sent) in sorted(by_op.items()):
             lines.append(f"  {op:<16} x{count:<4} buffers {format_bytes(payload):>12}   sent (ring) {format_bytes(sent):>12}")
+    lines.append("")
+    return lines
+
+
+def _dynamic_section(plan, values: dict) -> list[str]:
+    """Symbolic batch sizes: what is symbolic, what the graph assumed of it
+    (guards), and the sizes the numbers below are evaluated at."""
+    guard = getattr(plan, "guard", None)
+    if guard is None and not values:
+        return []
+    lines = ["symbolic sizes (stepfx.dynamic): this variant runs every batch size its guards admit"
+             if guard is not None else "symbolic sizes (data-dependent):"]
+    if guard is not None:
+        lines.extend(guard.describe())
+    if values:
+        lines.append("  evaluated below at: " + ", ".join(f"{s} = {'?' if v is None else v}"
+                                                        for s, v in sorted(values.items(), key=lambda kv: str(kv[0]))))
     lines.append("")
     return lines
 
@@ -128,6 +153,8 @@ def explain_plan(step, plan) -> str:
             lines.append(f"  {r.label:<32} {r.seconds * 1e3:>7.1f} ms  {what}")
     lines.append("")
 
+    values = size_values(graph, getattr(plan, "last_batch_shapes", None))
+    sizes = Sizes(values)
     lines.append("inputs by role:")
     lines.append(f"  {'role':<16} {'tensors':>8} {'elements':>14} {'bytes':>12}")
     by_role: dict[Role, list[int]] = collections.defaultdict(lambda: [0, 0, 0])
@@ -135,7 +162,7 @@ def explain_plan(step, plan) -> str:
         if node.op != "placeholder":
             continue
         slot = node.meta["slot"]
-        numel, nbytes = _value_size(node.meta.get("val"))
+        numel, nbytes = _value_size(node.meta.get("val"), sizes)
         acc = by_role[slot.role]
         acc[0] += 1
         acc[1] += numel
@@ -148,7 +175,8 @@ def explain_plan(step, plan) -> str:
     lines.append("  outputs: " + ", ".join(f"{n} {role}" for role, n in outs.items()))
     lines.append("")
 
-    lines.extend(_zero_section(graph, world))
+    lines.extend(_dynamic_section(plan, values))
+    lines.extend(_zero_section(graph, world, values))
     lines.extend(_training_section(step))
     lines.extend(_kernels_section(step, graph))
 

@@ -119,6 +119,7 @@ def _outcome(fn) -> dict:
 
 
 def mismatched_batches() -> dict:
+    """Rank r brings a batch of 2 + r sequences (the collectives are the same)."""
     rank = dist.get_rank()
     model = tiny_gpt()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

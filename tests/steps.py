@@ -178,3 +178,39 @@ def config_warmup(optimizer):
     from stepfx.schedules import WarmupLR
 
     return WarmupLR(optimizer, warmup_min_lr=1e-3, warmup_max_lr=1e-2, warmup_num_steps=3)
+
+
+# -- padded variable-length batches (DataCollatorWithPadding + causal LM) -------
+
+
+def padded_step(model, optimizer, batch):
+    """A Hugging Face causal-LM step on a dict batch (input_ids, attention_mask, labels)."""
+    out = model(**batch)
+    out.loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return out.loss
+
+
+def padded_step_bf16_reference(model, optimizer, batch):
+    from stepfx.testing.equivalence import mixed_precision_reference
+
+    return mixed_precision_reference(padded_step, torch.bfloat16)(model, optimizer, batch)
+
+
+def padded_batch(lengths, vocab=64, generator=None):
+    """One batch padded to its longest sequence, as DataCollatorWithPadding
+    pads it (right padding, attention mask 0 there) with causal-LM labels
+    of -100 on the padding."""
+    longest = max(lengths)
+    ids = torch.randint(1, vocab, (len(lengths), longest), generator=generator)
+    mask = (torch.arange(longest)[None, :] < torch.tensor(lengths)[:, None]).long()
+    ids = ids * mask
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def padded_rank_batches(world, steps, batch=2, lo=3, hi=15, seed=0):
+    """``[rank][step]`` padded batches whose lengths differ per rank and step."""
+    g = torch.Generator().manual_seed(seed)
+    return [[(padded_batch(torch.randint(lo, hi + 1, (batch,), generator=g).tolist(), generator=g),)
+             for _ in range(steps)] for _ in range(world)]

@@ -44,6 +44,8 @@ from ..graph.layout import FROZEN_KEY
 from ..graph.signature import hyperparam_tensor
 from ..graph.update_rule import UPDATE_RULES_KEY, update_rule_of
 from ..graph.build import bind_placeholders, flatten_codegen, label_params
+from .decompositions import SYMBOLIC_DECOMPOSITIONS
+from .dynamic import DYNAMIC_KEY
 from .checks import check_mutations, check_operand_dtypes, warn_python_only_reads
 from .host_random import refuse_host_random
 from .raising_checks import RaisingCheck, raising_check
@@ -179,7 +181,7 @@ def collect_inputs(
     for path, leaf in leaves_with_path:
         batch_leaves.append(leaf)
         if isinstance(leaf, torch.Tensor):
-            slots.append(Slot(Role.BATCH, _batch_name(path)))
+            slots.append(Slot(Role.BATCH, batch_slot_name(path)))
             values.append(leaf)
     steps = [(slot.name, v) for slot, v in zip(slots, values) if slot.role is Role.OPTIMIZER_STATE and slot.key == "step"]
     shared = bool(steps) and shared_step_count([v for _, v in steps]) is not None
@@ -187,7 +189,7 @@ def collect_inputs(
     return StepInputs(slots, values, param_names, group_params, batch_spec, batch_leaves, shared, held_here)
 
 
-def _batch_name(path) -> str:
+def batch_slot_name(path) -> str:
     # path[0] selects args (0) or kwargs (1); show it the way the user wrote it
     head, rest = path[0], path[1:]
     where = "args" if getattr(head, "idx", None) == 0 else "kwargs"
@@ -489,6 +491,7 @@ def capture_step(
     kwargs: dict,
     inputs: StepInputs | None = None,
     options: CaptureOptions = CaptureOptions(),
+    dynamic_dims: Mapping[str, frozenset[int]] | None = None,
 ) -> StepGraph:
     """Trace ``fn(model, optimizer, *args, **kwargs)`` into one StepGraph.
 
@@ -496,18 +499,29 @@ def capture_step(
     modules perform (``functional=False``); its outputs are the final values
     of every parameter, buffer, remaining gradient and optimizer state, then
     the leaves of what ``fn`` returned.
+
+    ``dynamic_dims`` (batch slot name -> dimensions) makes those sizes of
+    the batch tensors symbolic (``capture/dynamic.py``); the signature's
+    ``extra[DYNAMIC_KEY]`` records them.
     """
     if inputs is None:
         inputs = collect_inputs(model, optimizer, args, kwargs, options=options)
     rec = _Recorder()
     traced = _make_traced_fn(fn, model, optimizer, inputs, rec, options)
     fake_mode = compat.make_fake_mode()
-    fake_args = tuple(_fake_input(fake_mode, v) for v in inputs.values)
+    dynamic_dims = {k: v for k, v in (dynamic_dims or {}).items() if v}
+    if dynamic_dims:
+        compat.note_guard_sources(compat.shape_env_of(fake_mode), innermost_user_frame)
+    fake_args = tuple(
+        compat.fake_with_symbolic_dims(fake_mode, v, dynamic_dims[slot.name], _symbol_source(slot.name))
+        if slot.role is Role.BATCH and slot.name in dynamic_dims else _fake_input(fake_mode, v)
+        for slot, v in zip(inputs.slots, inputs.values)
+    )
 
     # host random draws would be baked in as constants: refused (host_random.py)
     with _CAPTURE_LOCK, _preserved_rng(), refuse_host_random():
         try:
-            gm = compat.trace_step_function(traced, fake_args)
+            gm = compat.trace_step_function(traced, fake_args, SYMBOLIC_DECOMPOSITIONS if dynamic_dims else None)
         except CaptureError:
             raise
         except compat.data_dependent_errors() as exc:
@@ -551,6 +565,8 @@ def capture_step(
         user_output_constants=tuple(rec.user_constants),
         user_output_from_slot=tuple(rec.user_from_slot),
     )
+    if dynamic_dims:
+        signature.extra[DYNAMIC_KEY] = dict(dynamic_dims)
     signature.extra[FROZEN_KEY] = frozenset(name for name, p in model.named_parameters() if not p.requires_grad)
     if optimizer is not None:
         signature.extra[UPDATE_RULES_KEY] = {
@@ -563,6 +579,11 @@ def capture_step(
     check_operand_dtypes(graph)
     warn_python_only_reads(graph)
     return graph
+
+
+def _symbol_source(name: str) -> str:
+    """A Python identifier for a batch slot (guards name their inputs so)."""
+    return "".join(c if c.isalnum() else "_" for c in name).strip("_") or "batch"
 
 
 def _fake_input(fake_mode, value):

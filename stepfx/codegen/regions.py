@@ -34,10 +34,11 @@ class Region:
     """One region: its fx graph (positional tensor inputs, a tuple of
     outputs) and, once first run, inductor's compiled form."""
 
-    def __init__(self, key: str, gm: fx.GraphModule, ops: tuple[str, ...]):
+    def __init__(self, key: str, gm: fx.GraphModule, ops: tuple[str, ...], dynamic: bool = False):
         self.key = key
         self.gm = gm
         self.ops = ops
+        self.dynamic = dynamic  # cut from a step with symbolic batch sizes: compiled for all sizes
         self._compiled = None
         self._lock = threading.Lock()
         self.failed: str | None = None  # why inductor could not compile it
@@ -55,7 +56,7 @@ class Region:
     def _first_call(self, args) -> tuple:
         """Compile and run; if inductor cannot, the region runs as the ops it
         was made of (the same results, eager speed), logged once."""
-        compiled = compat.compile_region(self.gm)
+        compiled = compat.compile_region(self.gm, dynamic=self.dynamic)
         try:
             out = compiled(*args)
         except Exception as exc:  # inductor's failure is not the user's: keep the step running
@@ -78,5 +79,6 @@ def register_region(gm: fx.GraphModule, inputs: list[Any]) -> str:
     key = f"region_{digest}"
     if key not in REGIONS:
         ops = tuple(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
-        REGIONS[key] = Region(key, gm, ops)
+        dynamic = any(isinstance(s, torch.SymInt) for v in inputs for s in v.shape)
+        REGIONS[key] = Region(key, gm, ops, dynamic)
     return key

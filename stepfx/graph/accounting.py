@@ -13,47 +13,128 @@
 - *Communication*: every collective with its payload and the bytes a rank
   sends under the ring algorithm (all-reduce 2(N-1)/N x payload,
   all-gather and reduce-scatter (N-1)/N x the full buffer).
+- *Symbolic sizes* (``stepfx.dynamic``, data-dependent sizes): counts are
+  expressions in the size symbols (:class:`Sizes`), evaluated at given
+  sizes; the peak is the largest live sum at those sizes.
 """
 from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
+from typing import Any, Mapping
 
+import sympy
 import torch
 import torch.fx as fx
 
+from .. import compat
 from .ops import allocates_nothing, storage_root
 from .signature import Role
 from .step_graph import META_DONATED, StepGraph
 
-__all__ = ["MemoryEstimate", "CommItem", "estimate_memory", "communication"]
+__all__ = ["MemoryEstimate", "CommItem", "Sizes", "estimate_memory", "communication", "size_values"]
 
 c10d = torch.ops._c10d_functional
 
 
-def _nbytes(val) -> int:
-    if isinstance(val, torch.Tensor):
-        return val.numel() * val.element_size()
-    if isinstance(val, (list, tuple)):
-        return sum(_nbytes(v) for v in val)
-    return 0
+class Sizes:
+    """Byte counts of values whose sizes may be symbolic (``stepfx.dynamic``).
+
+    A count is kept as its terms (monomial in the size symbols -> integer
+    coefficient: ``2*s0*s1*128 + 64``), so sums over thousands of nodes stay
+    cheap, and evaluated at ``values`` (symbol -> int: the sizes of the last
+    call, or those seen at capture). ``bytes_of`` gives the terms of a fake
+    value; ``value`` and ``expr`` read them."""
+
+    def __init__(self, values: Mapping | None = None):
+        self.values = dict(values or {})
+        self._monomials: dict = {}
+
+    def bytes_of(self, val) -> collections.Counter:
+        terms: collections.Counter = collections.Counter()
+        if isinstance(val, torch.Tensor):
+            n = val.numel() * val.element_size()
+            if isinstance(n, int):
+                terms[sympy.Integer(1)] += n
+            else:
+                for mono, coeff in sympy.expand(compat.size_expr(n)).as_coefficients_dict().items():
+                    terms[mono] += int(coeff)
+        elif isinstance(val, (list, tuple)):
+            for v in val:
+                terms.update(self.bytes_of(v))
+        return terms
+
+    def value(self, terms: Mapping) -> int:
+        return sum(coeff * self._monomial(mono) for mono, coeff in terms.items() if coeff)
+
+    def _monomial(self, mono) -> int:
+        if mono not in self._monomials:
+            free = {s: self.values.get(s) for s in mono.free_symbols}
+            self._monomials[mono] = int(mono.subs({s: v for s, v in free.items() if v is not None})) \
+                if all(v is not None for v in free.values()) else 0
+        return self._monomials[mono]
+
+    @staticmethod
+    def expr(terms: Mapping):
+        return sympy.Add(*(coeff * mono for mono, coeff in terms.items() if coeff))
+
+    @staticmethod
+    def symbolic(terms: Mapping) -> bool:
+        return any(coeff and mono.free_symbols for mono, coeff in terms.items())
+
+
+def size_values(graph: StepGraph, batch_shapes: list | None = None) -> dict:
+    """Symbol -> value for the graph's symbolic sizes: ``batch_shapes`` (the
+    shapes of a call's batch tensors, in the order of the batch inputs) where
+    given, else the sizes seen at capture; a data-dependent size at the
+    upper bound torch knows for it."""
+    symbols: set = set()
+    shape_env = None
+    for n in graph.gm.graph.nodes:
+        val = n.meta.get("val")
+        for v in (val if isinstance(val, (list, tuple)) else (val,)):
+            if isinstance(v, torch.Tensor) and compat.is_fake(v) and v.fake_mode.shape_env is not None:
+                for size in v.shape:
+                    if isinstance(size, torch.SymInt):
+                        symbols |= compat.size_expr(size).free_symbols
+                        shape_env = v.fake_mode.shape_env
+    if shape_env is None:
+        return {}
+    values = compat.symbol_values(shape_env, symbols)
+    batch = [n.meta.get("val") for n in graph.gm.graph.nodes
+             if n.op == "placeholder" and n.meta["slot"].role is Role.BATCH]
+    for val, shape in zip(batch, batch_shapes or ()):
+        if isinstance(val, torch.Tensor) and len(shape) == val.dim():
+            for size, actual in zip(val.shape, shape):
+                expr = compat.size_expr(size)
+                if isinstance(expr, sympy.Symbol):
+                    values[expr] = int(actual)
+    return values
 
 
 @dataclass
 class MemoryEstimate:
+    """Bytes at the sizes the estimate was evaluated at; with symbolic sizes
+    ``*_expr`` hold the same counts as expressions in the size symbols."""
+
     at_rest: dict[Role, int] = field(default_factory=dict)  # bytes by role of the inputs
     peak: int = 0
     peak_node: str = ""
+    at_rest_expr: dict[Role, Any] = field(default_factory=dict)
+    peak_expr: Any = None
 
     @property
     def resident(self) -> int:
         return sum(self.at_rest.values())
 
 
-def estimate_memory(graph: StepGraph) -> MemoryEstimate:
+def estimate_memory(graph: StepGraph, values: Mapping | None = None) -> MemoryEstimate:
+    """``values``: symbol -> size to evaluate symbolic sizes at
+    (:func:`size_values`; by default the sizes seen at capture)."""
     gm = graph.gm
+    sizes = Sizes(size_values(graph) if values is None else values)
     est = MemoryEstimate()
-    at_rest: dict[Role, int] = collections.defaultdict(int)
+    at_rest: dict[Role, collections.Counter] = collections.defaultdict(collections.Counter)
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     # last position at which each storage is read (through any view of it)
@@ -63,28 +144,37 @@ def estimate_memory(graph: StepGraph) -> MemoryEstimate:
             root = storage_root(arg)
             last_read[root] = max(last_read.get(root, -1), pos[n])
     outputs = {storage_root(v) for v in (nodes[-1].args[0] if nodes and nodes[-1].op == "output" else ()) if isinstance(v, fx.Node)}
-    frees: dict[int, list[int]] = collections.defaultdict(list)
-    live = 0
+    frees: dict[int, list[collections.Counter]] = collections.defaultdict(list)
+    live: collections.Counter = collections.Counter()
+    live_value = 0
+    peak_terms: collections.Counter = collections.Counter()
     for n in nodes:
         if n.op == "placeholder":
-            size = _nbytes(n.meta.get("val"))
-            at_rest[n.meta["slot"].role] += size
-            live += size  # inputs live for the whole step
+            size = sizes.bytes_of(n.meta.get("val"))
+            at_rest[n.meta["slot"].role].update(size)
+            live.update(size)  # inputs live for the whole step
+            live_value += sizes.value(size)
             continue
         if n.op != "call_function":
             continue
         if not allocates_nothing(n):
-            size = _nbytes(n.meta.get("val"))
+            size = sizes.bytes_of(n.meta.get("val"))
             if META_DONATED in n.meta:  # results written into the donated inputs
-                size -= sum(_nbytes(n.args[i].meta.get("val")) for i in n.meta[META_DONATED])
-            live += size
+                for i in n.meta[META_DONATED]:
+                    size.subtract(sizes.bytes_of(n.args[i].meta.get("val")))
+            live.update(size)
+            live_value += sizes.value(size)
             if n not in outputs:
                 frees[last_read.get(n, pos[n])].append(size)
-        if live > est.peak:
-            est.peak, est.peak_node = live, n.name
+        if live_value > est.peak:
+            est.peak, est.peak_node, peak_terms = live_value, n.name, +live
         for size in frees.pop(pos[n], ()):
-            live -= size
-    est.at_rest = dict(at_rest)
+            live.subtract(size)
+            live_value -= sizes.value(size)
+    est.at_rest = {role: sizes.value(terms) for role, terms in at_rest.items()}
+    if any(Sizes.symbolic(t) for t in at_rest.values()) or Sizes.symbolic(peak_terms):
+        est.at_rest_expr = {role: Sizes.expr(terms) for role, terms in at_rest.items()}
+        est.peak_expr = Sizes.expr(peak_terms)
     return est
 
 
@@ -94,20 +184,26 @@ class CommItem:
     node: str
     payload_bytes: int  # the buffer a rank hands to the collective
     sent_bytes: float  # what a rank sends with the ring algorithm
+    payload_expr: Any = None  # the payload as an expression in the size symbols, where it is symbolic
 
 
-def communication(graph: StepGraph, world_size: int) -> list[CommItem]:
+def communication(graph: StepGraph, world_size: int, values: Mapping | None = None) -> list[CommItem]:
+    """Every collective's payload and ring traffic; symbolic payloads are
+    evaluated at ``values`` (as :func:`estimate_memory`)."""
     items = []
     n = max(world_size, 1)
+    sizes = Sizes(size_values(graph) if values is None else values)
     for node in graph.gm.graph.nodes:
         if node.op != "call_function":
             continue
         inp = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], fx.Node) else None
-        size = _nbytes(inp)
+        terms = sizes.bytes_of(inp)
+        size = sizes.value(terms)
+        expr = Sizes.expr(terms) if Sizes.symbolic(terms) else None
         if node.target in (c10d.all_reduce.default, c10d.all_reduce_.default):
-            items.append(CommItem("all_reduce", node.name, size, 2 * (n - 1) / n * size))
+            items.append(CommItem("all_reduce", node.name, size, 2 * (n - 1) / n * size, expr))
         elif node.target is c10d.reduce_scatter_tensor.default:
-            items.append(CommItem("reduce_scatter", node.name, size, (n - 1) / n * size))
+            items.append(CommItem("reduce_scatter", node.name, size, (n - 1) / n * size, expr))
         elif node.target is c10d.all_gather_into_tensor.default:
-            items.append(CommItem("all_gather", node.name, size, (n - 1) * size))
+            items.append(CommItem("all_gather", node.name, size, (n - 1) * size, expr))
     return items

@@ -22,6 +22,7 @@ from .fuse_optimizer_update import fuse_optimizer_update
 from .fuse_sum_squares import fuse_sum_squares
 from .manager import PipelineEntry
 from .prune_unchanged_outputs import prune_unchanged_outputs
+from .hoist_symbolic_sizes import hoist_symbolic_sizes
 from .hold_accumulated_gradients import accumulation_steps, hold_accumulated_gradients
 from .place_gradients_early import place_gradients_early
 from .plan_zero_layout import plan_zero_layout, zero_settings
@@ -79,6 +80,12 @@ PIPELINE: tuple[PipelineEntry, ...] = (
         "eliminate_dead_code",
         eliminate_dead_code,
         "after the cleanups: they leave unused nodes behind; ZeRO needs the real set of updated parameters",
+    ),
+    PipelineEntry(
+        "hoist_symbolic_sizes",
+        hoist_symbolic_sizes,
+        "symbolic batch sizes, once the graph is functional and clean: later passes and the memory plan see "
+        "size reads of batch inputs only, not extra readers of activations",
     ),
     PipelineEntry(
         "hold_accumulated_gradients",
@@ -156,7 +163,7 @@ PIPELINE: tuple[PipelineEntry, ...] = (
     PipelineEntry(
         "fuse_sum_squares",
         fuse_sum_squares,
-        "codegen, after unscale_clip_gradients made the per-gradient sums of squares",
+        "codegen, after unscale_clip_gradients made the norm (sums of squares, or torch's order that it turns into sums over 16-bit gradients)",
         applies=codegen_enabled,
     ),
     PipelineEntry(

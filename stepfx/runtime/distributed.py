@@ -9,7 +9,9 @@ and failing together.
   touching the user's default group.
 - Pre-flight: before a rank first runs a compiled step, all ranks exchange
   whether they compiled at all and a fingerprint of what they will run
-  (the sequence of collectives and the batch shapes). Any difference makes
+  (the state they hold and the sequence of collectives; batch shapes may
+  differ). A later capture that only a rank's own batch sizes caused runs
+  without an exchange when its collectives are ones already agreed on. Any difference makes
   every rank raise an error that says what differs — no rank is left
   waiting in a collective that another rank will never issue.
 - A rank whose step fails mid-way aborts stepfx's group: the other ranks'
@@ -28,7 +30,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from ..errors import ExecutionError, StepfxError
-from ..graph import Role, StepGraph
+from ..graph import Role, StepGraph, Storage
 from ..graph.ops import is_collective
 
 __all__ = ["DataParallel", "data_parallel", "collective_fingerprint", "preflight", "RankMismatchError"]
@@ -105,20 +107,32 @@ _GROUPS: dict[tuple, Any] = {}
 
 
 def collective_fingerprint(graph: StepGraph) -> list[str]:
-    """What every rank must agree on: each collective (op, input shape and
-    dtype, arguments other than the group) in graph order, and the batch
-    inputs' shapes and dtypes."""
+    """What every rank must agree on: the step's inputs read from the user's
+    objects other than the batch (parameters, buffers, state: roles, names,
+    shapes and dtypes) and
+    each collective (op, input shape and dtype, arguments other than the
+    group) in graph order. Batch shapes may differ between ranks (each rank
+    pads its own batch); the collectives they feed may not."""
     items = []
     for node in graph.gm.graph.nodes:
-        if node.op == "placeholder" and node.meta["slot"].role is Role.BATCH:
-            val = node.meta["val"]
-            items.append(f"batch {node.meta['slot'].name}: {tuple(val.shape)} {val.dtype}")
+        if node.op == "placeholder":
+            slot, val = node.meta["slot"], node.meta.get("val")
+            # what a rank holds itself (ZeRO pieces, state of parameters it updates) is its own;
+            # what it reads from the user's objects is everyone's
+            if slot.role is not Role.BATCH and slot.storage is Storage.USER and isinstance(val, torch.Tensor):
+                items.append(f"{slot.describe()}: {_shape(val)} {val.dtype}")
         elif node.op == "call_function" and is_collective(node) and node.target is not torch.ops._c10d_functional.wait_tensor.default:
             val = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
-            shape = tuple(val.shape) if val is not None else "?"
+            shape = _shape(val) if val is not None else "?"
             others = [a for a in node.args[1:] if not isinstance(a, str) or a in ("sum", "avg", "max", "min")]
             items.append(f"{node.target}{shape} {getattr(val, 'dtype', '')} {others}")
     return items
+
+
+def _shape(val: torch.Tensor) -> tuple:
+    """A shape as ranks can compare it: symbolic sizes (named per rank, in
+    the order each rank's trace made them) all read ``sym``."""
+    return tuple(s if isinstance(s, int) else "sym" for s in val.shape)
 
 
 def preflight(dp: DataParallel, fingerprint: list[str] | None, error: BaseException | None) -> None:
@@ -152,7 +166,7 @@ def preflight(dp: DataParallel, fingerprint: list[str] | None, error: BaseExcept
 
 def _describe_mismatch(everyone: list[dict], me: int) -> str:
     ref = everyone[0]["fingerprint"]
-    lines = ["ranks compiled different steps; every rank must run the same program (same model, same batch shapes):"]
+    lines = ["ranks compiled different steps; every rank must run the same program (same model, optimizer and collectives):"]
     for e in everyone[1:]:
         other = e["fingerprint"]
         for i in range(max(len(ref), len(other))):

@@ -214,6 +214,11 @@ class GraphedStep:
     """Capture and replay one plan's graph (see the module docstring)."""
 
     def __init__(self, gm: fx.GraphModule, device_type: str, signature, pool: PoolHolder | None = None):
+        symbolic = [n.name for n in gm.graph.nodes if n.op == "placeholder"
+                    and any(isinstance(s, torch.SymInt) for s in getattr(n.meta.get("val"), "shape", ()))]
+        if symbolic:  # a CUDA graph replays the sizes it was recorded at
+            raise NotGraphable(f"the batch sizes are symbolic ({symbolic[0]}; stepfx.dynamic): a CUDA graph replays "
+                               "one size; set stepfx.dynamic false for a graph per size")
         self.gm = gm
         self.pool = pool if pool is not None else PoolHolder()
         self.device_type = device_type

@@ -280,3 +280,38 @@ def test_cuda_graph_replay_under_zero_with_nccl(rank_pool, stage, codegen):
         assert a["losses"] == pytest.approx(b["losses"], rel=1e-6, abs=0)
         worst = max((p - q).abs().max().item() / max(q.abs().max().item(), 1e-30) for p, q in zip(a["params"], b["params"]))
         assert worst <= 1e-6, worst
+
+
+def _gpt_small_cuda():
+    from stepfx.testing.models import GPT, gpt_config
+
+    return GPT(gpt_config("small")).cuda()
+
+
+@pytest.mark.gpu
+@gpu
+def test_symbolic_lengths_with_compiled_kernels_equal_one_capture_per_length():
+    """stepfx.dynamic with codegen on CUDA (Triton compiled, sizes as kernel
+    arguments): a step captured once with symbolic lengths computes what a
+    capture per length computes, bitwise, at lengths it never saw at capture
+    (odd ones included), with the chunked linear + cross-entropy fused in both."""
+    from stepfx.explain import kernel_calls
+
+    g = torch.Generator().manual_seed(0)
+    seqs = [33, 64, 17, 41, 63, 9, 50]
+    batches = [torch.randint(0, 256, (3, t + 1), generator=g).cuda() for t in seqs]
+    runs = {}
+    for dynamic in (False, True):
+        torch.manual_seed(0)
+        model = _gpt_small_cuda()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+        step = stepfx.parallelize({**CODEGEN, "bf16": {"enabled": True}, "stepfx": {"codegen": True, "dynamic": dynamic}})(lm_step)
+        losses = [step(model, opt, b).float().item() for b in batches]
+        runs[dynamic] = (losses, [p.detach().clone() for p in model.parameters()], len(step.plans),
+                         kernel_calls(step.plan.graph))
+    (l0, p0, n0, k0), (l1, p1, n1, k1) = runs[False], runs[True]
+    print(f"\nstatic captures {n0}, symbolic {n1}; kernels {dict(k1)}")
+    assert n1 <= 2 and n0 == len(set(seqs))
+    assert k1 == k0 and k1["linear_cross_entropy"] == 1
+    assert l0 == l1
+    assert all(torch.equal(a, b) for a, b in zip(p0, p1))

@@ -129,10 +129,11 @@ def test_rank_state_matches_the_zero_formula(rank_pool, stage):
     assert sum(h["state_elements"] for h in held) == full["state_elements"]
 
 
-def test_preflight_catches_different_batch_shapes(rank_pool):
+def test_ranks_may_bring_different_batch_shapes(rank_pool):
+    # every collective is the same on both ranks: the pre-flight lets them run
+    # (tests/runtime/test_dynamic_shapes.py checks what they compute)
     results = rank_pool(2).run(W.mismatched_batches)
-    assert all(r["error"] == "RankMismatchError" for r in results)
-    assert "batch args[0]: (2, 9)" in results[0]["message"] and "(3, 9)" in results[0]["message"]
+    assert [r["error"] for r in results] == [None, None], results
 
 
 def test_preflight_catches_different_models(rank_pool):
