@@ -284,8 +284,9 @@ class ParallelStep:
 
         ``stepfx.dynamic`` false: none; true: every dimension of every batch
         tensor; "auto" (torch.compile's automatic dynamic): the dimensions
-        whose size differs between this call and an earlier variant of the
-        same step structure on this rank. A variant already captured with
+        whose size differs between this call and any earlier variant on this
+        rank (also one captured for another reason: the optimizer's state
+        appearing after SGD's first step). A variant already captured with
         exactly these symbolic dimensions whose guard this call broke means
         the graph specialized on a size: this call gets a variant of its own
         sizes, as without symbolic sizes."""
@@ -297,9 +298,7 @@ class ParallelStep:
             dims = {name: frozenset(range(len(shape))) for name, shape in shapes.items()}
         else:
             dims = {}
-            for plan in self._plans.values():
-                if plan.structure != structure:
-                    continue
+            for plan in self._plans.values():  # any variant: a size seen to change is dynamic from then on
                 for name, shape in shapes.items():
                     old = plan.batch_shapes.get(name)
                     before = plan.dynamic_dims.get(name, frozenset())
@@ -408,8 +407,14 @@ class ParallelStep:
         plan = Plan(key, records, executor, capture_seconds, passes_seconds, self._calls, device_type)
         plan.held = _held_specs(captured, final)
         if dynamic_dims:
-            plan.guard = BatchShapeGuard.of({n.meta["slot"].name: n.meta["val"] for n in captured.gm.graph.nodes
-                                             if n.op == "placeholder" and n.meta["slot"].role is Role.BATCH})
+            batch = {n.meta["slot"].name: n.meta["val"] for n in captured.gm.graph.nodes
+                     if n.op == "placeholder" and n.meta["slot"].role is Role.BATCH}
+            plan.guard = BatchShapeGuard.of(batch)
+            if plan.guard is None:  # every symbolic size became a constant: this variant serves one size
+                guards = BatchShapeGuard.specialized(batch)
+                log.warning("stepfx: %s: the capture with symbolic batch sizes specialized every one of them, so each "
+                            "new size is captured again; the guards: %s", self.__name__,
+                            "; ".join(f"{e} at {w}" for e, w in guards[:4]) or "none recorded")
         return plan
 
     def _capture_options(self) -> CaptureOptions:

@@ -494,3 +494,57 @@ def symbol_values(shape_env, symbols) -> dict:
             value = upper if upper is not None and getattr(upper, "is_finite", False) else None
         out[sym] = None if value is None else int(value)
     return out
+
+
+def _hint(size) -> int:
+    """The concrete value behind a size (a symbolic one's hint: the size of
+    the call being traced). ``SymNode.hint`` is private."""
+    if isinstance(size, torch.SymInt):
+        hint = size.node.hint
+        return int(hint if hint is not None else size.node.shape_env.size_hint(size.node.expr))
+    return int(size)
+
+
+def sdpa_with_symbolic_sizes(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                             enable_gqa=False):
+    """``F.scaled_dot_product_attention`` on CUDA tensors with symbolic
+    sizes, as the fused kernel eager would pick, or None where this does
+    not apply (then the caller runs torch's own).
+
+    Why: on CUDA the composite picks its kernel in C++ reading the inputs'
+    sizes as plain ints, and fake tensors answer that by specializing every
+    size (measured on torch 2.11: a guard ``batch == 3``, ``length == 33``
+    per attention), so the step would serve one length only. Here the
+    choice is made the way eager makes it (``torch._fused_sdp_choice``, a
+    private op) on empty CUDA tensors of the traced call's sizes, outside
+    the trace (``_disable_current_modes``, private), and that kernel's op is
+    called on the traced inputs: its meta kernel keeps sizes symbolic.
+    Applies to flash and memory-efficient attention without a mask's
+    broadcast subtleties: no grouped-query expansion, head dims the kernels
+    take unpadded (multiples of 8)."""
+    from torch.nn.attention import SDPBackend
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    tensors = [t for t in (query, key, value, attn_mask) if isinstance(t, torch.Tensor)]
+    if query.device.type != "cuda" or enable_gqa or query.dim() != 4 or _hint(query.shape[-1]) % 8:
+        return None
+    if not any(isinstance(s, torch.SymInt) for t in tensors for s in t.shape):
+        return None
+    with _disable_current_modes():
+        real = [torch.empty_strided([_hint(s) for s in t.shape], [_hint(s) for s in t.stride()], dtype=t.dtype,
+                                    device=t.device).requires_grad_(t.requires_grad) for t in tensors]
+        mask = real[3] if attn_mask is not None else None
+        choice = torch._fused_sdp_choice(real[0], real[1], real[2], mask, dropout_p, is_causal, scale=scale)
+        del real, mask
+    aten = torch.ops.aten
+    grad = any(t.requires_grad for t in (query, key, value))
+    if choice == int(SDPBackend.FLASH_ATTENTION) and attn_mask is None:
+        return aten._scaled_dot_product_flash_attention.default(query, key, value, dropout_p, is_causal, False,
+                                                                scale=scale)[0]
+    if choice == int(SDPBackend.EFFICIENT_ATTENTION):
+        return aten._scaled_dot_product_efficient_attention.default(query, key, value, attn_mask, grad, dropout_p,
+                                                                    is_causal, scale=scale)[0]
+    if choice == int(SDPBackend.CUDNN_ATTENTION):
+        return aten._scaled_dot_product_cudnn_attention.default(query, key, value, attn_mask, grad, dropout_p,
+                                                                is_causal, False, scale=scale)[0]
+    return None

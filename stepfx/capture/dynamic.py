@@ -68,6 +68,15 @@ class BatchShapeGuard:
         guards = tuple(compat.recorded_guards(env))
         return cls(names, sizes, guards, env, code)
 
+    @staticmethod
+    def specialized(batch: Mapping[str, torch.Tensor]) -> list[tuple[str, str | None]]:
+        """The guards of a trace whose symbolic batch sizes all became
+        constants (``s0 == 33``), with where each was made: why a step asked
+        to serve every size serves one."""
+        fakes = [v for v in batch.values() if isinstance(v, torch.Tensor) and compat.is_fake(v)]
+        env = compat.shape_env_of(fakes[0].fake_mode) if fakes else None
+        return compat.recorded_guards(env) if env is not None else []
+
     def check(self, batch: Sequence[torch.Tensor]) -> bool:
         """Whether the captured step computes this call's batch (the
         tensors in the order of ``names``)."""

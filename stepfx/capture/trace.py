@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -358,6 +359,31 @@ def _assert_check(value: torch.Tensor, check: RaisingCheck):
 
 
 @contextlib.contextmanager
+def _symbolic_attention(active: bool):
+    """With symbolic batch sizes, ``F.scaled_dot_product_attention`` runs
+    ``compat.sdpa_with_symbolic_sizes`` (the kernel eager would pick, without
+    the C++ selection that specializes every size on CUDA)."""
+    if not active:
+        yield
+        return
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    @functools.wraps(real)
+    def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        out = compat.sdpa_with_symbolic_sizes(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        if out is None:
+            out = real(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                       enable_gqa=enable_gqa)
+        return out
+
+    torch.nn.functional.scaled_dot_product_attention = attention
+    try:
+        yield
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = real
+
+
+@contextlib.contextmanager
 def _no_ops(model, optimizer, options: CaptureOptions):
     """Under gradient accumulation the user's ``zero_grad`` calls (and, in a
     micro-step without update, ``optimizer.step``) do nothing, as in
@@ -403,6 +429,7 @@ def _make_traced_fn(fn, model, optimizer, inputs: StepInputs, rec: _Recorder, op
         for s, v in by_role[Role.HYPERPARAM]:
             hyper[s.group][s.name] = v
         batch_values = [v for _, v in by_role[Role.BATCH]]
+        symbolic = any(isinstance(size, torch.SymInt) for v in batch_values for size in v.shape)
         if options.cast_inputs and options.compute_dtype is not None:
             with compat.annotate_nodes({"phase": Phase.FORWARD.value}):
                 batch_values = [v.to(options.compute_dtype) if v.is_floating_point() else v for v in batch_values]
@@ -430,7 +457,7 @@ def _make_traced_fn(fn, model, optimizer, inputs: StepInputs, rec: _Recorder, op
                                if key == "step" and name in inputs.shared_step_names) if inputs.shared_step else frozenset()
             with compat.annotate_nodes({"phase": Phase.FORWARD.value}), _phase_hooks(optimizer, leaves, factor), _TraceGuard(
                 shared
-            ), _no_ops(model, optimizer, options):
+            ), _no_ops(model, optimizer, options), _symbolic_attention(symbolic):
                 result = fn(model, optimizer, *args, **kwargs)
             if options.grad_accumulation > 1 and not options.accumulate_only:
                 for leaf in leaves.values():
