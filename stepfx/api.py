@@ -49,7 +49,7 @@ from .runtime import (
     gather_sharded_state,
     preflight,
 )
-from .runtime.distributed import RankMismatchError
+from .runtime.distributed import RankMismatchError, rank_varying_dims
 from .schedules import build_scheduler
 
 __all__ = ["parallelize", "ParallelStep", "Plan", "DUMP_ENV"]
@@ -132,6 +132,7 @@ class ParallelStep:
         self._schedule_pending = False  # fp16: advance the scheduler once the last update's overflow flag arrives
         self._graph_pool = PoolHolder()  # the memory pool all of this step's CUDA graphs share
         self._agreed: set[tuple] = set()  # collective fingerprints every rank's pre-flight agreed on
+        self._varying: dict[str, frozenset[int]] = {}  # batch dims whose sizes differed between ranks at the first call
 
     # -- calling --------------------------------------------------------------
     def __call__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *args, **kwargs) -> Any:
@@ -158,6 +159,9 @@ class ParallelStep:
             self.config = _resolve_batch_sizes(self.config, self._dp.world_size)
         elif self._dp.active and self._dp.group is None:
             raise ExecutionError(f"{self.__name__}: an earlier step failed and aborted stepfx's data-parallel group; restart the job")
+        if self._calls == 1 and self._dp.active and self.config.stepfx.dynamic == "auto":
+            # one exchange at the first call: a dimension the ranks already disagree on varies
+            self._varying = rank_varying_dims(self._dp, _batch_shapes(args, kwargs))
         options = self._capture_options()
         fresh = self._create_optimizer_state(optimizer)  # before the fingerprint: it includes the state
         key = fingerprint(model, optimizer, args, kwargs, held=self._store.held) + (("capture options", options),)
@@ -286,7 +290,8 @@ class ParallelStep:
         tensor; "auto" (torch.compile's automatic dynamic): the dimensions
         whose size differs between this call and any earlier variant on this
         rank (also one captured for another reason: the optimizer's state
-        appearing after SGD's first step). A variant already captured with
+        appearing after SGD's first step), and those that differed between
+        ranks at the first call. A variant already captured with
         exactly these symbolic dimensions whose guard this call broke means
         the graph specialized on a size: this call gets a variant of its own
         sizes, as without symbolic sizes."""
@@ -297,7 +302,7 @@ class ParallelStep:
         if mode is True:
             dims = {name: frozenset(range(len(shape))) for name, shape in shapes.items()}
         else:
-            dims = {}
+            dims = {name: d for name, d in self._varying.items() if name in shapes}
             for plan in self._plans.values():  # any variant: a size seen to change is dynamic from then on
                 for name, shape in shapes.items():
                     old = plan.batch_shapes.get(name)

@@ -89,7 +89,8 @@ def _dynamic_section(plan, values: dict) -> list[str]:
     if guard is None and not values:
         return []
     lines = ["symbolic sizes (stepfx.dynamic): this variant runs every batch size its guards admit"
-             if guard is not None else "symbolic sizes (data-dependent):"]
+             if guard is not None else
+             "symbolic sizes (data-dependent, as nonzero's length: counted at the largest size torch knows for each):"]
     if guard is not None:
         lines.extend(guard.describe())
     if values:

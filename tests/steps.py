@@ -214,3 +214,24 @@ def padded_rank_batches(world, steps, batch=2, lo=3, hi=15, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [[(padded_batch(torch.randint(lo, hi + 1, (batch,), generator=g).tolist(), generator=g),)
              for _ in range(steps)] for _ in range(world)]
+
+
+class Top2MoE(torch.nn.Module):
+    """A hand-written top-2 mixture of experts: each expert takes the rows
+    routed to it (``torch.where``: a data-dependent number of rows) and
+    ``index_add`` puts its weighted output back."""
+
+    def __init__(self, d=16, experts=4, classes=5):
+        super().__init__()
+        self.router = torch.nn.Linear(d, experts)
+        self.experts = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(d, 32), torch.nn.GELU(), torch.nn.Linear(32, d)) for _ in range(experts))
+        self.head = torch.nn.Linear(d, classes)
+
+    def forward(self, x):
+        weights, chosen = F.softmax(self.router(x), dim=-1).topk(2, dim=-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            rows, slot = torch.where(chosen == e)
+            out = out.index_add(0, rows, expert(x[rows]) * weights[rows, slot, None])
+        return self.head(out)

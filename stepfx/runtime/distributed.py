@@ -33,7 +33,8 @@ from ..errors import ExecutionError, StepfxError
 from ..graph import Role, StepGraph, Storage
 from ..graph.ops import is_collective
 
-__all__ = ["DataParallel", "data_parallel", "collective_fingerprint", "preflight", "RankMismatchError"]
+__all__ = ["DataParallel", "data_parallel", "collective_fingerprint", "preflight", "rank_varying_dims",
+           "RankMismatchError"]
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -127,6 +128,25 @@ def collective_fingerprint(graph: StepGraph) -> list[str]:
             others = [a for a in node.args[1:] if not isinstance(a, str) or a in ("sum", "avg", "max", "min")]
             items.append(f"{node.target}{shape} {getattr(val, 'dtype', '')} {others}")
     return items
+
+
+def rank_varying_dims(dp: DataParallel, shapes: dict[str, tuple[int, ...]]) -> dict[str, frozenset[int]]:
+    """Batch slot name -> the dimensions whose size differs between ranks at
+    this call (a collective: every rank calls it at its first step). Ranks
+    that pad their own batches differ in the sequence length from the
+    start; those dimensions vary, and the first capture can make them
+    symbolic instead of learning it one capture later."""
+    everyone: list[Any] = [None] * dp.world_size
+    dist.all_gather_object(everyone, shapes, group=dp.group)
+    dims: dict[str, frozenset[int]] = {}
+    for name, shape in shapes.items():
+        others = [e.get(name) for e in everyone]
+        if any(o is None or len(o) != len(shape) for o in others):
+            continue
+        varying = frozenset(d for d in range(len(shape)) if len({o[d] for o in others}) > 1)
+        if varying:
+            dims[name] = varying
+    return dims
 
 
 def _shape(val: torch.Tensor) -> tuple:
