@@ -1,8 +1,10 @@
 """batch_sum_squares: the per-gradient sums of squares behind the clipping
 norm and the overflow check become one multi-tensor call.
 
-``unscale_clip_gradients`` stacks one sum of squares per gradient (or ZeRO
-piece) and sums the stack; ``fuse_sum_squares`` made each a kernel call.
+``unscale_clip_gradients`` stacks one sum of squares per ZeRO piece (or
+gradient) and sums the stack where the norm is not in torch's order;
+``fuse_sum_squares`` puts a torch-order norm over 16-bit gradients' copies
+into that form too and made each sum a kernel call.
 For a transformer that is ~300 launches (and as many partial sums) whose
 GPU time is a few microseconds each: the host's launch cost dominates.
 ``graph_ops.sum_squares_many`` computes the whole stack in two launches per

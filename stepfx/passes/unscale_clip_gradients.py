@@ -7,28 +7,42 @@ piece of it, after ZeRO); with fp16, the loss-scale runtime input exists.
 
 Ensures, when fp16 loss scaling or ``gradient_clipping`` is on:
 
-- ``sumsq`` = the sum of squares of every gradient element, each counted
-  once across ranks: pieces are summed locally and all-reduced (one scalar
-  collective), whole gradients (identical on every rank) are summed
-  locally;
-- ``norm = sqrt(sumsq) / scale`` — the L2 norm of the unscaled gradients,
-  what ``torch.nn.utils.clip_grad_norm_`` computes on the reference;
+- ``norm`` = the L2 norm of every gradient element, each counted once
+  across ranks, divided by the loss scale; computed in one of two orders:
+
+  * where every gradient this rank reads is whole or there is one rank
+    (the norm needs no collective) and all are fp32: as
+    ``torch.nn.utils.clip_grad_norm_`` computes it, so a single-process
+    fp32 step is bitwise eager's: ``aten._foreach_norm`` over the
+    gradients in parameter order (its foreach path on CPU and CUDA; one
+    device and one dtype make one group), then ``linalg_vector_norm`` of
+    their stack;
+  * otherwise (ZeRO pieces on several ranks, 16-bit gradients) from sums
+    of squares: pieces are squared and summed locally (in fp32) and
+    all-reduced (one scalar collective), whole gradients (identical on
+    every rank) are summed locally, ``norm = sqrt(sumsq)``. (For 16-bit
+    gradients eager takes 16-bit norms; fp32 sums are the more accurate.)
 - ``factor = (1 / scale) * min(1, max_norm / (norm + 1e-6))`` and every
   gradient the optimizer reads is multiplied by it: unscaling and clipping
   folded into one multiply;
-- the node ``found_inf = not isfinite(sumsq)`` (marked ``overflow_flag``):
-  an inf or nan anywhere on any rank makes the sum non-finite everywhere,
-  so no separate flag collective is needed.
+- the node ``found_inf = not isfinite(total)`` (marked ``overflow_flag``;
+  ``total`` is the scaled norm or the sum of squares): an inf or nan
+  anywhere on any rank makes it non-finite everywhere, so no separate flag
+  collective is needed.
 
 Nothing here reads a value on the host: the scale, the norm and the flag
 stay on the device.
 
-Before / after (clipping, one gradient)::
+Before / after (clipping, one rank, two gradients)::
 
-    lerp = aten.lerp(s_w_exp_avg, g_w, 0.1)   ->   sumsq = aten.sum(aten.mul(g_w, g_w)) ...
-                                                   factor = aten.mul(inv_scale, clip_coef)
-                                                   g_w_1 = aten.mul.Tensor(g_w, factor)
+    lerp = aten.lerp(s_w_exp_avg, g_w, 0.1)   ->   grad_norms = aten._foreach_norm([g_w, g_b], 2.0)
+                                                   grad_norm = aten.linalg_vector_norm(aten.stack([grad_norms[0], grad_norms[1]]), 2.0)
+                                                   clip_coef = aten.clamp(aten.mul(aten.reciprocal(grad_norm + 1e-6), max_norm), None, 1.0)
+                                                   g_w_1 = aten.mul.Tensor(g_w, clip_coef)
                                                    lerp = aten.lerp(s_w_exp_avg, g_w_1, 0.1)
+
+With ZeRO pieces on several ranks the first two lines are
+``sumsq = aten.sum(aten.mul(piece, piece)) ...``, an all-reduce and a sqrt.
 """
 from __future__ import annotations
 
@@ -36,7 +50,7 @@ import torch
 
 from ..graph import META_GRAD_OF, META_GRAD_PIECE, META_OVERFLOW, META_PHASE, Phase, Role, StepGraph
 from ..graph.build import clone_step_graph
-from .collectives import all_reduce_sum, fake_like, make_node
+from .collectives import all_reduce_sum, fake_like, getitem, make_node
 from .manager import PassOptions, PassResult
 from .reduce_gradients import final_gradients
 
@@ -89,17 +103,33 @@ def unscale_clip_gradients(graph: StepGraph, options: PassOptions) -> PassResult
         stacked = make_node(g, aten.stack.default, (parts,), val=fake_like(example, (len(parts),), torch.float32), name="sumsqs", **meta)
         return make_node(g, aten.sum.default, (stacked,), val=scalar, name="sumsq", **meta)
 
+    def torch_norm(nodes):
+        # torch.nn.utils.clip_grad_norm_ (norm_type 2.0): _foreach_norm per
+        # (device, dtype) group, one group here, then the norm of the stacked norms
+        vals = [fake_like(example, (), torch.float32) for _ in nodes]
+        norms = make_node(g, aten._foreach_norm.Scalar, (list(nodes), 2.0), val=vals, name="grad_norms", **meta)
+        parts = [getitem(g, norms, i, **meta) for i in range(len(nodes))]
+        stacked = make_node(g, aten.stack.default, (parts,), val=fake_like(example, (len(parts),), torch.float32), name="grad_norms", **meta)
+        return make_node(g, aten.linalg_vector_norm.default, (stacked, 2.0), val=scalar, name="grad_norm", **meta)
+
     pieces = [n for n in grads.values() if n.meta.get(META_GRAD_PIECE)]
     whole = [n for n in grads.values() if not n.meta.get(META_GRAD_PIECE)]
     scale_in = next((n for n in g.nodes if n.op == "placeholder" and n.meta["slot"].role is Role.RUNTIME_STATE and n.meta["slot"].name == "loss_scale"), None)
+    # torch's order where the norm needs no collective (one rank: pieces are
+    # whole parameters; several: whole gradients are the same on every rank)
+    # and eager's norms are fp32; in parameter order, as clip_grad_norm_(model.parameters())
+    as_torch = (options.world_size == 1 or not pieces) and all(n.meta["val"].dtype == torch.float32 for n in grads.values())
+    position = {s.name: i for i, (_, s) in enumerate(graph.signature.inputs_with(Role.PARAM))}
     with g.inserting_before(anchor):
-        total = None
-        local = sumsq(pieces)
-        if local is not None and options.world_size > 1:
-            local = all_reduce_sum(g, local, options.group_name, **meta)
-        rest = sumsq(whole)
-        total = local if rest is None else rest if local is None else make_node(g, aten.add.Tensor, (local, rest), val=scalar, name="sumsq", **meta)
-        norm = make_node(g, aten.sqrt.default, (total,), val=scalar, name="grad_norm", **meta)
+        if as_torch:
+            total = norm = torch_norm(sorted(grads.values(), key=lambda n: position.get(n.meta[META_GRAD_OF], len(position))))
+        else:
+            local = sumsq(pieces)
+            if local is not None and options.world_size > 1:
+                local = all_reduce_sum(g, local, options.group_name, **meta)
+            rest = sumsq(whole)
+            total = local if rest is None else rest if local is None else make_node(g, aten.add.Tensor, (local, rest), val=scalar, name="sumsq", **meta)
+            norm = make_node(g, aten.sqrt.default, (total,), val=scalar, name="grad_norm", **meta)
         factor = None
         if scaling and scale_in is not None:
             inv = make_node(g, aten.reciprocal.default, (scale_in,), val=scalar, name="inv_scale", **meta)
@@ -126,4 +156,6 @@ def unscale_clip_gradients(graph: StepGraph, options: PassOptions) -> PassResult
             if node.meta.get(META_GRAD_PIECE):
                 scaled.meta[META_GRAD_PIECE] = True
     what = [w for w, on in (("unscaled", scaling), (f"clipped to norm {max_norm:g}", max_norm > 0)) if on]
-    return PassResult(graph, True, f"{len(grads)} gradients {' and '.join(what)}; one norm reduction" + (", overflow flag" if scaling else ""))
+    order = ("norm as torch.nn.utils.clip_grad_norm_ (per-tensor norms, then their norm)" if as_torch
+             else "norm from sums of squares" + (" (one all-reduce over ZeRO pieces)" if pieces and options.world_size > 1 else ""))
+    return PassResult(graph, True, f"{len(grads)} gradients {' and '.join(what)}; {order}" + (", overflow flag" if scaling else ""))
