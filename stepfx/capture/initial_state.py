@@ -26,6 +26,8 @@ placement differs from the fused kernel's), subclasses that override
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from ..graph import META_SLOT, Role, StepGraph
@@ -36,7 +38,9 @@ __all__ = ["create_initial_state", "untouched_state", "drop_state"]
 
 
 def _creates_like_adam(optimizer) -> bool:
-    return isinstance(optimizer, torch.optim.Adam) and type(optimizer)._init_group is torch.optim.Adam._init_group
+    # unwrapped: once torch.compile has run, dynamo wraps every optimizer class's _init_group (TorchPatcher)
+    return isinstance(optimizer, torch.optim.Adam) and (
+        inspect.unwrap(type(optimizer)._init_group) is inspect.unwrap(torch.optim.Adam._init_group))
 
 
 def _scalar_dtype() -> torch.dtype:

@@ -330,7 +330,7 @@ def test_a_region_inductor_cannot_compile_runs_as_its_ops(monkeypatch, caplog):
     from stepfx.codegen import regions
     from stepfx.passes import fuse_generic_regions
 
-    def broken(gm):
+    def broken(gm, dynamic=False):
         def run(*args):
             raise RuntimeError("no backend today")
         return run

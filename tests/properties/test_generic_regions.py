@@ -75,7 +75,7 @@ def test_regions_never_change_the_step(monkeypatch, program, d_in):
     from stepfx.passes import fuse_generic_regions
 
     monkeypatch.setattr(fuse_generic_regions, "ON_CPU", True)
-    monkeypatch.setattr(compat, "compile_region", lambda gm: gm)  # the region's own ops: surgery under test
+    monkeypatch.setattr(compat, "compile_region", lambda gm, dynamic=False: gm)  # the region's own ops: surgery under test
     g = torch.Generator().manual_seed(len(program))
     batches = [(torch.randn(4, d_in, generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(2)]
     make = lambda: RandomChain(program, d_in)  # noqa: E731
@@ -95,7 +95,7 @@ def test_a_region_placed_at_its_last_op(monkeypatch):
     from stepfx.passes import fuse_generic_regions
 
     monkeypatch.setattr(fuse_generic_regions, "ON_CPU", True)
-    monkeypatch.setattr(compat, "compile_region", lambda gm: gm)
+    monkeypatch.setattr(compat, "compile_region", lambda gm, dynamic=False: gm)
     program = [("tanh", 0, 0), ("linear", 0, 0), ("mul", 1, 2), ("sigmoid", 3, 3), ("linear", 4, 4), ("add", 4, 5)]
     torch.manual_seed(0)
     model = RandomChain(program, 3)
