@@ -12,6 +12,7 @@ import contextlib
 import functools
 from typing import Any, Callable, Iterator
 
+import sympy
 import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
@@ -49,7 +50,14 @@ def _fake_kernel_fixes() -> Any:
       meta kernel demands bf16, as the CUDA kernel does, but the CPU kernel
       multiplies any one floating dtype (fp32 included) and returns a
       contiguous tensor. CPU inputs get that; others keep torch's meta
-      kernel (``torch._meta_registrations.meta_grouped_mm``, private)."""
+      kernel (``torch._meta_registrations.meta_grouped_mm``, private).
+    - ``aten._ctc_loss.Tensor`` and its backward (``F.ctc_loss`` with length
+      tensors, as Hugging Face's Wav2Vec2/HuBERT CTC heads call it) have no
+      fake kernel at all. The loss is one value per sequence; ``log_alpha``
+      (kept for the backward) is (batch, time, 2 * longest target + 1), the
+      longest target read from ``target_lengths``: a data-dependent size,
+      given as a fresh unbacked size (as ``nonzero``'s length). The
+      backward's gradient has the log-probabilities' shape."""
     from torch._meta_registrations import meta_grouped_mm
 
     def grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
@@ -68,6 +76,17 @@ def _fake_kernel_fixes() -> Any:
             size = [mat_a.size(0), mat_a.size(1), mat_b.size(-1)]
         return mat_a.new_empty(size)
 
+    def ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, zero_infinity=False):
+        batched = log_probs.dim() == 3
+        alpha_width = torch.library.get_ctx().new_dynamic_size(min=1)   # 2 * max(target_lengths) + 1
+        nll = log_probs.new_empty((log_probs.size(1),) if batched else ())
+        alpha = log_probs.new_empty((log_probs.size(1) if batched else 1, log_probs.size(0), alpha_width))
+        return nll, alpha
+
+    def ctc_loss_backward(grad, log_probs, targets, input_lengths, target_lengths, nll, log_alpha, blank,
+                          zero_infinity=False):
+        return torch.empty_like(log_probs, memory_format=torch.contiguous_format)
+
     lib = torch.library.Library("aten", "FRAGMENT")
     try:
         torch.library.register_fake("aten::_grouped_mm", grouped_mm, lib=lib)
@@ -76,6 +95,11 @@ def _fake_kernel_fixes() -> Any:
         # register_fake refuses to shadow: there CPU fp32 MoE experts keep
         # torch's bf16-only check (CUDA, where it is right, is unaffected)
         pass
+    for name, kernel in (("aten::_ctc_loss.Tensor", ctc_loss), ("aten::_ctc_loss_backward.Tensor", ctc_loss_backward)):
+        try:
+            torch.library.register_fake(name, kernel, lib=lib)
+        except RuntimeError:  # a torch that has its own fake kernel for it
+            pass
     return lib
 
 
@@ -477,6 +501,13 @@ def size_expr(value: Any):
     return int(value)
 
 
+def unbacked_symbols_bound(node: fx.Node) -> set:
+    """The data-dependent (unbacked) size symbols ``node``'s output
+    introduces (``nonzero``'s length, ``ctc_loss``'s longest target).
+    ``meta["unbacked_bindings"]`` is make_fx's private record."""
+    return set((node.meta.get("unbacked_bindings") or {}).keys())
+
+
 def symbol_values(shape_env, symbols) -> dict:
     """A value for each symbol, for sizing what a graph holds: the size
     seen when the step was traced (a backed size's hint), or for a
@@ -491,7 +522,8 @@ def symbol_values(shape_env, symbols) -> dict:
         if value is None:
             bound = shape_env.var_to_range.get(sym)
             upper = getattr(bound, "upper", None)
-            value = upper if upper is not None and getattr(upper, "is_finite", False) else None
+            # torch's int_oo says is_finite; only a sympy Integer is a bound
+            value = upper if isinstance(upper, (int, sympy.Integer)) else None
         out[sym] = None if value is None else int(value)
     return out
 

@@ -11,6 +11,7 @@ import collections
 
 import torch
 
+from . import compat
 from .graph import CARRIED_COPIES_KEY, META_DONATED, META_PHASE, Role, format_graph
 from .graph.accounting import Sizes, communication, estimate_memory, size_values
 from .graph.layout import LAYOUT_KEY
@@ -93,6 +94,11 @@ def _dynamic_section(plan, values: dict) -> list[str]:
              "symbolic sizes (data-dependent, as nonzero's length: counted at the largest size torch knows for each):"]
     if guard is not None:
         lines.extend(guard.describe())
+    for node in plan.graph.gm.graph.nodes:
+        for sym in sorted(compat.unbacked_symbols_bound(node) & set(values), key=str):
+            where = node.meta.get("source")
+            lines.append(f"  {sym}: data-dependent, a size of {node.target}'s output"
+                         + (f" at {where}" if where else ""))
     if values:
         lines.append("  evaluated below at: " + ", ".join(f"{s} = {'?' if v is None else v}"
                                                         for s, v in sorted(values.items(), key=lambda kv: str(kv[0]))))

@@ -510,6 +510,16 @@ def _make_traced_fn(fn, model, optimizer, inputs: StepInputs, rec: _Recorder, op
     return forward
 
 
+def _no_fake_kernel(op: Any, exc: BaseException) -> CaptureError:
+    """The error for an op that has neither a meta nor a fake kernel (fake
+    mode reports it as data-dependent output or as unsupported)."""
+    return CaptureError(
+        f"operator {op} has no fake (meta) kernel, so stepfx cannot trace it without running it",
+        source=user_frame_from_traceback(exc.__traceback__),
+        hint="compute it outside the step, or register a fake kernel for it (torch.library.register_fake)",
+    )
+
+
 def capture_step(
     fn: Callable,
     model: torch.nn.Module,
@@ -553,11 +563,7 @@ def capture_step(
             raise
         except compat.data_dependent_errors() as exc:
             if (op := compat.op_without_fake_kernel(exc)) is not None:
-                raise CaptureError(
-                    f"operator {op} has no fake (meta) kernel, so stepfx cannot trace it without running it",
-                    source=user_frame_from_traceback(exc.__traceback__),
-                    hint="compute it outside the step, or register a fake kernel for it (torch.library.register_fake)",
-                ) from exc
+                raise _no_fake_kernel(op, exc) from exc
             raise CaptureError(
                 "Python code reads a tensor's value (tensor-dependent control flow, .item()/.tolist() used in Python, or a data-dependent shape)",
                 source=user_frame_from_traceback(exc.__traceback__),
@@ -565,6 +571,8 @@ def capture_step(
                 detail=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
             ) from exc
         except compat.unsupported_operator_error() as exc:
+            if (op := compat.op_without_fake_kernel(exc)) is not None:
+                raise _no_fake_kernel(op, exc) from exc
             raise CaptureError(
                 f"operator {getattr(exc, 'func', exc)} cannot be traced with fake tensors",
                 source=user_frame_from_traceback(exc.__traceback__),

@@ -212,7 +212,10 @@ def test_top2_router_trains_bitwise_and_explains_its_data_dependent_sizes():
     _run(step, model, adamw(model), batches)
     text = step.explain()
     # each expert's row count is an unbacked size, counted at its bound (12 rows x top-2)
-    assert re.search(r"symbolic sizes \(data-dependent.*\n  evaluated below at: u\d+ = 24", text), text[:3000]
+    # and named with the op and the user's line that made it
+    assert re.search(r"symbolic sizes \(data-dependent.*\n"
+                     r"(  u\d+: data-dependent, a size of aten.nonzero.default's output at .*torch.where\(.*\n)+"
+                     r"  evaluated below at: u\d+ = 24", text), text[:3000]
     assert "peak during the step" in text
 
 
