@@ -15,6 +15,7 @@ from . import compat
 from .graph import CARRIED_COPIES_KEY, META_DONATED, META_PHASE, Role, format_graph
 from .graph.accounting import Sizes, communication, estimate_memory, size_values
 from .graph.layout import LAYOUT_KEY
+from .capture.tracing_checks import TRACING_CHECKS_KEY
 from .passes.fuse_optimizer_update import FUSION_REPORT_KEY
 
 __all__ = ["explain_plan", "format_bytes"]
@@ -106,6 +107,19 @@ def _dynamic_section(plan, values: dict) -> list[str]:
     return lines
 
 
+def _tracing_checks_section(plan) -> list[str]:
+    """Where the model's library took its tracing path (capture/tracing_checks.py)."""
+    checks = plan.graph.signature.extra.get(TRACING_CHECKS_KEY, ())
+    if not checks:
+        return []
+    lines = ["equality with eager: the model's library saw tracing and took the path that needs no tensor values "
+             "(as under torch.compile), e.g. an explicit attention mask where eager calls SDPA with is_causal; "
+             "results may differ from eager in the last bits:"]
+    lines.extend(f"  {check.describe()}" for check in checks)
+    lines.append("")
+    return lines
+
+
 def _training_section(step) -> list[str]:
     """Precision, loss scale, accumulation, clipping, optimizer and schedule."""
     cfg = step.config
@@ -183,6 +197,7 @@ def explain_plan(step, plan) -> str:
     lines.append("")
 
     lines.extend(_dynamic_section(plan, values))
+    lines.extend(_tracing_checks_section(plan))
     lines.extend(_zero_section(graph, world, values))
     lines.extend(_training_section(step))
     lines.extend(_kernels_section(step, graph))

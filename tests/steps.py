@@ -123,6 +123,10 @@ def adamw(model):
     return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
+def sgd_momentum(model):
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
 def adam(model):
     return torch.optim.Adam(model.parameters(), lr=1e-2)
 

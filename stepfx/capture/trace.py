@@ -49,6 +49,7 @@ from .decompositions import SYMBOLIC_DECOMPOSITIONS
 from .dynamic import DYNAMIC_KEY
 from .checks import check_mutations, check_operand_dtypes, warn_python_only_reads
 from .host_random import refuse_host_random
+from .tracing_checks import TRACING_CHECKS_KEY, watch_tracing_checks
 from .raising_checks import RaisingCheck, raising_check
 from .optimizers import check_optimizer, hyperparam_inputs, shared_step_count, state_tensors, trace_overrides
 from .source import innermost_user_frame, user_frame_from_traceback, user_frame_of_caller
@@ -556,7 +557,7 @@ def capture_step(
     )
 
     # host random draws would be baked in as constants: refused (host_random.py)
-    with _CAPTURE_LOCK, _preserved_rng(), refuse_host_random():
+    with _CAPTURE_LOCK, _preserved_rng(), refuse_host_random(), watch_tracing_checks() as tracing_checks:
         try:
             gm = compat.trace_step_function(traced, fake_args, SYMBOLIC_DECOMPOSITIONS if dynamic_dims else None)
         except CaptureError:
@@ -602,6 +603,8 @@ def capture_step(
     )
     if dynamic_dims:
         signature.extra[DYNAMIC_KEY] = dict(dynamic_dims)
+    if tracing_checks:
+        signature.extra[TRACING_CHECKS_KEY] = tuple(tracing_checks)
     signature.extra[FROZEN_KEY] = frozenset(name for name, p in model.named_parameters() if not p.requires_grad)
     if optimizer is not None:
         signature.extra[UPDATE_RULES_KEY] = {

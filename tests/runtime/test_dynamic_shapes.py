@@ -17,16 +17,13 @@ from tests.steps import (
     padded_rank_batches,
     padded_step,
     padded_step_bf16_reference,
+    sgd_momentum,
     tiny_gpt,
 )
 
 
 def adamw(model):
     return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-
-
-def sgd_momentum(model):
-    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
 
 def captures(explain: str) -> int:
