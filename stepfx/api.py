@@ -30,6 +30,7 @@ from .capture.trace import batch_slot_name
 from .codegen import available as codegen_available
 from .capture.fingerprint import describe_change, fingerprint
 from .capture.initial_state import create_initial_state, drop_state, untouched_state
+from .passes.plan_zero_layout import stays_whole
 from .config.implicit import implicit_defaults
 from .config import AUTO, Config, ConfigError, load_config, resolve_batch_sizes, resolve_zero_auto
 from .errors import ExecutionError, StepfxError
@@ -132,6 +133,8 @@ class ParallelStep:
         self._schedule_pending = False  # fp16: advance the scheduler once the last update's overflow flag arrives
         self._graph_pool = PoolHolder()  # the memory pool all of this step's CUDA graphs share
         self._agreed: set[tuple] = set()  # collective fingerprints every rank's pre-flight agreed on
+        self._initial_state_for: Any = None  # the optimizer whose lazy state was created up front (once)
+        self._described: dict = {}  # held entries _create_optimizer_state made, until the first run replaces them
         self._varying: dict[str, frozenset[int]] = {}  # batch dims whose sizes differed between ranks at the first call
 
     # -- calling --------------------------------------------------------------
@@ -163,26 +166,32 @@ class ParallelStep:
             # one exchange at the first call: a dimension the ranks already disagree on varies
             self._varying = rank_varying_dims(self._dp, _batch_shapes(args, kwargs))
         options = self._capture_options()
-        fresh = self._create_optimizer_state(optimizer)  # before the fingerprint: it includes the state
-        key = fingerprint(model, optimizer, args, kwargs, held=self._store.held) + (("capture options", options),)
-        batch = [x for x in pytree.tree_leaves((tuple(args), dict(kwargs))) if isinstance(x, torch.Tensor)]
-        plan = self._plans.get(key)
-        if plan is None:
-            structure = fingerprint(model, optimizer, args, kwargs, held=self._store.held, batch_shapes=False) + (
-                ("capture options", options),)
-            plan = self._fitting_dynamic_plan(structure, batch)
+        fresh = self._create_optimizer_state(model, optimizer)  # before the fingerprint: it includes the state
+        try:
+            key = fingerprint(model, optimizer, args, kwargs, held=self._store.held) + (("capture options", options),)
+            batch = [x for x in pytree.tree_leaves((tuple(args), dict(kwargs))) if isinstance(x, torch.Tensor)]
+            plan = self._plans.get(key)
             if plan is None:
-                dims = self._dynamic_dims(structure, args, kwargs)
-                plan = self._compile(key, model, optimizer, args, kwargs, options, structure=structure,
-                                     dynamic_dims=dims)
-        self._plans.move_to_end(plan.key)
-        if fresh and not options.accumulate_only and self._drop_unused_state(plan, model, optimizer, fresh):
-            self._calls -= 1  # the same call, captured anew without that state
-            return self(model, optimizer, *args, **kwargs)
-        resharded = self._last is not None and plan is not self._last and bool(self._store.tensors) and self._reshard(
-            self._last, plan, model, optimizer)
-        self._check_loss_scale(wait=self._schedule_pending)
-        result = plan.executor.run(batch)
+                structure = fingerprint(model, optimizer, args, kwargs, held=self._store.held, batch_shapes=False) + (
+                    ("capture options", options),)
+                plan = self._fitting_dynamic_plan(structure, batch)
+                if plan is None:
+                    dims = self._dynamic_dims(structure, args, kwargs)
+                    plan = self._compile(key, model, optimizer, args, kwargs, options, structure=structure,
+                                         dynamic_dims=dims)
+            self._plans.move_to_end(plan.key)
+            if fresh and not options.accumulate_only and self._drop_unused_state(plan, model, optimizer, fresh):
+                self._calls -= 1  # the same call, captured anew without that state
+                return self(model, optimizer, *args, **kwargs)
+            resharded = self._last is not None and plan is not self._last and bool(self._store.tensors) and self._reshard(
+                self._last, plan, model, optimizer)
+            self._check_loss_scale(wait=self._schedule_pending)
+            result = plan.executor.run(batch)
+        except BaseException:
+            if fresh:  # the state this call created goes again: the optimizer as it was
+                self._drop_fresh_state(model, optimizer, fresh)
+                self._initial_state_for = None
+            raise
         self._micro_steps += 1
         if self._lr_scheduler is not None and not options.accumulate_only:
             if options.loss_scale:
@@ -191,7 +200,14 @@ class ParallelStep:
                 self._lr_scheduler.step()
         self._probe_loss_scale()
         if plan.runs == 0 or resharded:
-            self._store.held.update({k: v for k, v in plan.held.items() if k not in self._store.held})
+            held = self._store.held
+            # what _create_optimizer_state described and this rank does not hold becomes the plan's
+            # description (a step counter of a parameter wholly on other ranks: a TensorSpec, as later)
+            held.update({k: v for k, v in plan.held.items() if k not in held or held[k] is self._described.get(k)})
+            self._described.clear()
+            # described before the first capture but kept whole by the layout (no gradient reaches them)
+            for key in [k for k in self._store.held if k[0] is Role.PARAM and k not in plan.held]:
+                del self._store.held[key]
         plan.runs += 1
         if plan.guard is not None:
             plan.last_batch_shapes = [t.shape for t in batch]
@@ -232,24 +248,67 @@ class ParallelStep:
                 )
         return optimizer
 
-    def _create_optimizer_state(self, optimizer) -> list[torch.Tensor]:
+    def _create_optimizer_state(self, model: torch.nn.Module, optimizer) -> list[tuple[str, tuple]]:
         """Adam's lazily created state, created before the first capture as
         its first step would (capture/initial_state.py), so that a run
-        captures once. Not under ZeRO 1-3: there no rank is to hold the whole
-        state, not even for the first call."""
-        if self.config.zero_optimization.stage != 0:
-            return []
-        return create_initial_state(optimizer)
+        captures once. Under ZeRO 1-3 the state of parameters in sharded
+        buckets goes to this rank's store as descriptions (the rank reads
+        zeros for its pieces at the first run); the optimizer gets only
+        that of parameters whose buckets stay whole. Returns (parameter
+        name, held keys) of every parameter given state."""
+        if optimizer is None or self._initial_state_for is optimizer:
+            return []  # once per optimizer (a capture again without unused state must not create it again)
+        self._initial_state_for = optimizer
+        zero = self.config.zero_optimization
+        stage = zero.stage if isinstance(zero.stage, int) else 0
+        persist = zero.param_persistence_threshold if isinstance(zero.param_persistence_threshold, int) else 0
+        rank_holds = None
+        if stage >= 1:
+            def rank_holds(p):
+                return not stays_whole(stage, p.numel(), p.dim(), persist)
+        created, for_rank = create_initial_state(optimizer, rank_holds)
+        names = {id(p): n for n, p in model.named_parameters()}
+        fresh = [(names[id(p)], ()) for p in created if id(p) in names]
+        if stage == 3 and not self._store.tensors and not any(k[0] is Role.PARAM for k in self._store.held):
+            # the parameters stage 3 will hold in pieces, described as the
+            # rank holds them after the first run, so that run's capture is
+            # also the later calls' (the module's are emptied then)
+            for name, p in model.named_parameters():
+                if not stays_whole(stage, p.numel(), p.dim(), persist):
+                    key = (Role.PARAM, name, None)
+                    self._store.held[key] = TensorSpec.of(p)
+                    fresh.append((name, (key,)))
+        for p, state in for_rank.items():
+            if id(p) not in names:
+                continue  # not the model's: capture refuses it
+            keys = tuple((Role.OPTIMIZER_STATE, names[id(p)], key) for key in state)
+            self._store.held.update(zip(keys, state.values()))
+            self._described.update(zip(keys, state.values()))
+            fresh.append((names[id(p)], keys))
+        return fresh
 
-    def _drop_unused_state(self, plan: Plan, model: torch.nn.Module, optimizer, fresh: list[torch.Tensor]) -> bool:
+    def _drop_fresh_state(self, model: torch.nn.Module, optimizer, fresh: list[tuple[str, tuple]],
+                          names: set[str] | None = None) -> None:
+        """Undo ``_create_optimizer_state`` for ``names`` (default all),
+        with any pieces a failed first run already read for them."""
+        params = dict(model.named_parameters())
+        drop_state(optimizer, [params[n] for n, keys in fresh if not keys and (names is None or n in names)])
+        dropped = {key for name, keys in fresh if names is None or name in names for key in keys}
+        for key in dropped:
+            self._store.held.pop(key, None)
+            self._described.pop(key, None)
+        for ident in [i for i in self._store.tensors if i[:3] in dropped]:
+            del self._store.tensors[ident]
+
+    def _drop_unused_state(self, plan: Plan, model: torch.nn.Module, optimizer, fresh: list[tuple[str, tuple]]) -> bool:
         """Parameters given state by ``_create_optimizer_state`` that the
         captured step does not update (the loss does not reach them) would
         have no state in eager Adam: drop it and the plan that reads it."""
-        names = {id(p): n for n, p in model.named_parameters()}
-        unused = untouched_state(plan.captured, {names[id(p)] for p in fresh if id(p) in names})
+        given_state = {name for name, keys in fresh if not keys or keys[0][0] is Role.OPTIMIZER_STATE}
+        unused = untouched_state(plan.captured, given_state)
         if not unused:
             return False
-        drop_state(optimizer, [p for p in fresh if names.get(id(p)) in unused])
+        self._drop_fresh_state(model, optimizer, fresh, unused)
         self._plans.pop(plan.key, None)
         log.info("stepfx: %s: %d parameter(s) get no gradient (e.g. %s); capturing again without optimizer state for them",
                  self.__name__, len(unused), sorted(unused)[0])

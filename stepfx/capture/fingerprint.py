@@ -14,6 +14,7 @@ from typing import Any, Mapping
 import torch
 import torch.utils._pytree as pytree
 
+from ..graph import Role
 from .optimizers import group_hyperparam_key, shared_step_count, step_counters
 
 __all__ = ["fingerprint", "describe_change"]
@@ -43,7 +44,10 @@ def fingerprint(model: torch.nn.Module, optimizer, args: tuple, kwargs: dict, he
     items: list[tuple[str, Any]] = [("model", id(model)), ("optimizer", id(optimizer))]
     for name, p in model.named_parameters():
         grad = None if p.grad is None else (tuple(p.grad.shape), p.grad.dtype)
-        items.append((f"param {name}", (_tensor_key(p), grad)))
+        # a parameter a rank holds in pieces (ZeRO-3) is what capture sees: the whole one's description
+        spec = held.get((Role.PARAM, name, None))
+        key = (tuple(spec.shape), spec.dtype, spec.device, p.requires_grad) if spec is not None else _tensor_key(p)
+        items.append((f"param {name}", (key, grad)))
     for name, b in model.named_buffers():
         items.append((f"buffer {name}", _tensor_key(b)))
     items.append(("train/eval modes", tuple(m.training for m in model.modules())))

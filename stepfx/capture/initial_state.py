@@ -18,6 +18,11 @@ their state again (:func:`drop_state`) and captures anew, leaving the
 optimizer exactly as eager would (today's two captures, for models with
 trainable parameters the loss does not reach).
 
+Under ZeRO 1-3 the state of parameters in sharded buckets is not created
+in the optimizer (no rank is to hold it whole); the rank holds a
+description of it instead, and reads zeros for its pieces at the first run
+(``runtime/binding.py``): the same first step, and one capture.
+
 Not created (kept lazy): optimizers whose first step is not reproducible
 from zeros (SGD's momentum buffer is a clone of the first gradient),
 ``fused`` groups (captured through the reference loop, whose state
@@ -27,10 +32,11 @@ placement differs from the fused kernel's), subclasses that override
 from __future__ import annotations
 
 import inspect
+from typing import Any, Callable
 
 import torch
 
-from ..graph import META_SLOT, Role, StepGraph
+from ..graph import META_SLOT, Role, StepGraph, TensorSpec
 from ..graph.ops import mutated_args
 from ..graph.verify import mutation_base
 
@@ -48,35 +54,44 @@ def _scalar_dtype() -> torch.dtype:
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
 
-def create_initial_state(optimizer, skip: frozenset[int] = frozenset()) -> list[torch.Tensor]:
+def create_initial_state(optimizer, rank_holds: Callable[[torch.Tensor], bool] | None = None
+                         ) -> tuple[list[torch.Tensor], dict[torch.Tensor, dict[str, Any]]]:
     """Create Adam/AdamW state for every parameter that requires grad, when
-    the optimizer has none yet; returns the parameters given state. ``skip``:
-    ids of parameters whose state someone else holds (ZeRO pieces)."""
-    if optimizer is None or not _creates_like_adam(optimizer) or skip:
-        return []
+    the optimizer has none yet. Returns the parameters given state in the
+    optimizer, and for those ``rank_holds(p)`` says a ZeRO rank will hold
+    the state of (in pieces), what it starts from instead: per state key a
+    :class:`TensorSpec` of the whole zeros (the rank makes only its piece)
+    or, for the step counter, the 0-d tensor itself. The optimizer gets
+    nothing for those: no rank is to hold the whole state, not even at the
+    first call."""
+    created: list[torch.Tensor] = []
+    for_rank: dict[torch.Tensor, dict[str, Any]] = {}
+    if optimizer is None or not _creates_like_adam(optimizer):
+        return created, for_rank
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if any(optimizer.state.get(p) for p in params):
-        return []
-    created = []
+        return created, for_rank
     for group in optimizer.param_groups:
         if group.get("fused") or group.get("differentiable"):
             continue
         for p in group["params"]:
-            if not p.requires_grad or id(p) in skip:
+            if not p.requires_grad:
                 continue
-            state = optimizer.state[p]
             # torch/optim/adam.py Adam._init_group, "Lazy state initialization"
-            state["step"] = (
+            state: dict[str, Any] = {"step": (
                 torch.zeros((), dtype=_scalar_dtype(), device=p.device)
                 if group["capturable"]
                 else torch.tensor(0.0, dtype=_scalar_dtype(), device="cpu")
-            )
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            if group["amsgrad"]:
-                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            )}
+            moments = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
+            if rank_holds is not None and rank_holds(p):
+                state.update((key, TensorSpec(tuple(p.shape), p.dtype, p.device)) for key in moments)
+                for_rank[p] = state
+                continue
+            state.update((key, torch.zeros_like(p, memory_format=torch.preserve_format)) for key in moments)
+            optimizer.state[p].update(state)
             created.append(p)
-    return created
+    return created, for_rank
 
 
 def untouched_state(captured: StepGraph, names: set[str]) -> set[str]:

@@ -35,6 +35,7 @@ from ..graph import (
     META_PHASE,
     META_SOURCE,
     Phase,
+    SHARED_STEP_KEY,
     Role,
     Slot,
     StepGraph,
@@ -605,6 +606,8 @@ def capture_step(
         signature.extra[DYNAMIC_KEY] = dict(dynamic_dims)
     if tracing_checks:
         signature.extra[TRACING_CHECKS_KEY] = tuple(tracing_checks)
+    if inputs.shared_step:
+        signature.extra[SHARED_STEP_KEY] = True
     signature.extra[FROZEN_KEY] = frozenset(name for name, p in model.named_parameters() if not p.requires_grad)
     if optimizer is not None:
         signature.extra[UPDATE_RULES_KEY] = {

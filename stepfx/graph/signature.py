@@ -53,6 +53,10 @@ RUNTIME_INIT_KEY = "runtime_init"
 # 16-bit compute copies across steps, ``{slot key: CarriedCopies}``
 # (``carry_parameter_copies``).
 CARRIED_COPIES_KEY = "carried_copies"
+# StepSignature.extra key: True when the graph reads one optimizer step
+# counter for all parameters (they were all equal at capture, and the
+# fingerprint keeps them so): any counter the rank holds may stand for it.
+SHARED_STEP_KEY = "shared_step"
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,13 @@ def zero_settings(options: PassOptions) -> tuple[int, int, int]:
     return zero.stage, max(1, zero.reduce_bucket_size), zero.param_persistence_threshold
 
 
+def stays_whole(stage: int, numel: int, dim: int, persist: int) -> bool:
+    """Whether a trained parameter's bucket is not sharded (its optimizer
+    state stays in the user's optimizer): under stage 3 those smaller than
+    the persistence threshold, and 0-d ones at any stage."""
+    return (stage == 3 and numel < persist) or dim == 0
+
+
 def plan_zero_layout(graph: StepGraph, options: PassOptions) -> PassResult:
     stage, bucket_size, persist = zero_settings(options)
     sig = graph.signature
@@ -87,7 +94,7 @@ def plan_zero_layout(graph: StepGraph, options: PassOptions) -> PassResult:
     for name, val, no_grad in params:
         numel = val.numel()
         mode = _STAGE_SHARDING[stage]
-        if (stage == 3 and numel < persist) or val.dim() == 0:
+        if stays_whole(stage, numel, val.dim(), persist):
             # small (and 0-d) parameters stay whole: sharding them saves
             # nothing and a 0-d piece is not worth a collective
             if no_grad:

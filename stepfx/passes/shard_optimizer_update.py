@@ -39,7 +39,8 @@ import torch
 import torch.fx as fx
 
 from ..errors import CaptureError, PassError
-from ..graph import META_GRAD_OF, META_GRAD_PIECE, META_PARAM, META_PHASE, META_SOURCE, Phase, Role, Slot, StepGraph, Storage, output_node
+from ..graph import (META_GRAD_OF, META_GRAD_PIECE, META_PARAM, META_PHASE, META_SOURCE, SHARED_STEP_KEY, Phase, Role, Slot,
+                     StepGraph, Storage, output_node)
 from ..graph.build import bind_placeholders, clone_step_graph
 from ..graph.layout import LAYOUT_KEY, Bucket, BucketParam, Sharding
 from ..graph.ops import has_side_effect
@@ -116,8 +117,16 @@ def shard_optimizer_update(graph: StepGraph, options: PassOptions) -> PassResult
     out.args = (tuple(out_values),)
     g.eliminate_dead_code(is_impure_node=has_side_effect)
     # inputs: drop what this rank no longer reads, keep placeholder order = slot order
+    # one counter read for all (SHARED_STEP_KEY): a counter of a parameter
+    # wholly on other ranks stands in for the others; one this rank holds
+    # (they are equal) takes its place
+    held_steps = [placeholders[s.ident] for s in new_inputs if s.ident not in drop_inputs
+                  and s.role is Role.OPTIMIZER_STATE and s.key == "step" and s.ident in placeholders]
     for ident in drop_inputs:
         ph = placeholders[ident]
+        slot = ph.meta["slot"]
+        if ph.users and sig.extra.get(SHARED_STEP_KEY) and slot.role is Role.OPTIMIZER_STATE and slot.key == "step" and held_steps:
+            ph.replace_all_uses_with(held_steps[0])
         if ph.users:
             raise CaptureError(
                 f"under ZeRO, {ph.meta['slot'].describe()} is read outside the optimizer's elementwise update",

@@ -29,7 +29,7 @@ import torch.utils._pytree as pytree
 
 from ..graph import CARRIED_COPIES_KEY, RUNTIME_INIT_KEY, Role, StepSignature, Storage
 from ..graph.layout import LAYOUT_KEY, Sharding
-from ..graph.signature import hyperparam_tensor
+from ..graph.signature import TensorSpec, hyperparam_tensor
 from .carried import CarriedCopy
 
 __all__ = ["ModuleBinding", "RankStore"]
@@ -132,8 +132,20 @@ class ModuleBinding:
             p = params[slot.name]
             return lambda: p
         if slot.role is Role.OPTIMIZER_STATE:
-            p, opt, key = params[slot.name], self.optimizer, slot.key
-            return lambda: opt.state[p][key]
+            p, opt, key, held = params[slot.name], self.optimizer, slot.key, self.store.held
+
+            def user_state():
+                state = opt.state.get(p)
+                if state is not None and key in state:
+                    return state[key]
+                # created for the rank before the first capture (capture/initial_state.py):
+                # zeros (a TensorSpec: the caller makes only its piece), or the step counter itself
+                initial = held.get((slot.role, slot.name, key))
+                if initial is None:
+                    raise ValueError(f"no optimizer state {key!r} for {slot.name}: the rank holds none and the optimizer neither")
+                return initial
+
+            return user_state
         if slot.role is Role.GRAD:
             p = params[slot.name]
 
@@ -173,8 +185,13 @@ class ModuleBinding:
             def read_rank():
                 value = store.tensors.get(ident)
                 if value is None:
-                    whole = source().detach()
-                    value = whole.reshape(-1)[piece[0] : piece[1]].clone() if piece is not None else whole.clone()
+                    whole = source()
+                    if isinstance(whole, TensorSpec):  # zeros never made whole
+                        shape = (piece[1] - piece[0],) if piece is not None else whole.shape
+                        value = torch.zeros(shape, dtype=whole.dtype, device=whole.device)
+                    else:
+                        whole = whole.detach()
+                        value = whole.reshape(-1)[piece[0] : piece[1]].clone() if piece is not None else whole.clone()
                     store.tensors[ident] = value
                 return value
 

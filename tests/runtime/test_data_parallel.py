@@ -370,3 +370,18 @@ def test_steps_replayed_as_graphs_are_the_same_bits(rank_pool, stage, codegen):
         assert b["note"].startswith("off")
         assert a["losses"] == b["losses"]
         assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"]))
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_fresh_adam_captures_once_on_every_rank(rank_pool, stage):
+    """Adam's state is described before the first capture (each rank reads
+    zeros for its pieces), and under stage 3 the parameters as the rank
+    will hold them: the first call's program is every call's."""
+    batches = W.mlp_rank_batches(2, 4, 3, 4, 5)
+    config = {"gradient_clipping": 0, "zero_optimization": {"stage": stage, "reduce_bucket_size": 100,
+                                                           "stage3_param_persistence_threshold": 20}}
+    report = assert_data_parallel_equivalent(rank_pool(2), ce_step, W.MLPFactory((3, 13, 11, 4)), W.OptimizerFactory("adam"),
+                                             batches, config=config, exact=True, seed=5)
+    assert report.bitwise and report.steps == 4
+    for text in report.explains:
+        assert "stepfx plan for ce_step: 1 captured variant(s)" in text, text[:200]
