@@ -22,7 +22,11 @@ Two ways, same result:
   value. It applies when every write is provably local: the written tensor
   (or the view written through) is not read through another alias after the
   write — which is what optimizer updates, gradient clipping, dropout masks
-  and batch-norm statistics look like.
+  and batch-norm statistics look like. A write through a chain of slices,
+  selects, diagonals or reshapes (``shifted[:, 1:] = ids[:, :-1]``, as
+  Hugging Face's encoder-decoders shift their labels) also becomes
+  out of place: the written view's new value is scattered back into each
+  tensor of the chain (``slice_scatter``, ...), whose later reads read it.
 - *torch's functionalization* (general, ~100x slower: it re-traces the
   graph) for everything else: an op without an out-of-place twin, or a
   write that another live view must observe.
@@ -138,12 +142,17 @@ def _rewrite_directly(graph: StepGraph) -> tuple[StepGraph, int]:
     members: dict[fx.Node, list[fx.Node]] = {}
     for n in nodes:
         members.setdefault(base[n], []).append(n)
+    # (view, its parent) from each node out to its storage's owner, as captured
+    chains = {n: _view_chain(n) for n in nodes}
 
     def check_local(target: fx.Node, at: int) -> None:
         """Writing ``target`` at position ``at`` is local when no other alias
-        of its storage, made before the write, is read after it."""
+        of its storage, made before the write, is read after it — but the
+        tensors of the view chain it was written through, which get their
+        new values scattered back (``_view_chain``)."""
+        updated = {root[parent] for _, parent in chains[target]} | {root[target]}
         for x in members.get(base[target], ()):
-            if root[x] is root[target]:
+            if root[x] is root[target] or root[x] in updated:
                 continue
             if pos[x] < at < last_use[x]:
                 raise _NotLocal(f"{x.name} aliases {target.name}, written by {nodes[at].name}, and is read after")
@@ -176,6 +185,9 @@ def _rewrite_directly(graph: StepGraph) -> tuple[StepGraph, int]:
         node.args, node.kwargs = read(node.args), read(dict(node.kwargs))
         if writes:
             _replace_write(g, node, roots, current)
+            for _, value in writes:
+                if isinstance(value, fx.Node) and root[value] is not root[base[value]]:
+                    _scatter_back(g, node, value, chains[value], root, current)
             replaced.append(node)
             rewritten += 1
 
@@ -229,6 +241,61 @@ def _replace_write(g: fx.Graph, node: fx.Node, roots: list, current: dict) -> No
     else:
         new.meta["val"] = node.meta.get("val")
         current[written] = new
+
+
+_SCATTERS = {
+    # view op -> its scatter: (parent, new view value, the view's own arguments) -> new parent
+    aten.slice.Tensor: aten.slice_scatter.default,
+    aten.select.int: aten.select_scatter.default,
+    aten.diagonal.default: aten.diagonal_scatter.default,
+    aten.as_strided.default: aten.as_strided_scatter.default,
+}
+_RESHAPES = frozenset({aten.view.default, aten._unsafe_view.default, aten.unsqueeze.default, aten.squeeze.dim,
+                       aten.squeeze.dims, aten.squeeze.default})
+
+
+def _view_chain(node: fx.Node) -> list[tuple[fx.Node, fx.Node]]:
+    """(view, its parent) for each view and full alias from ``node`` out to
+    the tensor that owns the storage, innermost first."""
+    chain = []
+    while isinstance(node, fx.Node) and node.op == "call_function" and (
+        node.target in ALIAS_OPS - {aten.lift_fresh_copy.default} or _is_inplace_alias(node) or is_view(node)
+    ):
+        chain.append((node, node.args[0]))
+        node = node.args[0]
+    return chain
+
+
+def _scatter_back(g: fx.Graph, node: fx.Node, written: fx.Node, chain: list, root: dict, current: dict) -> None:
+    """``node`` wrote ``written``, a view (``chain``: its views out to the
+    storage's owner, as captured): give each tensor of the chain its new
+    value, the written view's new value scattered into its current value
+    (``x[:, 1:] = y`` is ``x = slice_scatter(x, y, 1, 1)``)."""
+    value = current[root[written]]
+    last = value
+    for view, parent in chain:
+        parent_now = current.get(root[parent], parent)
+        if view.target in ALIAS_OPS or _is_inplace_alias(view):
+            new_parent = value
+        elif view.target in _SCATTERS:
+            with g.inserting_after(last):
+                new_parent = g.call_function(_SCATTERS[view.target], (parent_now, value, *view.args[1:]), dict(view.kwargs))
+        elif view.target in _RESHAPES:
+            parent_val, value_val = parent.meta.get("val"), value.meta.get("val")
+            if not isinstance(parent_val, torch.Tensor) or not all(isinstance(d, int) for d in parent_val.shape):
+                raise _NotLocal(f"{node.name} wrote a reshaped view of a tensor with symbolic sizes")
+            if not isinstance(value_val, torch.Tensor) or not value_val.is_contiguous():
+                raise _NotLocal(f"{node.name} wrote a reshaped view with a strided result")
+            with g.inserting_after(last):
+                new_parent = g.call_function(aten.view.default, (value, list(parent_val.shape)))
+        else:
+            raise _NotLocal(f"{node.name} wrote through {view.target}, which has no scatter")
+        if new_parent is not value:
+            copy_node_meta(node, new_parent)
+            new_parent.meta["val"] = parent.meta.get("val")
+            last = new_parent
+        current[root[parent]] = new_parent
+        value = new_parent
 
 
 def _with_defaults(op, twin, args, kwargs):

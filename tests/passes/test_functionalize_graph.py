@@ -72,22 +72,65 @@ def _write_through_view_then_read_base(model, optimizer, x, y):
     return loss, total
 
 
-def test_writes_another_alias_must_see_fall_back_to_torch_functionalization():
+def _shifted_labels(model, optimizer, x, y):
+    # Hugging Face's shift_tokens_right: writes through views of a fresh tensor, read afterwards
+    shifted = y.new_zeros((2, y.shape[0]))
+    shifted[:, 1:] = y[:-1].clone()
+    shifted[1][0] = 3                   # a select of a select: two views out to the tensor
+    shifted.masked_fill_(shifted == 2, 0)
+    loss = torch.nn.functional.cross_entropy(model(x), shifted[1] % 4)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss, shifted
+
+
+def _sibling_view_read_after(model, optimizer, x, y):
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    with torch.no_grad():
+        first, last = model.hist[0:2], model.hist[1:3]   # two views sharing hist[1]
+        first.add_(1)
+        total = last.sum()                              # the other view must see the write
+    return loss, total
+
+
+def _functionalized(step_fn):
     from stepfx.capture import capture_step
-    from stepfx.testing.equivalence import assert_step_equivalent
     from tests.steps import mlp_batches
 
     model = WithCounter()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = mlp_batches(1)[0]
-    graph = capture_step(_write_through_view_then_read_base, model, opt, (x, y), {})
-    result = functionalize_graph(graph, PassOptions())
+    return functionalize_graph(capture_step(step_fn, model, opt, (x, y), {}), PassOptions())
+
+
+def _bitwise(step_fn):
+    from stepfx.testing.equivalence import assert_step_equivalent
+    from tests.steps import mlp_batches
+
+    report = assert_step_equivalent(step_fn, WithCounter, lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+                                    mlp_batches(3), exact=True)
+    assert report.bitwise
+
+
+def test_writes_through_view_chains_are_scattered_back_into_their_tensors():
+    for step_fn, scatter in ((_write_through_view_then_read_base, aten.select_scatter.default),
+                             (_shifted_labels, aten.slice_scatter.default)):
+        result = _functionalized(step_fn)
+        assert result.summary.startswith(tuple("0123456789")) and "torch functionalization" not in result.summary
+        assert scatter in {n.target for n in result.graph.gm.graph.nodes}
+        assert verify_step_graph(result.graph) == []
+        _bitwise(step_fn)
+
+
+def test_writes_another_alias_must_see_fall_back_to_torch_functionalization():
+    result = _functionalized(_sibling_view_read_after)
     assert result.summary.startswith("torch functionalization (")
     assert "is read after" in result.summary
-    report = assert_step_equivalent(
-        _write_through_view_then_read_base, WithCounter, lambda m: torch.optim.SGD(m.parameters(), lr=0.1), mlp_batches(3), exact=True
-    )
-    assert report.bitwise
+    _bitwise(_sibling_view_read_after)
 
 
 def test_direct_rewrite_is_used_for_ordinary_steps():
