@@ -15,7 +15,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..graph import Role
-from .optimizers import group_hyperparam_key, shared_step_count, step_counters
+from .optimizers import group_hyperparam_key, step_counters, steps_agree
 
 __all__ = ["fingerprint", "describe_change"]
 
@@ -54,7 +54,7 @@ def fingerprint(model: torch.nn.Module, optimizer, args: tuple, kwargs: dict, he
     if optimizer is not None:
         items.append(("optimizer type", type(optimizer)))
         steps = step_counters(optimizer) + [v for (role, _, key), v in held.items() if key == "step"]
-        items.append(("optimizer step counters all equal", bool(steps) and shared_step_count(steps) is not None))
+        items.append(("optimizer step counters all equal", steps_agree(steps)))
         for g, group in enumerate(optimizer.param_groups):
             items.append((f"optimizer group {g} hyperparameters", group_hyperparam_key(group)))
             items.append((f"optimizer group {g} params", tuple(id(p) for p in group["params"])))

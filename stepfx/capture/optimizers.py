@@ -161,6 +161,15 @@ def shared_step_count(steps) -> float | None:
     return value
 
 
+def steps_agree(steps) -> bool:
+    """Whether the step counters ``steps`` may be read as one: there is at
+    least one, and those this rank holds (not :class:`TensorSpec`) are equal
+    CPU scalars. A rank that holds none agrees: under ZeRO a rank whose
+    pieces hold no parameter's counter must decide as the others do."""
+    held = [s for s in steps if not isinstance(s, TensorSpec)]
+    return bool(steps) and (not held or shared_step_count(held) is not None)
+
+
 def step_counters(optimizer: torch.optim.Optimizer | None) -> list:
     """Every parameter's ``state["step"]`` the optimizer itself holds."""
     if optimizer is None:

@@ -52,7 +52,7 @@ from .checks import check_mutations, check_operand_dtypes, warn_python_only_read
 from .host_random import refuse_host_random
 from .tracing_checks import TRACING_CHECKS_KEY, watch_tracing_checks
 from .raising_checks import RaisingCheck, raising_check
-from .optimizers import check_optimizer, hyperparam_inputs, shared_step_count, state_tensors, trace_overrides
+from .optimizers import check_optimizer, hyperparam_inputs, state_tensors, steps_agree, trace_overrides
 from .source import innermost_user_frame, user_frame_from_traceback, user_frame_of_caller
 
 __all__ = ["StepInputs", "collect_inputs", "capture_step"]
@@ -187,7 +187,7 @@ def collect_inputs(
             slots.append(Slot(Role.BATCH, batch_slot_name(path)))
             values.append(leaf)
     steps = [(slot.name, v) for slot, v in zip(slots, values) if slot.role is Role.OPTIMIZER_STATE and slot.key == "step"]
-    shared = bool(steps) and shared_step_count([v for _, v in steps]) is not None
+    shared = steps_agree([v for _, v in steps])
     held_here = frozenset(name for name, v in steps if not isinstance(v, TensorSpec))
     return StepInputs(slots, values, param_names, group_params, batch_spec, batch_leaves, shared, held_here)
 

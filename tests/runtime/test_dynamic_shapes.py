@@ -224,3 +224,32 @@ def test_top2_router_at_zero_3_equals_the_reference(rank_pool):
     report = assert_data_parallel_equivalent(rank_pool(2), ce_step, Top2MoE, adamw, _moe_batches(2, 3), config=config,
                                              exact=True)
     assert report.bitwise and all("data-dependent" in text for text in report.explains)
+
+
+# -- fused kernels on symbolic sizes (Triton's interpreter on CPU) -----------------------
+
+
+def test_fused_kernels_on_symbolic_lengths_equal_one_capture_per_length():
+    """With codegen on, the step captured once with a symbolic length runs the
+    same fused kernels (layer norms, residual + layer norm, row-chunked linear
+    + cross-entropy over a symbolic number of rows, the multi-tensor AdamW)
+    at lengths it never saw, bitwise equal to a capture per length.
+    (tests/gpu/test_cuda.py compiles the same kernels for real.)"""
+    from stepfx.explain import kernel_calls
+
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 64, (3, t + 1), generator=g) for t in (9, 14, 5)]
+    runs = {}
+    for dynamic in (False, True):
+        torch.manual_seed(0)
+        model = tiny_gpt()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+        step = stepfx.parallelize({"gradient_clipping": 1.0, "stepfx": {"codegen": True, "dynamic": dynamic}})(lm_step)
+        losses = [step(model, opt, b) for b in batches]
+        runs[dynamic] = (losses, [p.detach().clone() for p in model.parameters()], len(step.plans),
+                         kernel_calls(step.plan.graph))
+    (l0, p0, n0, k0), (l1, p1, n1, k1) = runs[False], runs[True]
+    assert n0 == 3 and n1 == 1
+    assert k1 == k0 and k1["linear_cross_entropy"] == 1 and k1["add_layer_norm"] >= 1 and k1["adam_step_many"] == 1
+    assert all(torch.equal(a, b) for a, b in zip(l0, l1))
+    assert all(torch.equal(a, b) for a, b in zip(p0, p1))
