@@ -43,7 +43,7 @@ def test_size_reads_move_to_the_batch_inputs():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["bf16"])  # fp32: the same kernels without the casts (suite time)
 def test_fused_kernels_serve_unseen_lengths_as_a_capture_per_length(precision):
     config = {"gradient_clipping": 1.0, "stepfx": {"codegen": True}}
     if precision == "bf16":

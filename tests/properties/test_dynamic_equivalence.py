@@ -25,7 +25,7 @@ def _batches(shapes, seed):
 shape = st.tuples(st.integers(2, 3), st.integers(3, 12))  # (batch, length); 1 would be a specialized size
 
 
-@settings(max_examples=6, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate],
+@settings(max_examples=4, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate],
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(
     shapes=st.integers(2, 4).flatmap(lambda n: st.lists(st.lists(shape, min_size=n, max_size=n), min_size=2, max_size=2)),

@@ -243,9 +243,11 @@ def _fp32_reference_20_steps():
     return data_parallel_reference(lm_step, tiny_gpt, adamw, dp_batches(2, steps=20))[0]
 
 
+# (suite time: stage 3 bf16 without a communication dtype and stage 1 fp16 left out;
+# stage 3 bf16/bf16 and stages 2-3 fp16 cover those passes)
 @pytest.mark.parametrize("stage, precision, comm", [
-    (1, "bf16", None), (2, "bf16", "bf16"), (3, "bf16", None), (3, "bf16", "bf16"),
-    (1, "fp16", None), (2, "fp16", "fp16"), (3, "fp16", None),
+    (1, "bf16", None), (2, "bf16", "bf16"), (3, "bf16", "bf16"),
+    (2, "fp16", "fp16"), (3, "fp16", None),
 ])
 def test_16_bit_tracks_fp32_over_20_steps(rank_pool, stage, precision, comm):
     results = rank_pool(2).run(W.precision_run, stage, precision, comm, 20)
@@ -357,7 +359,8 @@ def test_buckets_packed_by_the_cast_kernel_are_the_same_bits(rank_pool, stage):
 # graphs hold the most (sharded multi-tensor updates, packed buckets, gathers);
 # stage 0's codegen steps are replayed as real CUDA graphs in tests/gpu/test_cuda.py
 # (test_cuda_graph_replay_equals_the_eager_step, ..._under_zero_with_nccl[0-True])
-@pytest.mark.parametrize("stage,codegen", [(0, False), (1, False), (2, False), (3, False), (3, True)])
+# stages 0 and 2 left out (suite time): their whole all-reduce and reduce-scatter also run at stages 1 and 3
+@pytest.mark.parametrize("stage,codegen", [(1, False), (3, False), (3, True)])
 def test_steps_replayed_as_graphs_are_the_same_bits(rank_pool, stage, codegen):
     """CUDA-graph replay (emulated on the CPU: runtime/graphs.py) of ZeRO
     steps on 2 ranks, collectives inside the captured segments: losses and

@@ -69,9 +69,8 @@ def test_dynamic_true_captures_once_and_false_once_per_shape():
         opt = adamw(model)
         _run(step, model, opt, batches)
         counts[mode] = len(step.plans)
-    # dynamic true: symbolic from the first call (a second capture only when
-    # the optimizer's state appears after the first step)
-    assert counts[True] <= 2
+    # dynamic true: symbolic from the first call (Adam's state is created before it)
+    assert counts[True] == 1
     assert counts[False] >= len(shapes)
 
 
@@ -136,8 +135,6 @@ CASES = [
     # 3e-5 after 20 steps; tests/runtime/test_data_parallel.py clips bf16.)
     ("gpt2", 0, "fp32", 2, 0.0),
     ("gpt2", 1, "fp32", 2, 0.0),
-    ("gpt2", 2, "fp32", 2, 0.0),
-    ("gpt2", 3, "fp32", 2, 0.0),
     ("gpt2", 2, "bf16", 2, 0.0),
     ("gpt2", 3, "fp32", 2, 1.0),
     ("gpt2", 3, "bf16", 2, 0.0),
@@ -225,31 +222,3 @@ def test_top2_router_at_zero_3_equals_the_reference(rank_pool):
                                              exact=True)
     assert report.bitwise and all("data-dependent" in text for text in report.explains)
 
-
-# -- fused kernels on symbolic sizes (Triton's interpreter on CPU) -----------------------
-
-
-def test_fused_kernels_on_symbolic_lengths_equal_one_capture_per_length():
-    """With codegen on, the step captured once with a symbolic length runs the
-    same fused kernels (layer norms, residual + layer norm, row-chunked linear
-    + cross-entropy over a symbolic number of rows, the multi-tensor AdamW)
-    at lengths it never saw, bitwise equal to a capture per length.
-    (tests/gpu/test_cuda.py compiles the same kernels for real.)"""
-    from stepfx.explain import kernel_calls
-
-    g = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, 64, (3, t + 1), generator=g) for t in (9, 14, 5)]
-    runs = {}
-    for dynamic in (False, True):
-        torch.manual_seed(0)
-        model = tiny_gpt()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-        step = stepfx.parallelize({"gradient_clipping": 1.0, "stepfx": {"codegen": True, "dynamic": dynamic}})(lm_step)
-        losses = [step(model, opt, b) for b in batches]
-        runs[dynamic] = (losses, [p.detach().clone() for p in model.parameters()], len(step.plans),
-                         kernel_calls(step.plan.graph))
-    (l0, p0, n0, k0), (l1, p1, n1, k1) = runs[False], runs[True]
-    assert n0 == 3 and n1 == 1
-    assert k1 == k0 and k1["linear_cross_entropy"] == 1 and k1["add_layer_norm"] >= 1 and k1["adam_step_many"] == 1
-    assert all(torch.equal(a, b) for a, b in zip(l0, l1))
-    assert all(torch.equal(a, b) for a, b in zip(p0, p1))
