@@ -79,14 +79,16 @@ def _strided_writes(graph: StepGraph) -> int:
     Their out-of-place twins return contiguous tensors, so the ops that read
     the result iterate over it differently: CPU kernels vectorize whole
     contiguous runs and fall back to scalar code for each run's tail, and
-    the two paths of transcendental functions round differently."""
+    the two paths of transcendental functions round differently. Only
+    floating-point writes count: integers round nothing."""
     count = 0
     for node in graph.gm.graph.nodes:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             continue
         for _, value in _written(node):
             val = value.meta.get("val") if isinstance(value, fx.Node) else None
-            if isinstance(val, torch.Tensor) and not val.is_contiguous():
+            # integer writes (labels shifted into a slice) round nothing
+            if isinstance(val, torch.Tensor) and val.is_floating_point() and not val.is_contiguous():
                 count += 1
     return count
 
