@@ -206,8 +206,8 @@ class ParallelStep:
             held.update({k: v for k, v in plan.held.items() if k not in held or held[k] is self._described.get(k)})
             self._described.clear()
             # described before the first capture but kept whole by the layout (no gradient reaches them)
-            for key in [k for k in self._store.held if k[0] is Role.PARAM and k not in plan.held]:
-                del self._store.held[key]
+            for key in [k for k in held if k[0] is Role.PARAM and k not in plan.held]:
+                del held[key]
         plan.runs += 1
         if plan.guard is not None:
             plan.last_batch_shapes = [t.shape for t in batch]

@@ -85,7 +85,7 @@ def create_initial_state(optimizer, rank_holds: Callable[[torch.Tensor], bool] |
             )}
             moments = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
             if rank_holds is not None and rank_holds(p):
-                state.update((key, TensorSpec(tuple(p.shape), p.dtype, p.device)) for key in moments)
+                state.update((key, TensorSpec.of(p)) for key in moments)
                 for_rank[p] = state
                 continue
             state.update((key, torch.zeros_like(p, memory_format=torch.preserve_format)) for key in moments)
