@@ -537,6 +537,41 @@ def _hint(size) -> int:
     return int(size)
 
 
+def linear_with_symbolic_sizes(input, weight, bias=None):
+    """``F.linear`` on inputs with symbolic sizes as the ops eager's
+    ``at::native::linear`` runs, or None where this does not apply (then the
+    caller runs torch's own).
+
+    Why: measured on torch 2.11 (CUDA, bf16), the C++ composite reads the
+    input's sizes as plain ints (``aten.size.default``), and fake tensors
+    answer that by specializing every size (guards ``batch == 3``,
+    ``length == 33`` at the first ``nn.Linear``), so a step captured with
+    symbolic lengths would serve one length only. The ops are the ones the
+    composite picks for dense strided inputs on every version stepfx
+    supports: a 2-D input with a bias is ``addmm``; a contiguous 3-D input
+    with a 1-D bias is flattened into ``addmm`` (the fused bias epilogue);
+    without a bias, ``matmul``'s fold of the leading dimensions into one
+    ``mm``. Other cases (4-D+ with a bias, non-contiguous inputs, sparse
+    weights) return None: their op choice differs between versions."""
+    if not isinstance(input, torch.Tensor) or not any(isinstance(s, torch.SymInt) for s in input.shape):
+        return None
+    if input.layout != torch.strided or weight.layout != torch.strided or weight.dim() != 2 or input.dim() < 2:
+        return None
+    if bias is not None and (not isinstance(bias, torch.Tensor) or bias.dim() != 1):
+        return None
+    if input.dim() == 2:
+        return torch.addmm(bias, input, weight.t()) if bias is not None else torch.mm(input, weight.t())
+    if not input.is_contiguous() or (bias is not None and input.dim() != 3):
+        return None
+    lead = input.shape[:-1]
+    rows = 1
+    for size in lead:
+        rows = rows * size
+    flat = input.reshape(rows, input.shape[-1])
+    out = torch.addmm(bias, flat, weight.t()) if bias is not None else torch.mm(flat, weight.t())
+    return out.view(*lead, out.shape[1])
+
+
 def sdpa_with_symbolic_sizes(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                              enable_gqa=False):
     """``F.scaled_dot_product_attention`` on CUDA tensors with symbolic

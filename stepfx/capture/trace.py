@@ -361,28 +361,36 @@ def _assert_check(value: torch.Tensor, check: RaisingCheck):
 
 
 @contextlib.contextmanager
-def _symbolic_attention(active: bool):
-    """With symbolic batch sizes, ``F.scaled_dot_product_attention`` runs
-    ``compat.sdpa_with_symbolic_sizes`` (the kernel eager would pick, without
-    the C++ selection that specializes every size on CUDA)."""
+def _symbolic_kernels(active: bool):
+    """With symbolic batch sizes, ``F.scaled_dot_product_attention`` and
+    ``F.linear`` run ``compat.sdpa_with_symbolic_sizes`` and
+    ``compat.linear_with_symbolic_sizes`` (the ops eager would run, without
+    the C++ composites' size reads that specialize every size on torch
+    2.11)."""
     if not active:
         yield
         return
-    real = torch.nn.functional.scaled_dot_product_attention
+    F = torch.nn.functional
+    real_attention, real_linear = F.scaled_dot_product_attention, F.linear
 
-    @functools.wraps(real)
+    @functools.wraps(real_attention)
     def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         out = compat.sdpa_with_symbolic_sizes(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         if out is None:
-            out = real(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                       enable_gqa=enable_gqa)
+            out = real_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                                 scale=scale, enable_gqa=enable_gqa)
         return out
 
-    torch.nn.functional.scaled_dot_product_attention = attention
+    @functools.wraps(real_linear)
+    def linear(input, weight, bias=None):
+        out = compat.linear_with_symbolic_sizes(input, weight, bias)
+        return real_linear(input, weight, bias) if out is None else out
+
+    F.scaled_dot_product_attention, F.linear = attention, linear
     try:
         yield
     finally:
-        torch.nn.functional.scaled_dot_product_attention = real
+        F.scaled_dot_product_attention, F.linear = real_attention, real_linear
 
 
 @contextlib.contextmanager
@@ -459,7 +467,7 @@ def _make_traced_fn(fn, model, optimizer, inputs: StepInputs, rec: _Recorder, op
                                if key == "step" and name in inputs.shared_step_names) if inputs.shared_step else frozenset()
             with compat.annotate_nodes({"phase": Phase.FORWARD.value}), _phase_hooks(optimizer, leaves, factor), _TraceGuard(
                 shared
-            ), _no_ops(model, optimizer, options), _symbolic_attention(symbolic):
+            ), _no_ops(model, optimizer, options), _symbolic_kernels(symbolic):
                 result = fn(model, optimizer, *args, **kwargs)
             if options.grad_accumulation > 1 and not options.accumulate_only:
                 for leaf in leaves.values():
