@@ -136,6 +136,8 @@ class ParallelStep:
         self._initial_state_for: Any = None  # the optimizer whose lazy state was created up front (once)
         self._described: dict = {}  # held entries _create_optimizer_state made, until the first run replaces them
         self._varying: dict[str, frozenset[int]] = {}  # batch dims whose sizes differed between ranks at the first call
+        self._pending_save: Any = None  # an asynchronous checkpoint save under way (checkpoint.PendingSave)
+        self._save_group: Any = None  # the process group asynchronous saves run their collectives on
 
     # -- calling --------------------------------------------------------------
     def __call__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *args, **kwargs) -> Any:
@@ -636,6 +638,46 @@ class ParallelStep:
             for name, state in gather_sharded_state(layout, self._store, self._dp).items():
                 out.setdefault(name, {}).update(state)
         return out
+
+    # -- checkpoints (stepfx/checkpoint) ------------------------------------------
+    @property
+    def updates(self) -> int:
+        """Optimizer updates so far (DeepSpeed's ``global_steps``)."""
+        cfg = self.config
+        k = cfg.gradient_accumulation_steps if isinstance(cfg.gradient_accumulation_steps, int) else 1
+        return self._micro_steps // k
+
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None, *,
+                        async_save: bool = False):
+        """Save the run where each rank writes what it holds (DeepSpeed's
+        ``save_checkpoint``; see stepfx/checkpoint/checkpoint.py). A
+        collective. ``tag`` defaults to ``global_step<updates>``."""
+        from .checkpoint.checkpoint import save_checkpoint
+
+        return save_checkpoint(self, save_dir, tag, client_state, async_save=async_save)
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None, **kwargs) -> tuple[str, dict]:
+        """Resume from a checkpoint of any world size, ZeRO stage or
+        precision; returns ``(path, client_state)``. A collective."""
+        from .checkpoint.checkpoint import load_checkpoint
+
+        return load_checkpoint(self, load_dir, tag, **kwargs)
+
+    def wait_checkpoint(self) -> str | None:
+        """Wait for an asynchronous save to complete; its path (None if none was under way)."""
+        pending, self._pending_save = self._pending_save, None
+        return pending.wait() if pending is not None else None
+
+    def _checkpoint_group(self) -> Any:
+        """A gloo group of its own for asynchronous saves: their collectives
+        run on a background thread and must not interleave with the step's."""
+        if self._dp is None or not self._dp.active:
+            return None
+        if self._save_group is None:
+            import torch.distributed as dist
+
+            self._save_group = dist.new_group(backend="gloo")
+        return self._save_group
 
     def _reshard(self, old: Plan, new: Plan, model: torch.nn.Module, optimizer) -> bool:
         """``new`` shards differently from ``old`` (which parameters train

@@ -1,0 +1,202 @@
+"""save_checkpoint / load_checkpoint: a run saved and resumed, on the same
+ranks (bitwise) and resharded to another world size, ZeRO stage or
+precision (the loaded state bitwise equal to the saved one; the next step's
+loss equal to the uninterrupted run's within fp32 reduction-order error)."""
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import stepfx
+from stepfx.checkpoint import UnsafeCheckpointError
+from stepfx.checkpoint.checkpoint import CheckpointError, resolve_checkpoint
+from tests.checkpoint import ckpt_workers as W
+from tests.steps import lm_step, tiny_gpt, token_batches
+
+BEFORE, AFTER = 3, 2
+
+
+def _equal_states(a: dict, b: dict) -> None:
+    assert set(a) == set(b), (set(a) ^ set(b))
+    for key in a:
+        assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
+
+
+def _run(pool_or_none, fn, *args):
+    """Rank 0's result of ``fn`` on the pool's ranks, or in this process (one rank)."""
+    return pool_or_none.run(fn, *args)[0] if pool_or_none is not None else fn(*args)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_resume_on_the_same_ranks_is_bitwise(rank_pool, tmp_path, stage):
+    pool = rank_pool(2)
+    losses, _saved, end, _ = _run(pool, W.train_then_save, str(tmp_path), stage, "fp32", BEFORE, AFTER)
+    client, loaded, losses2, end2, _ = _run(pool, W.load_then_train, str(tmp_path), stage, "fp32", BEFORE, AFTER)
+    assert client == {"batches_seen": BEFORE, "note": "x"}
+    assert losses2 == losses
+    _equal_states(end, end2)
+    assert open(tmp_path / "latest").read() == f"global_step{BEFORE}"
+
+
+def test_load_into_the_running_step_keeps_its_plan(rank_pool, tmp_path):
+    """Loading into a run that already holds ZeRO-2 pieces reads into them:
+    the same steps again give the same losses, without a new capture."""
+    first, again, plans = _run(rank_pool(2), W.resume_in_place, str(tmp_path), 2, "fp32", BEFORE, AFTER)
+    assert again == first and plans == 1
+
+
+# (saved by: world, stage, precision) -> (loaded by: world, stage, precision), every stage and world size 1/2/4 on
+# both sides, a precision change each way
+RESHARDS = [
+    ((2, 3, "fp32"), (4, 1, "fp32")),
+    ((4, 2, "bf16"), (2, 3, "bf16")),
+    ((2, 1, "bf16"), (1, 0, "fp32")),
+    ((1, 0, "fp16"), (2, 3, "fp16")),
+    ((4, 3, "fp16"), (1, 2, "fp16")),
+]
+
+
+@pytest.mark.parametrize("saved_by,loaded_by", RESHARDS, ids=[f"{a}-to-{b}" for a, b in RESHARDS])
+def test_resharding_reads_exactly_what_was_saved(rank_pool, tmp_path, saved_by, loaded_by):
+    (w1, s1, p1), (w2, s2, p2) = saved_by, loaded_by
+    pool1 = rank_pool(w1) if w1 > 1 else None
+    pool2 = rank_pool(w2) if w2 > 1 else None
+    losses, saved, _end, scale = _run(pool1, W.train_then_save, str(tmp_path), s1, p1, BEFORE, AFTER)
+    client, loaded, losses2, _end2, scale2 = _run(pool2, W.load_then_train, str(tmp_path), s2, p2, BEFORE, AFTER)
+    _equal_states(saved, loaded)  # every parameter and optimizer state, whatever the layouts
+    assert client["batches_seen"] == BEFORE
+    if p1 == p2 == "fp16":
+        assert scale2 == scale  # the loss scaler resumes where it was
+    if p1 == p2 == "fp32":
+        # the next step from the same state: the same loss but for the order of the ranks' reductions
+        assert losses2[0] == pytest.approx(losses[0], rel=1e-6, abs=0)
+
+
+def test_async_save_completes_and_resumes_bitwise(rank_pool, tmp_path):
+    pool = rank_pool(2)
+    losses, _saved, end, _ = _run(pool, W.train_then_save, str(tmp_path), 1, "fp32", BEFORE, AFTER, )
+    async_dir = tmp_path / "async"
+    losses_a, saved_a, end_a, _ = pool.run(W.train_then_save, str(async_dir), 1, "fp32", BEFORE, AFTER, async_save=True)[0]
+    assert losses_a == losses
+    _, loaded, losses2, end2, _ = _run(pool, W.load_then_train, str(async_dir), 1, "fp32", BEFORE, AFTER)
+    _equal_states(saved_a, loaded)
+    assert losses2 == losses
+    _equal_states(end, end2)
+
+
+# -- single process: bad input, crashes, tampered files --------------------------------
+def _trained(steps: int = 2, config=None):
+    torch.manual_seed(0)
+    model = tiny_gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = stepfx.parallelize(config or {"gradient_clipping": 1.0})(lm_step)
+    for (b,) in token_batches(steps):
+        step(model, opt, b)
+    return model, opt, step
+
+
+def test_the_model_must_match(tmp_path):
+    _, _, step = _trained()
+    step.save_checkpoint(tmp_path)
+    other = tiny_gpt(d_model=64)
+    fresh = stepfx.parallelize({"gradient_clipping": 1.0})(lm_step)
+    with pytest.raises(CheckpointError, match=r"model/.*shape"):
+        fresh.load_checkpoint(tmp_path, model=other, optimizer=torch.optim.AdamW(other.parameters()))
+    sgd_model = tiny_gpt()
+    with pytest.raises(CheckpointError, match="optimizer is AdamW, the run's SGD"):
+        fresh.load_checkpoint(tmp_path, model=sgd_model, optimizer=torch.optim.SGD(sgd_model.parameters(), lr=0.1))
+
+
+def test_a_failed_load_changes_nothing(tmp_path):
+    model, opt, step = _trained()
+    step.save_checkpoint(tmp_path)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    data = next(f for f in os.listdir(tmp_path / "global_step2") if f.endswith(".distcp"))
+    with open(tmp_path / "global_step2" / data, "r+b") as f:
+        f.truncate(100)  # a damaged data file
+    model2, opt2, step2 = _trained(steps=1)
+    before2 = {k: v.clone() for k, v in model2.state_dict().items()}
+    with pytest.raises(CheckpointError, match="nothing was loaded"):
+        step2.load_checkpoint(tmp_path)
+    assert all(torch.equal(before2[k], v) for k, v in model2.state_dict().items())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_saving_in_the_middle_of_gradient_accumulation_is_refused(tmp_path):
+    _, _, step = _trained(steps=3, config={"gradient_clipping": 1.0, "gradient_accumulation_steps": 2,
+                                           "train_micro_batch_size_per_gpu": 2})
+    with pytest.raises(CheckpointError, match="middle of gradient accumulation"):
+        step.save_checkpoint(tmp_path)
+
+
+def test_client_state_must_be_plain_data(tmp_path):
+    _, _, step = _trained()
+    with pytest.raises(CheckpointError, match=r"client_state\['fn'\].*function"):
+        step.save_checkpoint(tmp_path, client_state={"fn": lambda: 1})
+
+
+def test_a_tampered_index_is_refused_without_running_it(tmp_path):
+    _, _, step = _trained()
+    path = step.save_checkpoint(tmp_path)
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        pickle.dump(Payload(), f)
+    model, opt, fresh = _trained(steps=1)
+    with pytest.raises(CheckpointError, match="posix.system|os.system|refusing to unpickle"):
+        fresh.load_checkpoint(tmp_path)
+    assert not marker.exists()
+    with pytest.raises(UnsafeCheckpointError):
+        from stepfx.checkpoint import read_index
+        read_index(path)
+
+
+_CRASHING_SAVE = textwrap.dedent("""
+    import os, signal, sys, torch
+    import stepfx
+    from stepfx.checkpoint import checkpoint as ck
+    from tests.steps import lm_step, tiny_gpt, token_batches
+    directory, point, tag = sys.argv[1], sys.argv[2], sys.argv[3]
+    torch.manual_seed(0)
+    model = tiny_gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = stepfx.parallelize({"gradient_clipping": 1.0})(lm_step)
+    batches = token_batches(3)
+    for (b,) in batches[:2]:
+        step(model, opt, b)
+    step.save_checkpoint(directory, tag="good")
+    torch.save({k: v.clone() for k, v in model.state_dict().items()}, os.path.join(directory, "expected.pt"))
+    step(model, opt, batches[2][0])
+    def die(at):
+        if at == point:
+            os.kill(os.getpid(), signal.SIGKILL)
+    ck._reached = die
+    step.save_checkpoint(directory, tag=tag)
+""")
+
+
+@pytest.mark.parametrize("point,tag", [("data_written", "next"), ("meta_written", "next"), ("renamed", "next"),
+                                       ("old_moved", "good")])
+def test_a_save_killed_at_any_point_leaves_the_last_checkpoint_loadable(tmp_path, point, tag):
+    proc = subprocess.run([sys.executable, "-c", _CRASHING_SAVE, str(tmp_path), point, tag],
+                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    path = resolve_checkpoint(tmp_path)
+    assert os.path.basename(path) in ("good", ".good.old")
+    expected = torch.load(tmp_path / "expected.pt", weights_only=True)
+    model = tiny_gpt()
+    fresh = stepfx.parallelize({"gradient_clipping": 1.0})(lm_step)
+    fresh.load_checkpoint(tmp_path, model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2))
+    assert all(torch.equal(expected[k], v) for k, v in model.state_dict().items())
