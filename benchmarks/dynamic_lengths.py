@@ -120,6 +120,7 @@ def main() -> None:
     ap.add_argument("--dynamic", default="auto", help='stepfx.dynamic for the stepfx systems ("auto", true, false)')
     ap.add_argument("--systems", default="stepfx-codegen,eager,compile,stepfx-codegen-fixed")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of the script (tiny sizes)")
+    ap.add_argument("--same-process", action="store_true", help="run every system in this process (cuDNN's plan cache is then shared)")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args()
     args.dynamic = {"true": True, "false": False}.get(args.dynamic, args.dynamic)
@@ -128,7 +129,25 @@ def main() -> None:
             "command": f"python3 benchmarks/dynamic_lengths.py --size {args.size} --systems {args.systems} "
                        f"--min-seq {args.min_seq} --seq {args.seq}"}
     rows = []
-    for kind in args.systems.split(","):
+    systems = args.systems.split(",")
+    if len(systems) > 1 and not args.same_process:
+        # one process per system: cuDNN caches an attention plan per shape process-wide, so a system run
+        # after another on the same lengths would find the first one's plans built (measured: ~1.6 ms of
+        # host time per attention call on a new length, 2026-12-04)
+        import subprocess
+
+        for kind in systems:
+            cmd = [sys.executable, os.path.abspath(__file__), "--systems", kind, "--size", args.size, "--seq", str(args.seq),
+                   "--min-seq", str(args.min_seq), "--batch", str(args.batch), "--warmup", str(args.warmup),
+                   "--steps", str(args.steps), "--dynamic", str(args.dynamic).lower(), "--device", args.device]
+            if args.out:
+                cmd += ["--out", args.out]
+            subprocess.run(cmd, check=False)
+        if args.out and os.path.exists(os.path.join(args.out, "dynamic_lengths.jsonl")):
+            with open(os.path.join(args.out, "dynamic_lengths.jsonl")) as f:
+                rows = [json.loads(line) for line in f]
+        systems = []
+    for kind in systems:
         try:
             row = run(kind, args)
         except Exception as exc:
@@ -136,7 +155,7 @@ def main() -> None:
             gc.collect()
             if args.device == "cuda":
                 torch.cuda.empty_cache()
-        rows.append({**meta, **row})
+        rows.append({**meta, **row, "process": "own" if len(args.systems.split(",")) == 1 else "shared"})
         print(json.dumps(rows[-1]), flush=True)
         if args.out:
             with open(os.path.join(args.out, "dynamic_lengths.jsonl"), "a") as f:
