@@ -73,7 +73,7 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # ----------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # row counts vary with the batch: one compile for all (Triton would specialize on divisibility by 16)
 def _layer_norm_fwd_kernel(X, W, B, Y, MEAN, RSTD, R, S, M, N, eps,
                            HAS_W: tl.constexpr, HAS_B: tl.constexpr,
                            HAS_R: tl.constexpr, S_BF16: tl.constexpr,
@@ -108,7 +108,7 @@ def _layer_norm_fwd_kernel(X, W, B, Y, MEAN, RSTD, R, S, M, N, eps,
     tl.store(RSTD + rows, rstd.to(RSTD.dtype.element_ty), mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # row counts vary with the batch: one compile for all (Triton would specialize on divisibility by 16)
 def _layer_norm_bwd_kernel(DY, X, W, MEAN, RSTD, DX, DW_PART, DB_PART, DS_PART, R, M, N,
                            HAS_W: tl.constexpr, DO_DX: tl.constexpr,
                            DO_DW: tl.constexpr, DO_DB: tl.constexpr,
@@ -170,7 +170,7 @@ def _layer_norm_bwd_kernel(DY, X, W, MEAN, RSTD, DX, DW_PART, DB_PART, DS_PART, 
         tl.store(DS_PART + pid.to(tl.int64) * N + cols, tl.sum(ds_acc, axis=0), mask=col_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # row counts vary with the batch: one compile for all (Triton would specialize on divisibility by 16)
 def _rms_norm_fwd_kernel(X, W, Y, RSTD, M, N, eps,
                          HAS_W: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
     # One program normalizes ROWS whole rows:
@@ -190,7 +190,7 @@ def _rms_norm_fwd_kernel(X, W, Y, RSTD, M, N, eps,
     tl.store(RSTD + rows, rstd, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # row counts vary with the batch: one compile for all (Triton would specialize on divisibility by 16)
 def _rms_norm_bwd_kernel(DY, X, W, RSTD, DX, DW_PART, M, N,
                          HAS_W: tl.constexpr, DO_DX: tl.constexpr, DO_DW: tl.constexpr,
                          ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -226,7 +226,7 @@ def _rms_norm_bwd_kernel(DY, X, W, RSTD, DX, DW_PART, M, N,
         tl.store(DW_PART + pid.to(tl.int64) * N + cols, tl.sum(dw_acc, axis=0), mask=col_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["G"])  # row counts vary with the batch: one compile for all (Triton would specialize on divisibility by 16)
 def _sum_partials_kernel(P0, P1, P2, OUT0, OUT1, OUT2, G, N,
                          DO_0: tl.constexpr, DO_1: tl.constexpr, DO_2: tl.constexpr, OUT2_BF16: tl.constexpr,
                          BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr):

@@ -376,7 +376,7 @@ def cast_pack(parts: list[tuple[torch.Tensor, int]], total: int, dtype: torch.dt
 # --------------------------------------------------------------------------- column_sum
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "rows_per_group"])  # row counts vary with the batch: one compile for all (Triton would specialize on divisibility by 16)
 def _column_partials_kernel(x_ptr, part_ptr, M, N, rows_per_group,
                             ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
     # part[r, c] = sum over rows [r*rows_per_group, (r+1)*rows_per_group) of
@@ -396,7 +396,7 @@ def _column_partials_kernel(x_ptr, part_ptr, M, N, rows_per_group,
     tl.store(part_ptr + r.to(tl.int64) * N + cols, tl.sum(acc, axis=0), mask=col_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["G"])  # row counts vary with the batch: one compile for all (Triton would specialize on divisibility by 16)
 def _column_total_kernel(part_ptr, out_ptr, G, N, OUT_BF16: tl.constexpr, BLOCK_G: tl.constexpr,
                          BLOCK_C: tl.constexpr):
     # out[c] = sum_g part[g, c], rounded once to out's dtype (to nearest even,
