@@ -34,6 +34,7 @@ from .passes.plan_zero_layout import stays_whole
 from .config.implicit import implicit_defaults
 from .config import AUTO, Config, ConfigError, load_config, resolve_batch_sizes, resolve_zero_auto
 from .errors import ExecutionError, StepfxError
+from .monitor import Monitor, dense_flops_per_token, loss_of, tokens_in
 from .graph import Role, StepGraph, Storage, TensorSpec
 from .graph.layout import LAYOUT_KEY, Sharding
 from .optimizer_builder import build_optimizer
@@ -138,6 +139,10 @@ class ParallelStep:
         self._varying: dict[str, frozenset[int]] = {}  # batch dims whose sizes differed between ranks at the first call
         self._pending_save: Any = None  # an asynchronous checkpoint save under way (checkpoint.PendingSave)
         self._save_group: Any = None  # the process group asynchronous saves run their collectives on
+        self._monitor: Monitor | None = None  # logs and DeepSpeed's monitor blocks (stepfx/monitor), from the first call
+        self._flops_per_token: float | None = None  # 6 x parameters, counted before ZeRO-3 empties the module
+        self._window_loss: torch.Tensor | None = None  # this update's micro-step losses, summed on the device
+        self._window_tokens = 0  # this update's tokens on this rank
 
     # -- calling --------------------------------------------------------------
     def __call__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *args, **kwargs) -> Any:
@@ -162,6 +167,11 @@ class ParallelStep:
             self.config = _resolve_cuda_graphs(_resolve_codegen(self.config, device_type), device_type)
             self._dp = data_parallel(device_type)
             self.config = _resolve_batch_sizes(self.config, self._dp.world_size)
+            # after the batch sizes (the monitor's x axis is samples), before any capture: a missing
+            # tensorboard/wandb package fails here, on every rank, before any state changes
+            self._monitor = Monitor(self.config, rank=self._dp.rank, world_size=self._dp.world_size)
+            atexit.register(self._monitor.close)
+            self._flops_per_token = dense_flops_per_token(model)
         elif self._dp.active and self._dp.group is None:
             raise ExecutionError(f"{self.__name__}: an earlier step failed and aborted stepfx's data-parallel group; restart the job")
         if self._calls == 1 and self._dp.active and self.config.stepfx.dynamic == "auto":
@@ -195,6 +205,8 @@ class ParallelStep:
                 self._initial_state_for = None
             raise
         self._micro_steps += 1
+        if self._monitor.active:
+            self._feed_monitor(result, args, kwargs, options, optimizer, plan)
         if self._lr_scheduler is not None and not options.accumulate_only:
             if options.loss_scale:
                 self._schedule_pending = True  # DeepSpeed does not advance it on a skipped step
@@ -638,6 +650,30 @@ class ParallelStep:
             for name, state in gather_sharded_state(layout, self._store, self._dp).items():
                 out.setdefault(name, {}).update(state)
         return out
+
+    def _feed_monitor(self, result, args, kwargs, options: CaptureOptions, optimizer, plan: Plan) -> None:
+        """Sum the loss and tokens of every micro-step; after an update, hand
+        the monitor that update's values. Device values stay on the device:
+        the monitor reads them at print steps."""
+        loss = loss_of(result)
+        if loss is not None:
+            loss = loss.detach().to(torch.float32, copy=True)  # a copy: the plan may reuse its output buffers
+            self._window_loss = loss if self._window_loss is None else self._window_loss + loss
+        self._window_tokens += tokens_in(args, kwargs) or 0
+        if options.accumulate_only:
+            return
+        state = self._store.tensors
+        self._monitor.after_update(
+            self.updates,
+            loss=None if self._window_loss is None else self._window_loss / options.grad_accumulation,
+            lr=optimizer.param_groups[0]["lr"] if optimizer is not None else None,
+            tokens=self._window_tokens * self._dp.world_size or None,  # every rank's batch assumed this size
+            peak_memory_bytes=torch.cuda.max_memory_allocated() if plan.device_type == "cuda" else None,
+            loss_scale=state.get((Role.RUNTIME_STATE, "loss_scale", None, None, Storage.RANK, None)),
+            skipped_steps=state.get((Role.RUNTIME_STATE, "skipped_steps", None, None, Storage.RANK, None)),
+            flops_per_token=self._flops_per_token,
+        )
+        self._window_loss, self._window_tokens = None, 0
 
     # -- checkpoints (stepfx/checkpoint) ------------------------------------------
     @property

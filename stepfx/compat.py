@@ -615,3 +615,16 @@ def sdpa_with_symbolic_sizes(query, key, value, attn_mask=None, dropout_p=0.0, i
         return aten._scaled_dot_product_cudnn_attention.default(query, key, value, attn_mask, grad, dropout_p,
                                                                 is_causal, False, scale=scale)[0]
     return None
+
+
+def inductor_default_cache_dir() -> str:
+    """Where inductor keeps its compiled artifacts when TORCHINDUCTOR_CACHE_DIR
+    is not set (``/tmp/torchinductor_<user>``), without creating it.
+
+    Wraps ``torch._inductor.runtime.cache_dir_utils.default_cache_dir``
+    (private). The public-looking ``cache_dir()`` beside it creates the
+    directory and writes TORCHINDUCTOR_CACHE_DIR into ``os.environ``: side
+    effects a report must not have. The caller applies the variable itself."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    return default_cache_dir()

@@ -46,6 +46,11 @@ APPLIED: frozenset[str] = frozenset({
     # built by ParallelStep on the first call (optimizer_builder, schedules)
     "optimizer.*",
     "scheduler.*",
+    # the training log and DeepSpeed's monitor blocks (stepfx/monitor)
+    "steps_per_print",
+    "tensorboard.*",
+    "csv_monitor.*",
+    "wandb.*",
 })
 
 

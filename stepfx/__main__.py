@@ -1,0 +1,7 @@
+"""``python -m stepfx``: the command line (``stepfx/cli.py``)."""
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())
