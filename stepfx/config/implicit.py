@@ -12,9 +12,24 @@ say nothing.
 """
 from __future__ import annotations
 
-from .config import Config
+import dataclasses
 
-__all__ = ["implicit_defaults"]
+from .config import Config
+from .values import AUTO
+
+__all__ = ["implicit_defaults", "fill_auto_clipping"]
+
+
+def fill_auto_clipping(config: Config) -> tuple[Config, str | None]:
+    """``"gradient_clipping": "auto"`` outside the Hugging Face Trainer (which
+    fills it from ``max_grad_norm``, default 1.0): the Trainer's default,
+    said once. Left "auto", the clipping pass would read no number and not
+    clip at all, silently."""
+    if config.gradient_clipping is not AUTO:
+        return config, None
+    note = ('gradient_clipping is "auto" and nothing filled it (the Hugging Face Trainer fills it from max_grad_norm): '
+            "clipping to global norm 1.0, the Trainer's default; set a number to choose")
+    return dataclasses.replace(config, gradient_clipping=1.0), note
 
 
 def implicit_defaults(config: Config) -> list[str]:

@@ -171,4 +171,5 @@ def block_enabled(name: str, value: Any) -> bool:
     if block.enabled_default is None or not isinstance(value, Mapping):
         return True
     enabled = value.get("enabled", block.enabled_default)
-    return is_auto(enabled) or bool(enabled)
+    # as DeepSpeed's pydantic models read it: "false" is off, not a non-empty string
+    return is_auto(enabled) or Bool()(enabled, f"{name}.enabled")

@@ -276,3 +276,10 @@ def test_raw_is_a_read_only_view_of_the_users_dict():
     user["unknown"]["x"].append(2)
     assert config.raw["unknown"]["x"] == (1, )
     assert config.optimizer.params["betas"] == (0.9, 0.99)
+
+
+def test_a_monitor_block_switched_off_by_the_string_false_is_off():
+    from stepfx.config import load_config
+
+    cfg = load_config({"tensorboard": {"enabled": "false", "output_path": "x"}, "comet": {"enabled": "false"}})
+    assert not any(p.startswith(("tensorboard", "comet")) for p in cfg.not_applied)

@@ -31,3 +31,22 @@ def test_a_config_without_gradient_clipping_is_told_once(caplog):
                          ids=["set-to-the-default", "off", "no-config"])
 def test_no_warning_when_set_or_when_there_is_no_config(config, caplog):
     assert _warnings(config, caplog) == []
+
+
+def test_auto_clipping_outside_the_trainer_clips_at_its_default_and_says_so(caplog):
+    """Left "auto", clipping would read no number and silently not clip."""
+    import logging
+
+    import torch
+
+    import stepfx
+    from tests.steps import lm_step, tiny_gpt, token_batches
+
+    model = tiny_gpt()
+    step = stepfx.parallelize({"gradient_clipping": "auto"})(lm_step)
+    with caplog.at_level(logging.WARNING, logger="stepfx"):
+        step(model, torch.optim.SGD(model.parameters(), lr=0.1), token_batches(1)[0][0])
+    assert step.config.gradient_clipping == 1.0
+    assert any('gradient_clipping is "auto"' in r.getMessage() for r in caplog.records)
+    assert "unscale_clip_gradients" in step.explain() and "clipped to norm 1" in step.explain()
+
