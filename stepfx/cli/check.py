@@ -1,41 +1,22 @@
-"""The ``stepfx`` command line (``python -m stepfx`` or the ``stepfx`` script).
-
-A thin layer: each subcommand parses its arguments, calls one public
-function of this module (``check_config``, ``environment_report``), prints
-the result as text or ``--json``, and turns it into an exit status:
-
-- 0: done (``check``: the config is valid; warnings and notes allowed),
-- 1: ``check`` found errors in the config,
-- 2: usage errors: bad arguments, a file that cannot be read, a file that
-  is not JSON (argparse's own status for bad arguments is 2 as well).
-
-Subcommands are entries of ``COMMANDS``; a new one (``export``, ``plan``)
-is one more ``Command`` there, with its own ``add_arguments`` and ``run``.
-Environment variables are read here, at the entry point, and nowhere
-deeper (STYLE.md): ``report`` reads the cache-directory variables.
-"""
+"""``stepfx check CONFIG``: a DeepSpeed config validated as stepfx reads it."""
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.metadata
-import importlib.util
 import json
 import os
-import platform
 import re
 import sys
 import warnings
-from dataclasses import dataclass, field
 from collections.abc import Mapping
-from typing import Any, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
-__all__ = ["COMMANDS", "Command", "ConfigCheck", "Finding", "check_config", "environment_report", "main"]
+from .status import EXIT_INVALID, EXIT_OK, EXIT_USAGE
 
-EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
+__all__ = ["ConfigCheck", "Finding", "check_config", "positive_int"]
 
 
-# -- check -------------------------------------------------------------------
 @dataclass(frozen=True)
 class Finding:
     """One thing ``check`` says about a config.
@@ -118,7 +99,7 @@ def check_config(path: str | os.PathLike, *, world_size: int | None = None) -> C
 def _load(path: str | os.PathLike, result: ConfigCheck):
     """``load_config(path)``, with what it says added to ``result``; None
     when the file is unreadable, not JSON, or rejected."""
-    from .config import ConfigError, ConfigWarning, load_config
+    from ..config import ConfigError, ConfigWarning, load_config
 
     try:
         with open(path, encoding="utf-8") as f:
@@ -147,8 +128,8 @@ def _load(path: str | os.PathLike, result: ConfigCheck):
 
 def _implicit_findings(config) -> list[Finding]:
     """``config.implicit``'s sentences, which name their key somewhere in the sentence rather than first."""
-    from .config.implicit import implicit_defaults
-    from .config.load import known_top_level_keys
+    from ..config.implicit import implicit_defaults
+    from ..config.load import known_top_level_keys
 
     findings = []
     for sentence in implicit_defaults(config):
@@ -162,7 +143,7 @@ def _batch_findings(config, world_size: int) -> list[Finding]:
     """DeepSpeed's batch-size arithmetic for ``world_size`` data-parallel
     ranks, as the step's first call runs it: only when the config gives a
     batch size (an "auto" one is filled by HF first)."""
-    from .config import ConfigError, resolve_batch_sizes
+    from ..config import ConfigError, resolve_batch_sizes
 
     if not any(isinstance(getattr(config, k), int) for k in ("train_batch_size", "train_micro_batch_size_per_gpu")):
         return []
@@ -209,9 +190,9 @@ def _first_call_findings(config) -> list[Finding]:
     ``resolve_auto`` has to fill them first."""
     import torch
 
-    from .config import AUTO, ConfigError, ConfigWarning
-    from .optimizer_builder import build_optimizer
-    from .schedules import build_scheduler
+    from ..config import AUTO, ConfigError, ConfigWarning
+    from ..optimizer_builder import build_optimizer
+    from ..schedules import build_scheduler
 
     findings: list[Finding] = []
     if config.optimizer is None or any(v is AUTO for v in config.optimizer.params.values()):
@@ -233,7 +214,7 @@ def _first_call_findings(config) -> list[Finding]:
 
 def _auto_paths(config) -> list[str]:
     """Canonical key paths whose value is still AUTO, in field order."""
-    from .config import AUTO
+    from ..config import AUTO
 
     skip = {"raw", "source", "ignored_keys", "not_applied"}
 
@@ -268,7 +249,7 @@ def _count(n: int, noun: str) -> str:
 
 def _check_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="path to a DeepSpeed JSON config")
-    parser.add_argument("--world-size", type=_positive_int, default=None, metavar="N",
+    parser.add_argument("--world-size", type=positive_int, default=None, metavar="N",
                         help="data-parallel ranks: also check train_batch_size = micro x accumulation x N")
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
 
@@ -279,7 +260,7 @@ def _run_check(args: argparse.Namespace) -> int:
     return result.exit_status()
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
@@ -289,176 +270,3 @@ def _positive_int(text: str) -> int:
     return value
 
 
-# -- report ------------------------------------------------------------------
-_PACKAGES = ("torch", "triton", "networkx", "sympy", "transformers", "tensorboard", "wandb")
-
-
-def environment_report(environ: dict[str, str] | None = None) -> dict[str, Any]:
-    """What a bug report needs to know about this machine, as plain JSON-ready data (like DeepSpeed's ``ds_report``).
-
-    Sections: versions, torch (CUDA/cuDNN/NCCL), devices, distributed
-    backends, triton (and whether stepfx's kernels can run), kernel caches
-    (Triton's and inductor's directories, with entry counts and sizes).
-    ``environ`` defaults to ``os.environ``; it is read for TRITON_INTERPRET
-    and the cache-directory variables, as Triton and inductor read them.
-    """
-    import torch
-    import torch.distributed as dist
-
-    from . import __version__, compat
-    from .codegen import available
-
-    env = dict(os.environ if environ is None else environ)
-    versions = {"stepfx": __version__, "python": f"{platform.python_version()} ({sys.executable})"}
-    versions.update({name: _installed_version(name) for name in _PACKAGES})
-    cudnn = torch.backends.cudnn.is_available()
-    torch_info = {
-        "cuda built": torch.version.cuda,
-        "cuda available": torch.cuda.is_available(),
-        "cudnn": torch.backends.cudnn.version() if cudnn else None,
-        "nccl": _nccl_version(),
-    }
-    devices = [{"index": i, "name": p.name, "memory_bytes": p.total_memory, "capability": f"{p.major}.{p.minor}"}
-               for i, p in ((i, torch.cuda.get_device_properties(i)) for i in range(torch.cuda.device_count()))]
-    backends = {name: bool(dist.is_available() and getattr(dist, f"is_{name}_available")())
-                for name in ("gloo", "nccl", "mpi")}
-    interpret = env.get("TRITON_INTERPRET")
-    triton = {
-        "installed": importlib.util.find_spec("triton") is not None,
-        "TRITON_INTERPRET": interpret,
-        **{f"stepfx kernels on {device}": _kernel_status(available, device, interpret) for device in ("cuda", "cpu")},
-    }
-    inductor_dir = env.get("TORCHINDUCTOR_CACHE_DIR") or compat.inductor_default_cache_dir()
-    triton_home = env.get("TRITON_HOME") or os.path.expanduser("~")
-    caches = {
-        "triton": _cache_entry(env.get("TRITON_CACHE_DIR") or os.path.join(triton_home, ".triton", "cache")),
-        "inductor": _cache_entry(inductor_dir),
-    }
-    return {"versions": versions, "torch": torch_info, "devices": devices, "distributed backends": backends,
-            "triton": triton, "kernel caches": caches}
-
-
-def _installed_version(name: str) -> str | None:
-    """The installed distribution's version (read from its metadata, without importing it), or None."""
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def _nccl_version() -> str | None:
-    """NCCL's version when this torch was built with it (CPU builds lack ``torch.cuda.nccl``'s binding)."""
-    import torch
-
-    try:
-        version = torch.cuda.nccl.version()
-    except (AttributeError, RuntimeError):
-        return None
-    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
-
-
-def _kernel_status(available: Callable[[str], tuple[bool, str]], device: str, interpret: str | None) -> str:
-    """``codegen.available`` reads TRITON_INTERPRET from the process; this
-    report's ``environ`` may differ, so on CPU the interpreter is judged from it."""
-    if device == "cpu":
-        on = interpret not in (None, "", "0")
-        return "yes (Triton interpreter: correct but slow)" if on else "no (only under TRITON_INTERPRET=1)"
-    ok, why = available(device)
-    return "yes" if ok else f"no ({why})"
-
-
-def _cache_entry(path: str) -> dict[str, Any]:
-    """A kernel cache directory: its top-level entries (one per kernel or
-    artifact kind), the files below it and their bytes. Nothing is created."""
-    entry: dict[str, Any] = {"path": path, "exists": os.path.isdir(path), "entries": 0, "files": 0, "bytes": 0}
-    if not entry["exists"]:
-        return entry
-    entry["entries"] = len(os.listdir(path))
-    for root, _, files in os.walk(path):
-        for name in files:
-            try:
-                entry["bytes"] += os.lstat(os.path.join(root, name)).st_size
-                entry["files"] += 1
-            except OSError:  # removed while we walk: another process cleaning the cache
-                continue
-    return entry
-
-
-def _format_report(report: dict[str, Any]) -> str:
-    lines = ["stepfx environment report"]
-    for section, content in report.items():
-        lines.append(f"\n{section}")
-        if section == "devices":
-            content = {f"cuda:{d['index']}": f"{d['name']}, {_bytes(d['memory_bytes'])}, compute capability "
-                       f"{d['capability']}" for d in content} or {"CUDA devices": "no CUDA device"}
-        elif section == "kernel caches":
-            content = {name: f"{c['path']}: " + (f"{c['entries']} entries, {c['files']} files, {_bytes(c['bytes'])}"
-                                                 if c["exists"] else "not created yet") for name, c in content.items()}
-        width = max(len(k) for k in content)
-        lines += [f"  {k:<{width}}  {_value(v)}" for k, v in content.items()]
-    return "\n".join(lines)
-
-
-def _value(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    return str(value)
-
-
-def _bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
-def _report_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
-
-
-def _run_report(args: argparse.Namespace) -> int:
-    report = environment_report()
-    print(json.dumps(report, indent=2) if args.json else _format_report(report))
-    return EXIT_OK
-
-
-# -- the command table and main ---------------------------------------------------
-@dataclass(frozen=True)
-class Command:
-    """One subcommand: its name, one-line help, how it adds its arguments,
-    and what it runs (returning the exit status)."""
-
-    name: str
-    help: str
-    add_arguments: Callable[[argparse.ArgumentParser], None]
-    run: Callable[[argparse.Namespace], int]
-
-
-COMMANDS: tuple[Command, ...] = (
-    Command("check", "validate a DeepSpeed JSON config as stepfx reads it", _check_arguments, _run_check),
-    Command("report", "versions, devices, backends and kernel caches (like DeepSpeed's ds_report)",
-            _report_arguments, _run_report),
-)
-
-
-def build_parser(commands: Sequence[Command] = COMMANDS) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="stepfx", description="stepfx: a compiler for whole PyTorch training steps")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for command in commands:
-        sub_parser = sub.add_parser(command.name, help=command.help, description=command.help)
-        command.add_arguments(sub_parser)
-        sub_parser.set_defaults(run=command.run)
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line on ``argv`` (default: ``sys.argv[1:]``) and return the exit status."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help(sys.stderr)
-        return EXIT_USAGE
-    return args.run(args)
