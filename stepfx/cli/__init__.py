@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from .check import ConfigCheck, Finding, _check_arguments, _run_check, check_config
+from .plan import plan_arguments, run_plan
 from .report import _report_arguments, _run_report, environment_report
 from .status import EXIT_INVALID, EXIT_OK, EXIT_USAGE
 
@@ -45,6 +46,8 @@ COMMANDS: tuple[Command, ...] = (
     Command("check", "validate a DeepSpeed JSON config as stepfx reads it", _check_arguments, _run_check),
     Command("report", "versions, devices, backends and kernel caches (like DeepSpeed's ds_report)",
             _report_arguments, _run_report),
+    Command("plan", "predict a step's per-rank memory and communication on the meta device (no GPU needed)",
+            plan_arguments, run_plan),
 )
 
 
