@@ -700,6 +700,14 @@ class ParallelStep:
 
         return load_checkpoint(self, load_dir, tag, **kwargs)
 
+    def save_pretrained(self, directory: str, *, dtype=None, max_shard_size: int | str = "5GB") -> list[str]:
+        """The whole model as Hugging Face safetensors (+ config.json for
+        transformers models); a collective, rank 0 writes
+        (stepfx/checkpoint/export.py)."""
+        from .checkpoint.export import save_pretrained
+
+        return save_pretrained(self, directory, dtype=dtype, max_shard_size=max_shard_size)
+
     def wait_checkpoint(self) -> str | None:
         """Wait for an asynchronous save to complete; its path (None if none was under way)."""
         pending, self._pending_save = self._pending_save, None

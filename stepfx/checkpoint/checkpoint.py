@@ -58,7 +58,8 @@ from .storage import SafeReader, read_index
 if TYPE_CHECKING:
     from ..api import ParallelStep
 
-__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "resolve_checkpoint", "FORMAT", "VERSION"]
+__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "resolve_checkpoint", "encode_json", "decode_json",
+           "FORMAT", "VERSION"]
 
 log = logging.getLogger("stepfx")
 
@@ -179,7 +180,7 @@ def _set_rng(values: dict[str, torch.Tensor], rank: int) -> None:
 
 
 # -- JSON for the rest ------------------------------------------------------------
-def _jsonable(value: Any, where: str, tensors: dict[str, torch.Tensor], prefix: str) -> Any:
+def encode_json(value: Any, where: str, tensors: dict[str, torch.Tensor], prefix: str) -> Any:
     """``value`` as JSON; tensors go to ``tensors`` under ``prefix`` and are
     referenced as ``{"__tensor__": fqn}``. Anything else is refused (no
     pickles: a checkpoint must load without running code)."""
@@ -190,26 +191,26 @@ def _jsonable(value: Any, where: str, tensors: dict[str, torch.Tensor], prefix: 
         tensors[fqn] = value.detach()
         return {"__tensor__": fqn}
     if isinstance(value, (list, tuple)):
-        items = [_jsonable(v, f"{where}[{i}]", tensors, prefix) for i, v in enumerate(value)]
+        items = [encode_json(v, f"{where}[{i}]", tensors, prefix) for i, v in enumerate(value)]
         return items if isinstance(value, list) else {"__tuple__": items}
     if isinstance(value, dict):
         if not all(isinstance(k, (str, int)) for k in value):
             raise CheckpointError(f"{where}: dict keys must be str or int to be saved without pickling")
-        return {"__dict__": [[k, _jsonable(v, f"{where}[{k!r}]", tensors, prefix)] for k, v in value.items()]}
+        return {"__dict__": [[k, encode_json(v, f"{where}[{k!r}]", tensors, prefix)] for k, v in value.items()]}
     raise CheckpointError(
         f"{where}: a {type(value).__name__} cannot be saved without pickling (stepfx checkpoints load without "
         "running code): use numbers, strings, lists, dicts and tensors")
 
 
-def _from_json(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
+def decode_json(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
     if isinstance(value, list):
-        return [_from_json(v, tensors) for v in value]
+        return [decode_json(v, tensors) for v in value]
     if isinstance(value, dict):
         if "__tensor__" in value:
             return tensors[value["__tensor__"]]
         if "__tuple__" in value:
-            return tuple(_from_json(v, tensors) for v in value["__tuple__"])
-        return {k: _from_json(v, tensors) for k, v in value["__dict__"]}
+            return tuple(decode_json(v, tensors) for v in value["__tuple__"])
+        return {k: decode_json(v, tensors) for k, v in value["__dict__"]}
     return value
 
 
@@ -349,7 +350,7 @@ def save_checkpoint(step: "ParallelStep", directory: str, tag: str | None = None
             state[ChunkSavePlanner.key(c.fqn, c.offsets)] = c.tensor
     rng = _rng_tensors(rank)
     client_tensors: dict[str, torch.Tensor] = {}
-    client_json = _jsonable(client_state or {}, "client_state", client_tensors, "client/")
+    client_json = encode_json(client_state or {}, "client_state", client_tensors, "client/")
     extra = {**rng, **(client_tensors if rank == 0 else {})}  # client_state: rank 0's, as DeepSpeed keeps it
     for fqn, t in extra.items():
         shapes[fqn] = tuple(t.shape)
@@ -400,12 +401,12 @@ def _metadata(step: "ParallelStep", model: torch.nn.Module, optimizer, world: in
     if optimizer is not None:
         tensors: dict[str, torch.Tensor] = {}
         meta["optimizer"] = {"type": type(optimizer).__name__,
-                             "param_groups": _jsonable(_param_groups(model, optimizer), "optimizer.param_groups", tensors, "x")}
+                             "param_groups": encode_json(_param_groups(model, optimizer), "optimizer.param_groups", tensors, "x")}
     scheduler = step._lr_scheduler
     if scheduler is not None:
         tensors = {}
         meta["lr_scheduler"] = {"type": type(scheduler).__name__,
-                                "state": _jsonable(scheduler.state_dict(), "lr_scheduler.state_dict()", tensors, "x")}
+                                "state": encode_json(scheduler.state_dict(), "lr_scheduler.state_dict()", tensors, "x")}
         if tensors:
             raise CheckpointError("lr_scheduler.state_dict() holds tensors; stepfx saves scheduler state as JSON")
     config = getattr(model, "config", None)
@@ -501,7 +502,7 @@ def load_checkpoint(step: "ParallelStep", directory: str, tag: str | None = None
     tensors = {fqn: t for fqn, t in plan.extra.items() if fqn.startswith("client/")}
     log.info("stepfx: %s: loaded %s (saved by %d ranks, ZeRO stage %s, %s)", step.__name__, path, meta["world_size"],
              meta["zero_stage"], meta["precision"])
-    return path, _from_json(meta.get("client_state") or {"__dict__": []}, tensors)
+    return path, decode_json(meta.get("client_state") or {"__dict__": []}, tensors)
 
 
 @dataclass
@@ -627,7 +628,7 @@ def _install(step, model, optimizer, plan: _LoadPlan, meta: dict, rank: int, *, 
     for ident in list(store.carried):
         store.tensors.pop(ident, None)
     if optimizer is not None and "optimizer" in meta:
-        groups = _from_json(meta["optimizer"]["param_groups"], {})
+        groups = decode_json(meta["optimizer"]["param_groups"], {})
         if len(groups) != len(optimizer.param_groups):
             raise CheckpointError(f"the checkpoint's optimizer has {len(groups)} parameter groups, the run's {len(optimizer.param_groups)}")
         for saved, group in zip(groups, optimizer.param_groups):
@@ -644,7 +645,7 @@ def _install(step, model, optimizer, plan: _LoadPlan, meta: dict, rank: int, *, 
             log.warning("stepfx: %s: the checkpoint has %s state and the run no scheduler; ignored", step.__name__,
                         meta["lr_scheduler"]["type"])
         else:
-            scheduler.load_state_dict(_from_json(meta["lr_scheduler"]["state"], {}))
+            scheduler.load_state_dict(decode_json(meta["lr_scheduler"]["state"], {}))
     step._micro_steps = int(meta.get("micro_steps", 0))
     step._scale_seen = tuple(meta.get("skipped_steps_seen", (0, 0)))
     step._scale_probe = None

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from .check import ConfigCheck, Finding, _check_arguments, _run_check, check_config
+from .export import export_arguments, import_deepspeed_arguments, run_export, run_import_deepspeed
 from .plan import plan_arguments, run_plan
 from .report import _report_arguments, _run_report, environment_report
 from .status import EXIT_INVALID, EXIT_OK, EXIT_USAGE
@@ -48,6 +49,10 @@ COMMANDS: tuple[Command, ...] = (
             _report_arguments, _run_report),
     Command("plan", "predict a step's per-rank memory and communication on the meta device (no GPU needed)",
             plan_arguments, run_plan),
+    Command("export", "consolidated safetensors (Hugging Face's layout) from a stepfx checkpoint, no GPU needed",
+            export_arguments, run_export),
+    Command("import-deepspeed", "a DeepSpeed ZeRO checkpoint (stages 1-3) as a stepfx checkpoint",
+            import_deepspeed_arguments, run_import_deepspeed),
 )
 
 
