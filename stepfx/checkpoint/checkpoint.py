@@ -32,10 +32,8 @@ has read everything, so a failed load leaves the run as it was.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import logging
-import math
 import os
 import random
 import shutil
@@ -606,7 +604,6 @@ def _install(step, model, optimizer, plan: _LoadPlan, meta: dict, rank: int, *, 
     """Everything read: put it where the run keeps it."""
     store = step._store
     params = dict(model.named_parameters())
-    buffers = dict(model.named_buffers())
     for h, value in plan.installs:
         kind = h.where[0]
         if kind == "store":

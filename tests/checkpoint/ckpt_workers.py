@@ -65,7 +65,7 @@ def train_then_save(directory: str, stage: int, precision: str, before: int, aft
         step(model, opt, b)
     saved = whole_state(step, model)
     scale = step.loss_scale
-    pending = step.save_checkpoint(directory, client_state={"batches_seen": before, "note": "x"}, async_save=async_save)
+    step.save_checkpoint(directory, client_state={"batches_seen": before, "note": "x"}, async_save=async_save)
     losses = [global_loss(step(model, opt, b)) for b in data[before:]]
     if async_save:
         step.wait_checkpoint()
