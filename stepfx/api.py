@@ -136,6 +136,7 @@ class ParallelStep:
         self._agreed: set[tuple] = set()  # collective fingerprints every rank's pre-flight agreed on
         self._initial_state_for: Any = None  # the optimizer whose lazy state was created up front (once)
         self._described: dict = {}  # held entries _create_optimizer_state made, until the first run replaces them
+        self._moved_state: dict = {}  # parameter -> optimizer state moved to the rank's held map at this call (restored if it fails)
         self._varying: dict[str, frozenset[int]] = {}  # batch dims whose sizes differed between ranks at the first call
         self._pending_save: Any = None  # an asynchronous checkpoint save under way (checkpoint.PendingSave)
         self._save_group: Any = None  # the process group asynchronous saves run their collectives on
@@ -204,7 +205,11 @@ class ParallelStep:
             if fresh:  # the state this call created goes again: the optimizer as it was
                 self._drop_fresh_state(model, optimizer, fresh)
                 self._initial_state_for = None
+            for p, moved in self._moved_state.items():  # and the state it had, back where it was
+                optimizer.state[p] = moved
+            self._moved_state.clear()
             raise
+        self._moved_state.clear()
         self._micro_steps += 1
         if self._monitor.active:
             self._feed_monitor(result, args, kwargs, options, optimizer, plan)
@@ -282,6 +287,14 @@ class ParallelStep:
             def rank_holds(p):
                 return not stays_whole(stage, p.numel(), p.dim(), persist)
         created, for_rank = create_initial_state(optimizer, rank_holds)
+        if rank_holds is not None and not created and not for_rank:
+            # state the optimizer already has (a loaded checkpoint, a resumed optimizer): the rank
+            # holds that of sharded buckets from the first capture on, as it will after the first run,
+            # so the second call sees the same state and does not capture again
+            for p in [p for p in list(optimizer.state) if optimizer.state[p] and rank_holds(p)]:
+                moved = optimizer.state.pop(p)
+                self._moved_state[p] = moved
+                for_rank[p] = {k: v for k, v in moved.items() if isinstance(v, torch.Tensor)}
         names = {id(p): n for n, p in model.named_parameters()}
         fresh = [(names[id(p)], ()) for p in created if id(p) in names]
         if stage == 3 and not self._store.tensors and not any(k[0] is Role.PARAM for k in self._store.held):

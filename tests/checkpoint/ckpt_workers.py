@@ -86,7 +86,7 @@ def load_then_train(directory: str, stage: int, precision: str, before: int, aft
             loaded[f"optim/{names[id(p)]}/{key}"] = value.detach().clone()
     data = batches(before + after)
     losses = [global_loss(step(model, opt, b)) for b in data[before:]]
-    return client, loaded, losses, whole_state(step, model), scale
+    return client, loaded, losses, whole_state(step, model), scale, len(step.plans)
 
 
 def resume_in_place(directory: str, stage: int, precision: str, before: int, after: int):

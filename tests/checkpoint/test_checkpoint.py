@@ -38,9 +38,10 @@ def _run(pool_or_none, fn, *args):
 def test_resume_on_the_same_ranks_is_bitwise(rank_pool, tmp_path, stage):
     pool = rank_pool(2)
     losses, _saved, end, _ = _run(pool, W.train_then_save, str(tmp_path), stage, "fp32", BEFORE, AFTER)
-    client, loaded, losses2, end2, _ = _run(pool, W.load_then_train, str(tmp_path), stage, "fp32", BEFORE, AFTER)
+    client, loaded, losses2, end2, _, plans = _run(pool, W.load_then_train, str(tmp_path), stage, "fp32", BEFORE, AFTER)
     assert client == {"batches_seen": BEFORE, "note": "x"}
     assert losses2 == losses
+    assert plans == 1  # the loaded optimizer state is held by the ranks from the first capture on
     _equal_states(end, end2)
     assert open(tmp_path / "latest").read() == f"global_step{BEFORE}"
 
@@ -68,7 +69,7 @@ def test_resharding_reads_exactly_what_was_saved(rank_pool, tmp_path, saved_by, 
     pool1 = rank_pool(w1) if w1 > 1 else None
     pool2 = rank_pool(w2) if w2 > 1 else None
     losses, saved, _end, scale = _run(pool1, W.train_then_save, str(tmp_path), s1, p1, BEFORE, AFTER)
-    client, loaded, losses2, _end2, scale2 = _run(pool2, W.load_then_train, str(tmp_path), s2, p2, BEFORE, AFTER)
+    client, loaded, losses2, _end2, scale2, _ = _run(pool2, W.load_then_train, str(tmp_path), s2, p2, BEFORE, AFTER)
     _equal_states(saved, loaded)  # every parameter and optimizer state, whatever the layouts
     assert client["batches_seen"] == BEFORE
     if p1 == p2 == "fp16":
@@ -84,7 +85,7 @@ def test_async_save_completes_and_resumes_bitwise(rank_pool, tmp_path):
     async_dir = tmp_path / "async"
     losses_a, saved_a, end_a, _ = pool.run(W.train_then_save, str(async_dir), 1, "fp32", BEFORE, AFTER, async_save=True)[0]
     assert losses_a == losses
-    _, loaded, losses2, end2, _ = _run(pool, W.load_then_train, str(async_dir), 1, "fp32", BEFORE, AFTER)
+    _, loaded, losses2, end2, _, _ = _run(pool, W.load_then_train, str(async_dir), 1, "fp32", BEFORE, AFTER)
     _equal_states(saved_a, loaded)
     assert losses2 == losses
     _equal_states(end, end2)
@@ -126,6 +127,24 @@ def test_a_failed_load_changes_nothing(tmp_path):
         step2.load_checkpoint(tmp_path)
     assert all(torch.equal(before2[k], v) for k, v in model2.state_dict().items())
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_failed_first_call_after_loading_keeps_the_loaded_optimizer_state(tmp_path):
+    """Under ZeRO 1-3 the first call moves the loaded state to the rank's
+    held map; a call that fails puts it back in the optimizer."""
+    config = {"gradient_clipping": 1.0, "zero_optimization": {"stage": 1}}
+    _, _, step = _trained(config=config)
+    step.save_checkpoint(tmp_path)
+    model = tiny_gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    fresh = stepfx.parallelize(config)(lm_step)
+    fresh.load_checkpoint(tmp_path, model=model, optimizer=opt)
+    before = {id(p): {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()}
+    with pytest.raises(Exception):
+        fresh(model, opt, torch.zeros(2, 9))  # float token ids: the capture fails
+    assert {id(p): set(s) for p, s in opt.state.items()} == {k: set(v) for k, v in before.items()}
+    assert all(torch.equal(before[id(p)][k], v) for p, s in opt.state.items() for k, v in s.items())
+    fresh(model, opt, token_batches(1)[0][0])  # and the step then runs from it
 
 
 def test_saving_in_the_middle_of_gradient_accumulation_is_refused(tmp_path):
