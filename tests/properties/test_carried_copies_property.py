@@ -60,7 +60,7 @@ def _run(sizes, bias, precision, lr, wd, two_groups, steps, edit, seed, carry):
     return losses, [p.detach().clone() for p in model.parameters()], step
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     widths=st.lists(st.integers(1, 12), min_size=1, max_size=2),
     d_in=st.integers(1, 9),
