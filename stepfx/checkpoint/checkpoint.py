@@ -38,6 +38,7 @@ import os
 import random
 import shutil
 import sys
+import threading
 import time
 import warnings
 from contextlib import contextmanager
@@ -290,24 +291,44 @@ def _publish(directory: str, tag: str, partial: str) -> None:
 
 
 class PendingSave:
-    """An asynchronous save under way: :meth:`wait` returns once the
-    checkpoint is complete and ``latest`` names it (re-raising a failure)."""
+    """An asynchronous save under way. Rank 0 publishes the checkpoint
+    (``stepfx.json``, the rename, ``latest``) as soon as the background write
+    completes, whether or not anyone waits; :meth:`wait` returns the path
+    once it is published and re-raises a failure of the write or of the
+    publishing."""
 
     def __init__(self, future: Any, finish: Any, started: float):
         self._future = future
         self._finish = finish
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
         self.started = started
         self.finished_at: float | None = None
+        self.path: str | None = None
+        future.add_done_callback(lambda _: self._publish())
+
+    def _publish(self) -> None:
+        with self._lock:  # once: from the writer's completion callback or from wait(), whichever comes first
+            if self.finished_at is not None or self._error is not None:
+                return
+            try:
+                self._future.result()
+                self.path = self._finish()
+                self.finished_at = time.perf_counter()
+            except BaseException as exc:  # noqa: BLE001 - re-raised by wait()
+                self._error = exc
 
     def done(self) -> bool:
-        return self.finished_at is not None or self._future.done()
+        return self.finished_at is not None or self._error is not None
 
     def wait(self) -> str:
-        self._future.result()
-        if self.finished_at is None:
-            path = self._finish()
-            self.finished_at = time.perf_counter()
-            self.path = path
+        try:
+            self._future.result()
+        except BaseException:  # noqa: BLE001 - recorded by _publish
+            pass
+        self._publish()
+        if self._error is not None:
+            raise self._error
         return self.path
 
 

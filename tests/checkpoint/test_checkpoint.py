@@ -102,6 +102,21 @@ def _trained(steps: int = 2, config=None):
     return model, opt, step
 
 
+def test_an_async_save_is_published_without_waiting(tmp_path):
+    """The background write's completion publishes the checkpoint (the
+    rename and ``latest``) while training goes on; nobody has to wait."""
+    import time
+
+    model, opt, step = _trained()
+    pending = step.save_checkpoint(tmp_path, async_save=True)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "latest").exists() and time.monotonic() < deadline:
+        step(model, opt, token_batches(1)[0][0])
+        time.sleep(0.02)
+    assert (tmp_path / "latest").read_text() == "global_step2" and pending.done()
+    assert step.wait_checkpoint() == str(tmp_path / "global_step2")
+
+
 def test_the_model_must_match(tmp_path):
     _, _, step = _trained()
     step.save_checkpoint(tmp_path)
