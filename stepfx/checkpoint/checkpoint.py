@@ -58,7 +58,7 @@ if TYPE_CHECKING:
     from ..api import ParallelStep
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "resolve_checkpoint", "encode_json", "decode_json",
-           "FORMAT", "VERSION"]
+           "fsync_dir", "write_file", "publish", "quiet_single_process", "FORMAT", "VERSION"]
 
 log = logging.getLogger("stepfx")
 
@@ -69,7 +69,7 @@ META_FILE = "stepfx.json"
 
 
 @contextmanager
-def _quiet_single_process():
+def quiet_single_process():
     """DCP warns at every save or load it runs without collectives, which
     stepfx asks for on purpose (one process; or loads each rank plans alone)."""
     with warnings.catch_warnings():
@@ -243,7 +243,7 @@ def _agree(group: Any, value: Any, what: str) -> None:
         raise CheckpointError(f"the ranks passed different {what}: {everyone}")
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -256,7 +256,7 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _write_file(path: str, text: str) -> None:
+def write_file(path: str, text: str) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
         f.write(text)
@@ -270,7 +270,7 @@ def _reached(point: str) -> None:
     ``point`` of a save; does nothing otherwise."""
 
 
-def _publish(directory: str, tag: str, partial: str) -> None:
+def publish(directory: str, tag: str, partial: str) -> None:
     """Rank 0, after every rank's files and DCP's index are written: the
     partial directory becomes ``tag``, then ``latest`` names it."""
     final = os.path.join(directory, tag)
@@ -281,10 +281,10 @@ def _publish(directory: str, tag: str, partial: str) -> None:
         os.replace(final, old)
         _reached("old_moved")
     os.replace(partial, final)
-    _fsync_dir(directory)
+    fsync_dir(directory)
     _reached("renamed")
-    _write_file(os.path.join(directory, LATEST), tag)
-    _fsync_dir(directory)
+    write_file(os.path.join(directory, LATEST), tag)
+    fsync_dir(directory)
     _reached("published")
     if os.path.exists(old):
         shutil.rmtree(old, ignore_errors=True)
@@ -305,9 +305,9 @@ class PendingSave:
         self.started = started
         self.finished_at: float | None = None
         self.path: str | None = None
-        future.add_done_callback(lambda _: self._publish())
+        future.add_done_callback(lambda _: self._complete())
 
-    def _publish(self) -> None:
+    def _complete(self) -> None:
         with self._lock:  # once: from the writer's completion callback or from wait(), whichever comes first
             if self.finished_at is not None or self._error is not None:
                 return
@@ -324,9 +324,9 @@ class PendingSave:
     def wait(self) -> str:
         try:
             self._future.result()
-        except BaseException:  # noqa: BLE001 - recorded by _publish
+        except BaseException:  # noqa: BLE001 - recorded by _complete
             pass
-        self._publish()
+        self._complete()
         if self._error is not None:
             raise self._error
         return self.path
@@ -382,21 +382,21 @@ def save_checkpoint(step: "ParallelStep", directory: str, tag: str | None = None
     def finish() -> str:
         _reached("data_written")
         if rank == 0:
-            _write_file(os.path.join(partial, META_FILE), json.dumps(meta, indent=1, allow_nan=True))
+            write_file(os.path.join(partial, META_FILE), json.dumps(meta, indent=1, allow_nan=True))
             _reached("meta_written")
-            _publish(directory, tag, partial)
+            publish(directory, tag, partial)
             log.info("stepfx: %s: checkpoint %s saved (%d ranks)", step.__name__, os.path.join(directory, tag), world)
         return os.path.join(directory, tag)
 
     started = time.perf_counter()
     if not async_save:
-        with _quiet_single_process():
+        with quiet_single_process():
             dcp.save(state, storage_writer=writer, planner=planner, process_group=group, no_dist=group is None)
         path = finish()
         if group is not None:
             dist.barrier(group=group)  # every rank returns once the checkpoint is complete
         return path
-    with _quiet_single_process():
+    with quiet_single_process():
         future = dcp.async_save(state, storage_writer=writer, planner=planner, process_group=step._checkpoint_group(),
                                 no_dist=group is None)
     pending = PendingSave(future, finish, started)
@@ -503,7 +503,7 @@ def load_checkpoint(step: "ParallelStep", directory: str, tag: str | None = None
         plan = _load_plan(step, model, optimizer, meta, index, rank, load_optimizer_states=load_optimizer_states,
                           load_rng=load_rng_states)
         if plan.chunks:
-            with _quiet_single_process():
+            with quiet_single_process():
                 dcp.load({}, storage_reader=SafeReader(path), planner=ChunkLoadPlanner(plan.chunks), no_dist=True)
     except BaseException as exc:  # noqa: BLE001 - reported on every rank below
         error = exc

@@ -80,7 +80,6 @@ import pickle
 import re
 import shutil
 import time
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,7 +87,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
-from .checkpoint import FORMAT, LATEST, META_FILE, VERSION, CheckpointError, encode_json
+from .checkpoint import FORMAT, META_FILE, VERSION, CheckpointError, encode_json, publish, quiet_single_process, write_file
 from .storage import UnsafeCheckpointError
 
 __all__ = ["DeepSpeedImportError", "DeepSpeedRecord", "import_deepspeed", "load_deepspeed_file"]
@@ -463,15 +462,6 @@ def _precision(ds_config: dict) -> str:
     return "fp16" if enabled("fp16") else "bf16" if enabled("bf16") or enabled("bfloat16") else "fp32"
 
 
-def _write_file(path: str, text: str) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _model_tensors(files: _Files, whole: _Whole) -> dict[str, torch.Tensor]:
     """Trained and frozen parameters and buffers, in the module's state-dict
     order; buffers' floating values as fp32 (as DeepSpeed's zero_to_fp32)."""
@@ -566,12 +556,10 @@ def import_deepspeed(ds_checkpoint_dir: str | os.PathLike, out_dir: str | os.Pat
     partial = os.path.join(out_dir, f".{files.tag}.partial")
     if os.path.exists(partial):
         shutil.rmtree(partial)  # an import that died: nothing points at it
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+    with quiet_single_process():
         dcp.save(tensors, storage_writer=FileSystemWriter(partial), no_dist=True)
-    _write_file(os.path.join(partial, META_FILE), json.dumps(meta, indent=1, allow_nan=True))
-    os.replace(partial, final)
-    _write_file(os.path.join(out_dir, LATEST), files.tag)
+    write_file(os.path.join(partial, META_FILE), json.dumps(meta, indent=1, allow_nan=True))
+    publish(out_dir, files.tag, partial)
     log.info("stepfx: imported DeepSpeed %s checkpoint %s (ZeRO-%d, %d ranks) into %s", meta["deepspeed"]["version"],
              files.folder, files.stage, files.world, final)
     return final

@@ -55,7 +55,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from .checkpoint import FORMAT, META_FILE, VERSION, CheckpointError, resolve_checkpoint
+from .checkpoint import FORMAT, META_FILE, VERSION, CheckpointError, fsync_dir, resolve_checkpoint
 from .storage import SafeReader, read_index
 
 if TYPE_CHECKING:
@@ -181,19 +181,6 @@ def plan_shards(sizes: Mapping[str, int], max_bytes: int) -> list[list[str]]:
 
 
 # -- files -----------------------------------------------------------------------------
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _fsync_file(path: str) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())
@@ -231,16 +218,16 @@ class _Staging:
         for name in stale_entries:  # no earlier index may name files that are being replaced
             if os.path.exists(os.path.join(d, name)):
                 os.remove(os.path.join(d, name))
-        _fsync_dir(d)
+        fsync_dir(d)
         for name, tmp in self.files.items():
             if name != entry:
                 os.replace(tmp, os.path.join(d, name))
-        _fsync_dir(d)
+        fsync_dir(d)
         os.replace(self.files[entry], os.path.join(d, entry))
         for name in os.listdir(d):
             if _SHARD_NAME.fullmatch(name) and name not in self.files:
                 os.remove(os.path.join(d, name))
-        _fsync_dir(d)
+        fsync_dir(d)
 
 
 def _write(directory: str | os.PathLike, sizes: Mapping[str, int], load: Callable[[list[str]], dict[str, torch.Tensor]],
