@@ -528,6 +528,12 @@ def symbol_values(shape_env, symbols) -> dict:
     return out
 
 
+def size_hint(size) -> int:
+    """The concrete value behind a size: a symbolic one's hint (the size of
+    the call being traced), a static one itself."""
+    return _hint(size)
+
+
 def _hint(size) -> int:
     """The concrete value behind a size (a symbolic one's hint: the size of
     the call being traced). ``SymNode.hint`` is private."""

@@ -116,6 +116,9 @@ def _tracing_checks_section(plan) -> list[str]:
              "(as under torch.compile), e.g. an explicit attention mask where eager calls SDPA with is_causal; "
              "results may differ from eager in the last bits:"]
     lines.extend(f"  {check.describe()}" for check in checks)
+    folded = [r.summary for r in plan.records if r.name == "fold_causal_masks" and r.changed]
+    if folded:
+        lines.append(f"  undone where it built SDPA's causal mask: {folded[0]}, as eager calls it")
     lines.append("")
     return lines
 

@@ -8,6 +8,7 @@ from .batch_sum_squares import batch_sum_squares
 from .carry_parameter_copies import carry_parameter_copies
 from .drop_profiler_nodes import drop_profiler_nodes
 from .eliminate_dead_code import eliminate_dead_code
+from .fold_causal_masks import fold_causal_masks
 from .fold_gradient_casts import fold_gradient_casts
 from .functionalize_graph import functionalize_graph
 from .fuse_bucket_packing import fuse_bucket_packing
@@ -75,6 +76,12 @@ PIPELINE: tuple[PipelineEntry, ...] = (
         "prune_unchanged_outputs",
         prune_unchanged_outputs,
         "needs aliases gone to see that an output is its own input (frozen params, untouched buffers)",
+    ),
+    PipelineEntry(
+        "fold_causal_masks",
+        fold_causal_masks,
+        "a cleanup, before eliminate_dead_code (which removes the mask's computation once no attention reads it): "
+        "attention runs as eager's, with is_causal and no mask, where the library built one only because it saw tracing",
     ),
     PipelineEntry(
         "eliminate_dead_code",
