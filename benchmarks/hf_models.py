@@ -14,7 +14,8 @@ labels (the model's own causal-LM loss: shifted labels, ignore_index
 - ``compile``: the same with the whole model ``torch.compile``d
   (``model.compile()``);
 - ``stepfx``: ``{"bf16": {"enabled": true}, "gradient_clipping": 1.0,
-  "stepfx": {"codegen": true}}`` around the plain step.
+  "stepfx": {"codegen": true}}`` around the plain step; ``stepfx-graphs``
+  the same replayed as CUDA graphs (``"cuda_graphs": true``).
 
 Each system: ``--warmup`` steps (the first call timed alone as
 ``first_call_s``), then ``--steps`` timed steps; peak memory counted from
@@ -112,10 +113,11 @@ def run(family: str, kind: str, args) -> dict:
     model, config = build(family, args.seq)
     model = model.to(device)
     adamw = dict(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
-    if kind == "stepfx":
+    if kind.startswith("stepfx"):  # stepfx-graphs: the step replayed as CUDA graphs
         optimizer = torch.optim.AdamW(model.parameters(), **adamw)
         step = stepfx.parallelize({"bf16": {"enabled": True}, "gradient_clipping": 1.0,
-                                   "stepfx": {"codegen": True, "disable": args.disable.split("+") if args.disable else []}})(plain_step)
+                                   "stepfx": {"codegen": True, "cuda_graphs": kind == "stepfx-graphs",
+                                              "disable": args.disable.split("+") if args.disable else []}})(plain_step)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), fused=True, **adamw)
         if kind == "compile":
@@ -144,13 +146,13 @@ def run(family: str, kind: str, args) -> dict:
            "timing": times}
     if args.profile:
         row["profile"] = profile(f"{family}_{kind}", one, args, trace=f"{family}_{kind}" in args.trace.split(","))
-    if kind == "stepfx":
+    if kind.startswith("stepfx"):
         row["captures"] = len(step.plans)
         text = step.explain()
         section = text.split("codegen:", 1)[1].split("\n\n", 1)[0] if "codegen:" in text else ""
         row["codegen"] = [line.strip() for line in section.splitlines()]
         if args.out:
-            with open(os.path.join(args.out, f"explain_{family}.txt"), "w") as f:
+            with open(os.path.join(args.out, f"explain_{family}_{kind}.txt"), "w") as f:
                 f.write(text)
     del step, model, optimizer, batches
     gc.collect()

@@ -266,3 +266,32 @@ def dtype_cast(node: fx.Node) -> "tuple[torch.Tensor, torch.Tensor] | None":
     if extra.get("device", src.device) != src.device or out.shape != src.shape:
         return None
     return src, out
+
+
+# what fuse_generic_regions hands to inductor besides pointwise ops and casts: row reductions, and the data
+# movement inductor fuses into the pointwise code around it (rotary embeddings' rotate_half and its backward)
+GENERIC_REDUCTIONS = frozenset({aten.mean.dim, aten.sum.dim_IntList})
+GENERIC_MOVES = frozenset({aten.cat.default, aten.slice_backward.default})
+
+
+def is_generic_fusible(node: fx.Node) -> bool:
+    """A forward or backward op that a generic region (inductor) computes:
+    pointwise, a dtype cast, a row reduction or cat / slice_backward, on
+    floating-point or boolean tensors, neither random nor with side effects.
+    Views are not counted here (they compute nothing)."""
+    from .step_graph import META_PHASE, Phase
+
+    if node.op != "call_function" or node.meta.get(META_PHASE) not in (Phase.FORWARD, Phase.BACKWARD):
+        return False
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    if not (torch.Tag.pointwise in target.tags or target in GENERIC_REDUCTIONS or target in GENERIC_MOVES
+            or dtype_cast(node) is not None):
+        return False
+    if has_side_effect(node) or is_random(node):
+        return False
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor) or not (val.is_floating_point() or val.dtype == torch.bool):
+        return False
+    return all(isinstance(a.meta.get("val"), torch.Tensor) for a in node.all_input_nodes)

@@ -11,7 +11,9 @@ more than the bytes, and Triton's Python launcher costs more than aten's.
 Requires: nothing beyond a functional graph. Ensures: every
 ``_to_copy(x, dtype=bf16|fp16)`` of a contiguous fp32 ``x`` of at least
 ``MIN_NUMEL`` elements, on the same device and layout, is a call of
-:func:`stepfx.codegen.graph_ops.cast`. Matched by op identity.
+:func:`stepfx.codegen.graph_ops.cast` — except, where generic regions
+apply, a cast of an op such a region computes (it joins that region).
+Matched by op identity.
 
 Before / after::
 
@@ -24,7 +26,7 @@ import torch.fx as fx
 
 from ..graph import StepGraph
 from ..graph.build import swap_calls
-from ..graph.ops import dtype_cast
+from ..graph.ops import dtype_cast, is_generic_fusible
 from .manager import PassOptions, PassResult
 
 __all__ = ["fuse_casts", "MIN_NUMEL"]
@@ -43,8 +45,12 @@ def _castable(node: fx.Node) -> bool:
 
 def fuse_casts(graph: StepGraph, options: PassOptions) -> PassResult:
     from ..codegen import graph_ops
+    from .fuse_generic_regions import regions_apply
 
-    found = [n for n in graph.gm.graph.nodes if _castable(n)]
+    # a cast of what a generic region computes (an RMSNorm's fp32 result) is left to join that region: cast
+    # apart, the fp32 tensor would be written out and read back
+    leave = regions_apply(options)
+    found = [n for n in graph.gm.graph.nodes if _castable(n) and not (leave and is_generic_fusible(n.args[0]))]
     if not found:
         return PassResult(graph, False)
     graph = swap_calls(graph, found, graph_ops.cast,

@@ -45,7 +45,7 @@ import torch.fx as fx
 
 from ..graph import META_PHASE, Phase, StepGraph
 from ..graph.build import clone_step_graph
-from ..graph.ops import dtype_cast, has_side_effect, is_random
+from ..graph.ops import has_side_effect, is_generic_fusible
 from .collectives import make_node
 from .manager import PassOptions, PassResult
 
@@ -65,23 +65,30 @@ def regions_apply(options) -> bool:
     return codegen_enabled(options) and (options.device_type == "cuda" or ON_CPU)
 
 
-_REDUCTIONS = frozenset({aten.mean.dim, aten.sum.dim_IntList})
+_VIEWS = frozenset({aten.slice.Tensor, aten.unsqueeze.default, aten.squeeze.dim, aten.expand.default,
+                    aten.transpose.int, aten.permute.default, aten.view.default, aten._unsafe_view.default,
+                    aten.select.int})
+
+
+def _phase(node: fx.Node):
+    return node.meta.get(META_PHASE)
+
+
+def _computes(node: fx.Node) -> bool:
+    return is_generic_fusible(node)
 
 
 def _candidate(node: fx.Node) -> bool:
-    if node.op != "call_function" or node.meta.get(META_PHASE) not in (Phase.FORWARD, Phase.BACKWARD):
-        return False
-    target = node.target
-    if not isinstance(target, torch._ops.OpOverload):
-        return False
-    if not (torch.Tag.pointwise in target.tags or target in _REDUCTIONS or dtype_cast(node) is not None):
-        return False
-    if has_side_effect(node) or is_random(node):
+    """What a region may hold: the ops above, and views read only by them in the same phase (a view inside a
+    region costs nothing; one read outside would make the region write a copy)."""
+    if _computes(node):
+        return True
+    if node.op != "call_function" or node.target not in _VIEWS or _phase(node) not in (Phase.FORWARD, Phase.BACKWARD):
         return False
     val = node.meta.get("val")
-    if not isinstance(val, torch.Tensor) or not (val.is_floating_point() or val.dtype == torch.bool):
+    if not isinstance(val, torch.Tensor) or not val.is_floating_point() or not node.users:
         return False
-    return all(isinstance(a.meta.get("val"), torch.Tensor) for a in node.all_input_nodes)
+    return all(_phase(u) == _phase(node) and _candidate(u) for u in node.users)
 
 
 @dataclasses.dataclass
@@ -91,30 +98,45 @@ class _Region:
     at_last: bool = True  # nothing outside reads its values before its last op
 
 
+def _placement(nodes: list, members: set, order: dict) -> tuple[bool, bool]:
+    """(at_first, at_last) for a region of ``nodes`` (in program order)."""
+    first, last = order[nodes[0]], order[nodes[-1]]
+    at_first = all(a in members or order[a] < first for n in nodes for a in n.all_input_nodes)
+    at_last = all(u in members or order[u] > last for n in nodes for u in n.users)
+    return at_first, at_last
+
+
 def _regions(g: fx.Graph) -> list[_Region]:
+    """Regions grown in program order; a candidate reading several regions of its phase merges them when the
+    merged region can still be placed (SwiGLU's silu(gate) * up, rotary's q*cos + rotate_half(q)*sin)."""
     order = {n: i for i, n in enumerate(g.nodes)}
     region_of: dict[fx.Node, _Region] = {}
     regions: list[_Region] = []
     for node in g.nodes:
         if not _candidate(node):
             continue
-        owners = {id(region_of[a]): region_of[a] for a in node.all_input_nodes if a in region_of}
+        owners = list({id(region_of[a]): region_of[a] for a in node.all_input_nodes
+                       if a in region_of and _phase(region_of[a].nodes[0]) == _phase(node)}.values())
         joined = None
-        if len(owners) == 1:
-            (r,) = owners.values()
-            first = order[r.nodes[0]]
-            at_first = r.at_first and all(region_of.get(a) is r or order[a] < first for a in node.all_input_nodes)
-            at_last = r.at_last and all(u is node or region_of.get(u) is r or order[u] > order[node]
-                                        for m in r.nodes for u in m.users)
+        # all of them at once, else the one made last that can take it (the others' values are then its inputs)
+        tries = [owners] + [[r] for r in sorted(owners, key=lambda r: order[r.nodes[-1]], reverse=True)] if len(owners) > 1 else [owners]
+        for group in tries if owners else ():
+            nodes = sorted([n for r in group for n in r.nodes] + [node], key=order.__getitem__)
+            at_first, at_last = _placement(nodes, set(nodes), order)
             if at_first or at_last:
-                r.at_first, r.at_last = at_first, at_last
-                joined = r
+                joined = group[0]
+                joined.nodes, joined.at_first, joined.at_last = nodes, at_first, at_last
+                for other in group[1:]:
+                    regions.remove(other)
+                for n in nodes:
+                    region_of[n] = joined
+                break
         if joined is None:
-            joined = _Region([])
+            joined = _Region([node])
             regions.append(joined)
-        joined.nodes.append(node)
-        region_of[node] = joined
-    return [r for r in regions if len(r.nodes) > 1]
+            region_of[node] = joined
+    # worth a call: two ops that compute something (views alone move nothing)
+    return [r for r in regions if sum(_computes(n) for n in r.nodes) > 1]
 
 
 def _cut(g: fx.Graph, nodes: list[fx.Node]):

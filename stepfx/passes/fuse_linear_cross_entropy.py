@@ -5,8 +5,8 @@ Requires: a functional graph; the loss written the usual way —
 ``F.cross_entropy(hidden @ W.T, target)``, optionally with ``.float()`` on the
 logits — which captures as::
 
-    forward:   mm(H, t(W)) -> views -> [_to_copy(f32)] -> _log_softmax -> nll_loss_forward
-    backward:  nll_loss_backward -> _log_softmax_backward_data -> [_to_copy] -> views
+    forward:   mm(H, t(W)) -> views -> [_to_copy(f32) -> views] -> _log_softmax -> nll_loss_forward
+    backward:  nll_loss_backward -> _log_softmax_backward_data -> [views -> _to_copy] -> views
                -> mm(t(dL), H) (the weight's gradient) and mm(dL, t(t(W))) (the hidden state's)
 
 Ensures: each such chain (matched by op identity, every intermediate read
@@ -101,7 +101,8 @@ def _match(nll: fx.Node) -> _Match | str:
         return "reduction 'none'"
     if not (isinstance(logp, fx.Node) and logp.target is aten._log_softmax.default and logp.args[1:] == (1, False)):
         return "the loss does not read a log-softmax over classes"
-    logits = logp.args[0]
+    # views may sit on either side of the upcast (Hugging Face: mm -> [B, S, V] -> float() -> [B*S, V])
+    logits = _through_views(logp.args[0])
     cast = None
     if logits.target is aten._to_copy.default and set(logits.kwargs) <= {"dtype", "layout", "device"}:
         cast, logits = logits, logits.args[0]
@@ -113,9 +114,9 @@ def _match(nll: fx.Node) -> _Match | str:
     if wt.target not in _TRANSPOSES:
         return "the matmul does not read a transposed weight"
     weight = wt.args[0]
-    if tuple(mm.meta["val"].shape) != tuple(logits.meta["val"].shape):
+    if tuple(mm.meta["val"].shape) != tuple(logp.args[0].meta["val"].shape):
         return "the logits are reshaped"
-    if _view_users(mm) != [cast if cast is not None else logp] or (cast is not None and list(cast.users) != [logp]):
+    if _view_users(mm) != [cast if cast is not None else logp] or (cast is not None and _view_users(cast) != [logp]):
         return "the logits are read elsewhere"
     for value in (hidden, weight):
         if not value.meta["val"].is_contiguous():
@@ -139,7 +140,7 @@ def _match(nll: fx.Node) -> _Match | str:
         return "the log-softmax is read elsewhere"
     dl = sm
     if logits_dtype is not None:
-        (cast,) = sm.users if len(sm.users) == 1 else (None,)
+        (cast,) = readers if len(readers := _view_users(sm)) == 1 else (None,)
         if cast is None or cast.target is not aten._to_copy.default or cast.kwargs.get("dtype") != mm.meta["val"].dtype:
             return "the logits gradient is not cast back like the logits"
         dl = cast

@@ -292,8 +292,8 @@ def test_parameter_casts_batched_into_one_launch_are_the_same_bits():
 
 def test_generic_regions_go_to_inductor(monkeypatch):
     """Hugging Face Llama's hand-written RMSNorm (with the residual add
-    before it), SwiGLU, their backward chains and the rotary embedding's
-    pointwise ops become inductor regions; the step still equals eager per step within
+    before it), SwiGLU, their backward chains and the rotary embedding
+    (slices, neg, cat; slice_backward in backward) become inductor regions; the step still equals eager per step within
     1e-5 (SGD: inductor's CPU code vectorizes and fuses multiply-adds).
     Regions on CPU only here: inductor's CPU backend compiles C++."""
     from stepfx.codegen.regions import REGIONS
@@ -318,6 +318,9 @@ def test_generic_regions_go_to_inductor(monkeypatch):
     assert rms, "the RMSNorm chain is not one region"
     # SwiGLU: silu(gate) * up, with up made after silu (the region goes where its last op was)
     assert any({"aten.silu.default", "aten.mul.Tensor"} <= set(REGIONS[key].ops) for key in set(keys))
+    # rotary embeddings: q * cos + rotate_half(q) * sin in one region, and their backward
+    assert any({"aten.cat.default", "aten.neg.default", "aten.slice.Tensor"} <= set(REGIONS[key].ops) for key in set(keys))
+    assert any({"aten.slice_backward.default", "aten.neg.default"} <= set(REGIONS[key].ops) for key in set(keys))
     nodes = list(step.plan.graph.gm.graph.nodes)
     assert not any(n.target is torch.ops.aten.rsqrt.default for n in nodes)
     text = step.explain()

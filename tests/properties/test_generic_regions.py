@@ -1,6 +1,7 @@
 """Property: cutting generic regions out of the step graph (fuse_generic_regions)
 never changes what the step computes, whatever the mix of pointwise ops,
-row reductions and matmuls between them.
+row reductions, rotary embeddings' slices and concatenations, and matmuls
+between them.
 
 Generated models chain random ops over a few running values (so regions
 start, grow, are interrupted by matmuls and read values made after they
@@ -34,6 +35,9 @@ class RandomChain(nn.Module):
         self.inp = nn.Linear(d_in, WIDTH)
         self.mats = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for op in program if op[0] == "linear")
         self.out = nn.Linear(WIDTH, 3)
+        angles = torch.arange(WIDTH, dtype=torch.float32) * 0.3
+        self.register_buffer("cos", angles.cos())
+        self.register_buffer("sin", angles.sin())
 
     def forward(self, x):
         values = [self.inp(x)]
@@ -62,10 +66,14 @@ class RandomChain(nn.Module):
                 values.append(u * u)
             elif kind == "silu":
                 values.append(nn.functional.silu(u))
+            elif kind == "rotary":  # Hugging Face's rotate_half: slices, neg, cat (slice_backward in backward)
+                half = WIDTH // 2
+                values.append(u * self.cos + torch.cat((-u[..., half:], u[..., :half]), dim=-1) * self.sin)
         return self.out(values[-1] + values[len(values) // 2])
 
 
-ops = st.tuples(st.sampled_from(UNARY + BINARY + ("linear", "linear", "rownorm")), st.integers(0, 20), st.integers(0, 20))
+ops = st.tuples(st.sampled_from(UNARY + BINARY + ("linear", "linear", "rownorm", "rotary")), st.integers(0, 20),
+                st.integers(0, 20))
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
