@@ -20,8 +20,24 @@ from tests.steps import lm_step, tiny_gpt, token_batches
 c10d = torch.ops._c10d_functional
 
 
+# Tests that read the same plan share one compile (_compile's cache): one test process for them.
+shares_plans = pytest.mark.xdist_group("zero_pass_plans")
+_COMPILED: dict = {}
+
+
 def _compile(stage, rank=0, world=2, bucket=500, persist=0, step=lm_step, warm=True, device_type="cpu", reuse=0, bf16=False,
              disable=()):
+    """(pass records, model) of the tiny GPT's step captured and planned for
+    ``rank`` of ``world``. Cached per argument values: several tests read
+    the same plan (the stage-3 one five times), which is deterministic
+    (seeded here); callers only read it."""
+    key = (stage, rank, world, bucket, persist, step, warm, device_type, reuse, bf16, tuple(disable))
+    if key not in _COMPILED:
+        _COMPILED[key] = _compile_uncached(stage, rank, world, bucket, persist, step, warm, device_type, reuse, bf16, disable)
+    return _COMPILED[key]
+
+
+def _compile_uncached(stage, rank, world, bucket, persist, step, warm, device_type, reuse, bf16, disable):
     from stepfx.capture import capture_step
     from stepfx.capture.trace import CaptureOptions
 
@@ -86,6 +102,7 @@ def test_layout_follows_bucket_size_and_persistence_threshold():
     assert firsts == sorted(firsts) and [b.index for b in layout.buckets] == list(range(len(layout.buckets)))
 
 
+@shares_plans
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_each_stage_emits_its_collectives(stage):
     records, _ = _compile(stage)
@@ -130,6 +147,7 @@ def _late_reductions(graph) -> tuple[list[str], int]:
     return late, len(reductions)
 
 
+@shares_plans
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("bf16", [False, True])
 def test_gradient_buckets_are_reduced_during_backward(stage, bf16):
@@ -147,6 +165,7 @@ def test_gradient_buckets_are_reduced_during_backward(stage, bf16):
         assert len(late) > total // 2, (late, total)
 
 
+@shares_plans
 def test_stage_3_gathers_before_forward_and_again_before_backward():
     records, model = _compile(3)
     graph = records[-1].graph
@@ -166,6 +185,7 @@ def test_stage_3_gathers_before_forward_and_again_before_backward():
     assert abs(held - total / 2) <= slack
 
 
+@shares_plans
 def test_ranks_hold_complementary_pieces():
     held = []
     for rank in (0, 1):
@@ -233,6 +253,7 @@ def test_zero_3_module_params_are_released_and_sync_model_restores_them():
     assert all(p.numel() == 0 for p in model.parameters())
 
 
+@shares_plans
 def test_schedule_prefetches_gathers_and_waits_late():
     # scheduling applies to CUDA steps; the graph is the same, so plan one as if for CUDA
     records, _ = _compile(3, bucket=500, device_type="cuda")
@@ -263,6 +284,7 @@ def test_schedule_prefetches_gathers_and_waits_late():
         assert first_reader == order[wait] + 1
 
 
+@shares_plans
 def test_schedule_only_reorders():
     plain, _ = _compile(3, bucket=500)
     scheduled, _ = _compile(3, bucket=500, device_type="cuda")
@@ -271,11 +293,13 @@ def test_schedule_only_reorders():
     assert key(plain[-1].graph) == key(scheduled[-1].graph)
 
 
+@shares_plans
 def test_cpu_steps_are_not_scheduled():
     records, _ = _compile(3, bucket=500)
     assert next(r for r in records if r.name == "schedule_collectives").skipped == "not applicable"
 
 
+@shares_plans
 def test_buckets_reused_soon_are_not_gathered_again():
     gathers = lambda g: [n for n in g.gm.graph.nodes if n.target is c10d.all_gather_into_tensor.default and str(n.meta["phase"]) == "backward"]
     regather = gathers(_compile(3, reuse=0)[0][-1].graph)
