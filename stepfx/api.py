@@ -24,6 +24,7 @@ from typing import Any, Callable
 import torch
 import torch.utils._pytree as pytree
 
+from . import compat
 from .capture import CaptureOptions, capture_step, collect_inputs
 from .capture.dynamic import BatchShapeGuard, changed_dims
 from .capture.trace import batch_slot_name
@@ -39,6 +40,7 @@ from .graph import Role, StepGraph, Storage, TensorSpec
 from .graph.layout import LAYOUT_KEY, Sharding
 from .optimizer_builder import build_optimizer
 from .passes import PIPELINE, PassManager, PassOptions, PassRecord, dump_records
+from .passes.unrepeat_kv_heads import GQA_OPS_KEY
 from .runtime import (
     DataParallel,
     LocalExecutor,
@@ -487,7 +489,8 @@ class ParallelStep:
         device_type = _device_type(list(model.parameters()) + list(model.buffers()) + inputs.values)
         manager = PassManager(PIPELINE, disable=options.disable, verify=options.verify, dump_dir=None)
         pass_options = PassOptions(
-            config=self.config, world_size=dp.world_size, rank=dp.rank, device_type=device_type, group_name=dp.group_name
+            config=self.config, world_size=dp.world_size, rank=dp.rank, device_type=device_type, group_name=dp.group_name,
+            extra={GQA_OPS_KEY: compat.attention_ops_taking_grouped_kv(_device_of(model, device_type))},
         )
         start = time.perf_counter()
         records = manager.run(captured, pass_options, first=first)
@@ -918,6 +921,14 @@ def _device_type(values) -> str:
         if isinstance(v, torch.Tensor):
             return v.device.type
     return "cpu"
+
+
+def _device_of(model, device_type: str) -> torch.device:
+    """The model's device (of its first tensor on ``device_type``)."""
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.device.type == device_type:
+            return t.device
+    return torch.device(device_type)
 
 
 def parallelize(config: Any = None) -> Callable[[Callable], ParallelStep]:

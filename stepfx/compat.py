@@ -623,6 +623,69 @@ def sdpa_with_symbolic_sizes(query, key, value, attn_mask=None, dropout_p=0.0, i
     return None
 
 
+_GROUPED_KV: dict = {}
+
+
+def attention_ops_taking_grouped_kv(device: torch.device) -> frozenset:
+    """The SDPA kernel ops (forward and backward) that take fewer key/value
+    heads than query heads on ``device``, as ``enable_gqa`` gives them.
+
+    CPU: the flash kernel (torch's own SDPA passes it grouped heads). CUDA:
+    cuDNN's and flash attention's, each kept only if a probe on this device
+    — forward and backward on small bf16 tensors, 8 query heads over 2
+    key/value heads — runs and equals the repeated computation (outputs and
+    gradients within bf16 rounding), since torch versions differ in what
+    their kernels take. Probed once per device and process."""
+    aten = torch.ops.aten
+    if device.type == "cpu":
+        return frozenset({aten._scaled_dot_product_flash_attention_for_cpu.default,
+                          aten._scaled_dot_product_flash_attention_for_cpu_backward.default})
+    if device.type != "cuda":
+        return frozenset()
+    key = (device.type, device.index if device.index is not None else torch.cuda.current_device())
+    if key not in _GROUPED_KV:
+        _GROUPED_KV[key] = _probe_grouped_kv(torch.device("cuda", key[1]))
+    return _GROUPED_KV[key]
+
+
+def _probe_grouped_kv(device: torch.device) -> frozenset:
+    aten = torch.ops.aten
+    candidates = {
+        "cudnn": (aten._scaled_dot_product_cudnn_attention.default,
+                  aten._scaled_dot_product_cudnn_attention_backward.default),
+        "flash": (aten._scaled_dot_product_flash_attention.default,
+                  aten._scaled_dot_product_flash_attention_backward.default),
+    }
+    g = torch.Generator(device=device).manual_seed(0)
+    b, h, hkv, s, d = 1, 8, 2, 128, 64
+    q = torch.randn(b, h, s, d, device=device, dtype=torch.bfloat16, generator=g)
+    k = torch.randn(b, hkv, s, d, device=device, dtype=torch.bfloat16, generator=g)
+    v = torch.randn(b, hkv, s, d, device=device, dtype=torch.bfloat16, generator=g)
+    dy = torch.randn(b, h, s, d, device=device, dtype=torch.bfloat16, generator=g)
+    rep = lambda t: t.repeat_interleave(h // hkv, dim=1)  # noqa: E731
+    out = set()
+    for name, (fwd, bwd) in candidates.items():
+        try:
+            grads = []
+            for kk, vv in ((rep(k), rep(v)), (k, v)):
+                if name == "cudnn":
+                    o, lse, cq, ck, mq, mk, seed, offset, _ = fwd(q, kk, vv, None, True, 0.0, True, False, scale=0.125)
+                    dq, dk, dv = bwd(dy, q, kk, vv, o, lse, seed, offset, None, cq, ck, mq, mk, 0.0, True, scale=0.125)
+                else:
+                    o, lse, cq, ck, mq, mk, seed, offset, _ = fwd(q, kk, vv, 0.0, True, False, scale=0.125)
+                    dq, dk, dv = bwd(dy, q, kk, vv, o, lse, cq, ck, mq, mk, 0.0, True, seed, offset, scale=0.125)
+                if dk.shape[1] != kk.shape[1]:
+                    raise ValueError("gradient heads")
+                if kk.shape[1] == h:  # sum the copies' gradients back, as repeat_kv's backward does
+                    dk, dv = (t.float().view(b, hkv, h // hkv, s, d).sum(2) for t in (dk, dv))
+                grads.append([o.float(), dq.float(), dk.float(), dv.float()])
+            if all(torch.allclose(x, y, rtol=2e-2, atol=2e-2) for x, y in zip(*grads)):
+                out.update((fwd, bwd))
+        except Exception:  # a kernel this torch or GPU cannot run with grouped heads: not listed
+            continue
+    return frozenset(out)
+
+
 def inductor_default_cache_dir() -> str:
     """Where inductor keeps its compiled artifacts when TORCHINDUCTOR_CACHE_DIR
     is not set (``/tmp/torchinductor_<user>``), without creating it.

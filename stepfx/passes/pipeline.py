@@ -32,6 +32,7 @@ from .remove_aliases import remove_aliases
 from .schedule_collectives import schedule_collectives
 from .shard_optimizer_update import shard_optimizer_update
 from .shard_parameters import shard_parameters
+from .unrepeat_kv_heads import unrepeat_kv_heads
 from .skip_step_on_overflow import skip_step_on_overflow
 from .unscale_clip_gradients import precision_settings, unscale_clip_gradients
 
@@ -82,6 +83,12 @@ PIPELINE: tuple[PipelineEntry, ...] = (
         fold_causal_masks,
         "a cleanup, before eliminate_dead_code (which removes the mask's computation once no attention reads it): "
         "attention runs as eager's, with is_causal and no mask, where the library built one only because it saw tracing",
+    ),
+    PipelineEntry(
+        "unrepeat_kv_heads",
+        unrepeat_kv_heads,
+        "after fold_causal_masks (a kernel reading a mask may not take grouped heads) and before eliminate_dead_code "
+        "(which removes the repeats): grouped-query attention reads K/V unrepeated, as eager's enable_gqa does",
     ),
     PipelineEntry(
         "eliminate_dead_code",

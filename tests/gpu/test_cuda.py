@@ -315,3 +315,40 @@ def test_symbolic_lengths_with_compiled_kernels_equal_one_capture_per_length():
     assert k1 == k0 and k1["linear_cross_entropy"] == 1
     assert l0 == l1
     assert all(torch.equal(a, b) for a, b in zip(p0, p1))
+
+
+@gpu
+@pytest.mark.gpu
+def test_grouped_query_attention_on_cuda_reads_k_v_unrepeated():
+    """A Hugging Face Llama with 4 query / 2 key-value heads and
+    use_cache=False in bf16: the probe lists the kernels that take grouped
+    heads on this GPU, the step reads K/V unrepeated through them, and the
+    losses track the step without the pass."""
+    from stepfx import compat
+    from stepfx.passes.fold_causal_masks import _get, attention_ops
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    ops = compat.attention_ops_taking_grouped_kv(torch.device("cuda"))
+    print("attention ops taking grouped K/V heads:", sorted(str(op) for op in ops))
+
+    def make():
+        cfg = LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                          attn_implementation="sdpa", use_cache=False, bos_token_id=0, eos_token_id=0)
+        return LlamaForCausalLM(cfg).cuda()
+
+    losses = {}
+    for disable in ([], ["unrepeat_kv_heads"]):
+        torch.manual_seed(0)
+        model = make()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        step = stepfx.parallelize({"bf16": {"enabled": True}, "gradient_clipping": 1.0,
+                                   "stepfx": {"disable": disable}})(hf_step)
+        losses[bool(disable)] = [step(model, opt, batch[0].cuda()).item()
+                                 for batch in token_batches(4, batch=2, seq=128, vocab=128)]
+        heads = {_get(n, "key").meta["val"].shape[1] for n in step.plan.graph.gm.graph.nodes
+                 if n.op == "call_function" and n.target in attention_ops()}
+        if not disable and ops:
+            assert heads == {2}
+    print("losses unrepeated / repeated:", losses[False], losses[True])
+    assert all(abs(a - b) <= 2e-2 * abs(b) for a, b in zip(losses[False], losses[True]))

@@ -1,0 +1,115 @@
+"""unrepeat_kv_heads: grouped-query attention reads K/V unrepeated where the
+kernel takes grouped heads (as eager's ``enable_gqa``), and nowhere else."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import stepfx
+from stepfx.passes.fold_causal_masks import _get, attention_ops
+from stepfx.testing.equivalence import assert_step_equivalent
+from tests.steps import hf_step, token_batches
+
+transformers = pytest.importorskip("transformers")
+
+
+def llama(kv_heads=2):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=kv_heads,
+                                        max_position_embeddings=32, bos_token_id=0, eos_token_id=0,
+                                        attn_implementation="sdpa", use_cache=False))
+
+
+def adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=0.1)
+
+
+def _run(make, step_fn=hf_step, batches=None, config=None):
+    torch.manual_seed(0)
+    model = make()
+    step = stepfx.parallelize(config or {"gradient_clipping": 0})(step_fn)
+    opt = adamw(model)
+    for batch in batches or token_batches(2):
+        step(model, opt, *batch)
+    return step
+
+
+def _summary(step) -> str:
+    return next(r.summary for r in step.plan.records if r.name == "unrepeat_kv_heads")
+
+
+def _key_heads(step) -> list[int]:
+    ops = attention_ops()
+    return [_get(n, "key").meta["val"].shape[1] for n in step.plan.graph.gm.graph.nodes
+            if n.op == "call_function" and n.target in ops]
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_grouped_heads_are_read_unrepeated_and_the_step_is_eager_bitwise(kv_heads):
+    step = _run(lambda: llama(kv_heads))
+    assert "2 grouped-query attention call(s) read K/V heads unrepeated" in _summary(step)
+    assert _key_heads(step) == [kv_heads] * 4  # forward and backward of both layers
+    nodes = step.plan.graph.gm.graph.nodes
+    assert not any(n.target is torch.ops.aten.expand.default and len(n.meta["val"].shape) == 5 for n in nodes)
+    report = assert_step_equivalent(hf_step, lambda: llama(kv_heads), adamw, token_batches(3), exact=True,
+                                    config={"gradient_clipping": 0})
+    assert report.bitwise
+
+
+def test_without_a_kernel_that_takes_grouped_heads_nothing_changes(monkeypatch):
+    from stepfx import compat
+
+    monkeypatch.setattr(compat, "attention_ops_taking_grouped_kv", lambda device: frozenset())
+    step = _run(llama)
+    assert _summary(step) == "" and _key_heads(step) == [4] * 4
+    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)  # noqa: E731
+    assert_step_equivalent(hf_step, llama, sgd, token_batches(2), rtol=1e-6, atol=1e-7, config={"gradient_clipping": 0},
+                           resync=True)
+
+
+class ReadsItsRepeats(torch.nn.Module):
+    """Grouped-query attention whose repeated keys are also read by the loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.kv, self.out = torch.nn.Linear(8, 8), torch.nn.Linear(8, 4), torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q = self.q(x).view(b, n, 4, 2).transpose(1, 2)
+        kv = self.kv(x).view(b, n, 2, 2).transpose(1, 2)
+        rep = kv[:, :, None].expand(b, 2, 2, n, 2).reshape(b, 4, n, 2)
+        y = F.scaled_dot_product_attention(q, rep, rep, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, n, 8)), rep.square().mean()
+
+
+def repeats_step(model, optimizer, x, y):
+    logits, extra = model(x)
+    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) + extra
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def test_repeats_read_elsewhere_are_kept():
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(2, 5, 8, generator=g), torch.randint(0, 3, (2, 5), generator=g)) for _ in range(2)]
+    step = _run(ReadsItsRepeats, repeats_step, batches)
+    assert "read their K/V as they are" in _summary(step) and set(_key_heads(step)) == {4}
+    assert_step_equivalent(repeats_step, ReadsItsRepeats, adamw, batches, rtol=1e-6, atol=1e-7,
+                           config={"gradient_clipping": 0})
+
+
+def test_symbolic_lengths():
+
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, 64, (2, n), generator=g),) for n in (5, 9, 12)]
+    config = {"gradient_clipping": 0, "stepfx": {"dynamic": True}}
+    step = _run(llama, batches=batches, config=config)
+    assert len(step.plans) == 1 and "read K/V heads unrepeated" in _summary(step)
+    report = assert_step_equivalent(hf_step, llama, adamw, batches, exact=True, config=config)
+    assert report.bitwise
