@@ -74,11 +74,36 @@ def frozen_held(bf16: bool) -> dict:
             "unchanged": torch.equal(model.pos.weight.detach(), before), "in_optimizer": model.pos.weight in opt.state}
 
 
+def _freeze_reference(schedule) -> tuple[list[float], dict, dict]:
+    """freeze_schedule's run in eager PyTorch, as data parallelism must
+    compute it (data_parallel_reference: every rank's gradients summed in
+    rank order and halved, one AdamW update; a frozen parameter has no
+    gradient, so torch's AdamW skips it): this rank's losses, the model's
+    state_dict and the optimizer state by parameter name."""
+    from stepfx.testing.equivalence import data_parallel_reference
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    calls = []
+
+    def step_fn(model, optimizer, batch):  # called once per rank and step, rank by rank
+        model.blocks[0].fc.weight.requires_grad_(not schedule[len(calls) // world])
+        calls.append(None)
+        return lm_step(model, optimizer, batch)
+
+    outputs, model, opt = data_parallel_reference(step_fn, gpt_with_frozen_embedding,
+                                                  lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
+                                                  [token_batches(len(schedule), seed=r) for r in range(world)])
+    names = {id(p): n for n, p in model.named_parameters()}
+    state = {names[id(p)]: {k: v for k, v in s.items() if isinstance(v, torch.Tensor)} for p, s in opt.state.items()}
+    return [out[rank].item() for out in outputs], model.state_dict(), state
+
+
 def freeze_schedule(stages) -> dict:
     """Train the tiny GPT (position embedding frozen) while blocks.0.fc.weight
-    is frozen and unfrozen between steps, at stage 0 and at each of
-    ``stages``; per stage the worst difference to stage 0 in losses,
-    parameters and optimizer state, and how many plans it captured."""
+    is frozen and unfrozen between steps, at each of ``stages``; per stage
+    the worst difference to the eager data-parallel reference
+    (:func:`_freeze_reference`) in losses, parameters and optimizer state,
+    and how many plans it captured."""
     rank = dist.get_rank()
     # fc.weight frozen at step i? Plan A captured (step 2), B (3), A again (4: its plan reused), B again (5)
     schedule = [False, False, True, False, True]
@@ -95,7 +120,7 @@ def freeze_schedule(stages) -> dict:
             losses.append(step(model, opt, batch).item())
         return losses, step.model_state_dict(), step.optimizer_state(), len(step.plans)
 
-    ref = run(0)
+    ref = _freeze_reference(schedule)
     out = {}
     for stage in stages:
         losses, params, state, plans = run(stage)

@@ -89,7 +89,8 @@ def test_freezing_and_unfreezing_between_steps_reshards(rank_pool):
     """Which parameters train changes the buckets (stages 1-2: only trained
     ones are bucketed; stage 3: frozen ones go to frozen buckets): the
     pieces held under the old layout are gathered back and re-cut, and the
-    run equals stage 0's bitwise, optimizer state included."""
+    run equals the eager data-parallel reference bitwise (what stage 0
+    computes: test_stages_two_ranks_bitwise), optimizer state included."""
     for rank_result in rank_pool(2).run(W.freeze_schedule, (1, 3)):
         for stage, r in rank_result.items():
             assert r["losses"] == 0 and r["params"] == 0 and r["state"] == 0 and r["same_state_keys"], (stage, r)
