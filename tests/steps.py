@@ -239,3 +239,26 @@ class Top2MoE(torch.nn.Module):
             rows, slot = torch.where(chosen == e)
             out = out.index_add(0, rows, expert(x[rows]) * weights[rows, slot, None])
         return self.head(out)
+
+
+def parallelized_steps(monkeypatch) -> list:
+    """The steps ``stepfx.parallelize`` makes from here on in the test, in
+    order — assert_step_equivalent's own among them —, so a test reads the
+    plans of the very run it compared with eager instead of capturing a
+    second run to count them."""
+    import stepfx
+
+    made = []
+    real = stepfx.parallelize
+
+    def recording(config=None):
+        wrap = real(config)
+
+        def decorate(fn):
+            made.append(wrap(fn))
+            return made[-1]
+
+        return decorate
+
+    monkeypatch.setattr(stepfx, "parallelize", recording)
+    return made

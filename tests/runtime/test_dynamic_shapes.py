@@ -17,6 +17,7 @@ from tests.steps import (
     padded_rank_batches,
     padded_step,
     padded_step_bf16_reference,
+    parallelized_steps,
     sgd_momentum,
     tiny_gpt,
 )
@@ -38,9 +39,10 @@ def _run(step, model, opt, batches):
 
 
 @pytest.mark.parametrize("make_model", [hf_gpt2, hf_llama], ids=["gpt2", "llama"])
-def test_padded_lengths_are_bitwise_eager_with_two_captures(make_model):
+def test_padded_lengths_are_bitwise_eager_with_two_captures(monkeypatch, make_model):
     batches = padded_rank_batches(1, 8, seed=3)[0]
     assert len({b[0]["input_ids"].shape[1] for b in batches}) > 3
+    made = parallelized_steps(monkeypatch)  # the compared run's plans are the ones counted
     if make_model is hf_gpt2:
         report = assert_step_equivalent(padded_step, make_model, adamw, batches, exact=True)
         assert report.bitwise
@@ -50,17 +52,15 @@ def test_padded_lengths_are_bitwise_eager_with_two_captures(make_model):
         # sees a trace): compared per step at the project's fp32 bound
         report = assert_step_equivalent(padded_step, make_model, adamw, batches, rtol=1e-5, atol=1e-7, resync=True)
         assert report.steps == 8
-    step = stepfx.parallelize({"gradient_clipping": 1.0})(padded_step)
-    torch.manual_seed(0)
-    model = make_model()
-    _run(step, model, adamw(model), batches)
+    (step,) = made
     assert len(step.plans) <= 2, [p.created_at_call for p in step.plans]
     assert any(p.guard is not None for p in step.plans)
 
 
 def test_dynamic_true_captures_once_and_false_once_per_shape():
-    batches = padded_rank_batches(1, 5, seed=1)[0]
+    batches = padded_rank_batches(1, 3, seed=1)[0]  # three lengths (a capture each with dynamic false)
     shapes = {tuple(b[0]["input_ids"].shape) for b in batches}
+    assert len(shapes) == 3
     counts = {}
     for mode in (True, False):
         step = stepfx.parallelize({"stepfx": {"dynamic": mode}})(padded_step)
@@ -194,16 +194,14 @@ def _moe_batches(world, steps):
             for _ in range(world)]
 
 
-def test_top2_router_trains_bitwise_and_explains_its_data_dependent_sizes():
+def test_top2_router_trains_bitwise_and_explains_its_data_dependent_sizes(monkeypatch):
     from tests.steps import Top2MoE, ce_step
 
     batches = _moe_batches(1, 4)[0]
+    made = parallelized_steps(monkeypatch)  # the compared run explains itself
     report = assert_step_equivalent(ce_step, Top2MoE, adamw, batches, exact=True)
     assert report.bitwise
-    step = stepfx.parallelize(None)(ce_step)
-    torch.manual_seed(0)
-    model = Top2MoE()
-    _run(step, model, adamw(model), batches)
+    (step,) = made
     text = step.explain()
     # each expert's row count is an unbacked size, counted at its bound (12 rows x top-2)
     # and named with the op and the user's line that made it
