@@ -298,19 +298,15 @@ def test_generic_regions_go_to_inductor(monkeypatch):
     Regions on CPU only here: inductor's CPU backend compiles C++."""
     from stepfx.codegen.regions import REGIONS
     from stepfx.passes import fuse_generic_regions
-    from tests.steps import hf_llama, hf_step
+    from tests.steps import hf_llama, hf_step, parallelized_steps
 
     monkeypatch.setattr(fuse_generic_regions, "ON_CPU", True)
     sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    made = parallelized_steps(monkeypatch)  # the regions read below are those of the compared run
     report = assert_step_equivalent(hf_step, hf_llama, sgd, token_batches(3), config=CODEGEN, rtol=1e-5, atol=1e-7,
                                     resync=True)
     assert report.steps == 3
-    torch.manual_seed(0)
-    model = hf_llama()
-    opt = sgd(model)
-    step = stepfx.parallelize(CODEGEN)(hf_step)
-    for batch in token_batches(2):
-        step(model, opt, *batch)
+    (step,) = made
     regions = step.plan.graph.signature.extra["generic_regions"]
     keys = [key for key, _ in regions]
     assert len(set(keys)) < len(keys)  # identical layers share one compiled region
