@@ -48,7 +48,7 @@ def test_fused_kernels_serve_unseen_lengths_as_a_capture_per_length(precision):
     config = {"gradient_clipping": 1.0, "stepfx": {"codegen": True}}
     if precision == "bf16":
         config["bf16"] = {"enabled": True}
-    seqs = [9, 12, 7, 15]  # captured once, at 9: the other lengths it never saw
+    seqs = [9, 12, 7]  # captured once, at 9: a longer and a shorter length it never saw
     static, static_losses, static_params = _run(False, seqs, config)
     dynamic, losses, params = _run(True, seqs, config)
     assert len(static.plans) == len(seqs) and len(dynamic.plans) == 1 and dynamic.plan.guard is not None
