@@ -186,8 +186,10 @@ def unrepeat_kv_heads(graph: StepGraph, options: PassOptions) -> PassResult:
     forwards = [n for n in graph.gm.graph.nodes if n.op == "call_function" and n.target in ops
                 and "grad_out" not in [a.name for a in n.target._schema.arguments]]
     plans = {n: p for n in forwards if (p := _plan(n, ops)) is not None}
+    kept = sum(1 for n in forwards if n not in plans and _repeated(_arg(n, "key")) is not None)
+    note = f"; {kept} kept their repeated K/V (read elsewhere, or gradients not only summed back)" if kept else ""
     if not plans:
-        return PassResult(graph, False, "" if not forwards else f"{len(forwards)} attention calls read their K/V as they are")
+        return PassResult(graph, False, note.removeprefix("; "))
     graph, copy_of = clone_step_graph_mapped(graph)
     rewired = 0
     for old_forward, (old_k, old_v, old_backwards) in plans.items():
@@ -215,4 +217,4 @@ def unrepeat_kv_heads(graph: StepGraph, options: PassOptions) -> PassResult:
         rewired += 1
     graph.gm.recompile()
     return PassResult(graph, True, f"{rewired} grouped-query attention call(s) read K/V heads unrepeated "
-                                   f"(the repeats and their gradients' sums are gone)")
+                                   f"(the repeats and their gradients' sums are gone)" + note)
