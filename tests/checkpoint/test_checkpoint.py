@@ -34,10 +34,29 @@ def _run(pool_or_none, fn, *args):
     return pool_or_none.run(fn, *args)[0] if pool_or_none is not None else fn(*args)
 
 
+_SAVED: dict = {}
+# tests that load the same saved run: one test process for them (it shares _saved's runs)
+shares_saves = pytest.mark.xdist_group("checkpoint_saves")
+
+
+def _saved(pool_or_none, tmp_path_factory, stage: int, precision: str):
+    """(directory, train_then_save's result on rank 0) for the pool's world
+    size, once per session: the run is deterministic (seeded inside) and
+    the tests only load from the directory (2 ranks, stage 3, fp32 both
+    for the resume on the same ranks and for a resharding)."""
+    world = pool_or_none.world_size if pool_or_none is not None else 1
+    key = (world, stage, precision)
+    if key not in _SAVED:
+        directory = tmp_path_factory.mktemp(f"saved-{world}-{stage}-{precision}")
+        _SAVED[key] = directory, _run(pool_or_none, W.train_then_save, str(directory), stage, precision, BEFORE, AFTER)
+    return _SAVED[key]
+
+
+@shares_saves
 @pytest.mark.parametrize("stage", [3])
-def test_resume_on_the_same_ranks_is_bitwise(rank_pool, tmp_path, stage):
+def test_resume_on_the_same_ranks_is_bitwise(rank_pool, tmp_path_factory, stage):
     pool = rank_pool(2)
-    losses, _saved, end, _ = _run(pool, W.train_then_save, str(tmp_path), stage, "fp32", BEFORE, AFTER)
+    tmp_path, (losses, _saved_state, end, _) = _saved(pool, tmp_path_factory, stage, "fp32")
     client, loaded, losses2, end2, _, plans = _run(pool, W.load_then_train, str(tmp_path), stage, "fp32", BEFORE, AFTER)
     assert client == {"batches_seen": BEFORE, "note": "x"}
     assert losses2 == losses
@@ -63,12 +82,13 @@ RESHARDS = [
 ]
 
 
+@shares_saves
 @pytest.mark.parametrize("saved_by,loaded_by", RESHARDS, ids=[f"{a}-to-{b}" for a, b in RESHARDS])
-def test_resharding_reads_exactly_what_was_saved(rank_pool, tmp_path, saved_by, loaded_by):
+def test_resharding_reads_exactly_what_was_saved(rank_pool, tmp_path_factory, saved_by, loaded_by):
     (w1, s1, p1), (w2, s2, p2) = saved_by, loaded_by
     pool1 = rank_pool(w1) if w1 > 1 else None
     pool2 = rank_pool(w2) if w2 > 1 else None
-    losses, saved, _end, scale = _run(pool1, W.train_then_save, str(tmp_path), s1, p1, BEFORE, AFTER)
+    tmp_path, (losses, saved, _end, scale) = _saved(pool1, tmp_path_factory, s1, p1)
     client, loaded, losses2, _end2, scale2, _ = _run(pool2, W.load_then_train, str(tmp_path), s2, p2, BEFORE, AFTER)
     _equal_states(saved, loaded)  # every parameter and optimizer state, whatever the layouts
     assert client["batches_seen"] == BEFORE
