@@ -336,8 +336,9 @@ def precision_run(stage: int, precision: str, comm: str | None, steps: int, devi
             "skipped": step.skipped_steps, "interleaved": interleaved}
 
 
-def bucket_packing_run(stage: int, pack: bool, steps: int = 3) -> dict:
-    """``steps`` bf16 AdamW steps of the tiny GPT under ZeRO ``stage`` with
+def bucket_packing_run(stage: int, pack: bool, steps: int = 2) -> dict:
+    """``steps`` bf16 AdamW steps (two: the second reuses the plan, with
+    Adam's state warm) of the tiny GPT under ZeRO ``stage`` with
     codegen (Triton's interpreter), the buckets packed by cast_pack
     (``fuse_bucket_packing``, every size) or by aten casts and cat; the
     losses, the parameters after, and how the final graph built its buckets
@@ -368,8 +369,9 @@ def bucket_packing_run(stage: int, pack: bool, steps: int = 3) -> dict:
             "adam_step_many": sum(getattr(n.target, "__name__", "") == "adam_step_many" for n in nodes)}
 
 
-def carried_copies_run(carry: bool, steps: int = 4) -> dict:
-    """``steps`` bf16 AdamW steps of the tiny GPT, data-parallel at ZeRO
+def carried_copies_run(carry: bool, steps: int = 2) -> dict:
+    """``steps`` bf16 AdamW steps (two: the second would read the copies the
+    first carried) of the tiny GPT, data-parallel at ZeRO
     stage 0 with codegen, ``carry_parameter_copies`` on or off: the losses,
     the parameters after, what each rank carried and the pass's summary."""
     rank = dist.get_rank()
