@@ -226,7 +226,7 @@ def test_parameter_casts_by_the_cast_kernel(monkeypatch, stage):
             runs.append(casts)
             continue
         step = stepfx.parallelize(config)(lm_step)
-        losses = [step(model, opt, *batch) for batch in token_batches(3)]
+        losses = [step(model, opt, *batch) for batch in token_batches(2)]  # the second reuses the plan
         casts = [n for n in step.plan.graph.gm.graph.nodes if getattr(n.target, "__name__", "") == "cast"]
         runs.append((losses, [p.detach().clone() for p in model.parameters()], casts))
     if stage:
@@ -244,16 +244,20 @@ _PRECISION = {"bf16": {"bf16": {"enabled": True}},
 
 @functools.cache
 def _gpt16(precision: str = "bf16", disable: tuple[str, ...] = ()):
-    """Three 16-bit AdamW steps of the tiny GPT with codegen and clipping,
-    the passes in ``disable`` off: (losses, parameters after, the final
-    graph's calls). Cached: several tests compare a pass against the bf16
-    run with every pass on, which is the same run (callers only read it)."""
+    """16-bit AdamW steps of the tiny GPT with codegen and clipping, the
+    passes in ``disable`` off: (losses, parameters after, the final graph's
+    calls). Enough steps that the last reuses the final plan with Adam's
+    state warm (and reads the copies the step before carried): two in bf16;
+    three in fp16, whose second call captures again. Cached: several tests
+    compare a pass against the bf16 run with every pass on, which is the
+    same run (callers only read it)."""
     torch.manual_seed(0)
     model = tiny_gpt()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     step = stepfx.parallelize({**CODEGEN, **_PRECISION[precision], "gradient_clipping": 1.0,
                                "stepfx": {"codegen": True, "disable": list(disable)}})(lm_step)
-    losses = [step(model, opt, *batch) for batch in token_batches(3)]
+    losses = [step(model, opt, *batch) for batch in token_batches(2 if precision == "bf16" else 3)]
+    assert step.plan.created_at_call < len(losses)  # the final plan was reused
     nodes = [n for n in step.plan.graph.gm.graph.nodes if n.op == "call_function"]
     return losses, [p.detach().clone() for p in model.parameters()], nodes
 
