@@ -31,7 +31,7 @@ from .capture.trace import batch_slot_name
 from .codegen import available as codegen_available
 from .capture.fingerprint import describe_change, fingerprint
 from .capture.initial_state import create_initial_state, drop_state, untouched_state
-from .passes.plan_zero_layout import stays_whole
+from .passes.data_parallel.plan_zero_layout import stays_whole
 from .config.implicit import fill_auto_clipping, implicit_defaults
 from .config import AUTO, Config, ConfigError, load_config, resolve_batch_sizes, resolve_zero_auto
 from .errors import ExecutionError, StepfxError
@@ -40,7 +40,7 @@ from .graph import Role, StepGraph, Storage, TensorSpec
 from .graph.layout import LAYOUT_KEY, Sharding
 from .optimizer_builder import build_optimizer
 from .passes import PIPELINE, PassManager, PassOptions, PassRecord, dump_records
-from .passes.unrepeat_kv_heads import GQA_OPS_KEY
+from .passes.cleanup.unrepeat_kv_heads import GQA_OPS_KEY
 from .runtime import (
     DataParallel,
     LocalExecutor,

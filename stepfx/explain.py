@@ -16,7 +16,7 @@ from .graph import CARRIED_COPIES_KEY, META_DONATED, META_PHASE, Role, format_gr
 from .graph.accounting import Sizes, communication, estimate_memory, size_values
 from .graph.layout import LAYOUT_KEY
 from .capture.tracing_checks import TRACING_CHECKS_KEY
-from .passes.fuse_optimizer_update import FUSION_REPORT_KEY
+from .passes.fusion.fuse_optimizer_update import FUSION_REPORT_KEY
 
 __all__ = ["explain_plan", "format_bytes"]
 

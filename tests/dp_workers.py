@@ -315,7 +315,7 @@ def precision_run(stage: int, precision: str, comm: str | None, steps: int, devi
     the per-step losses and, from the final graph, the dtype every collective
     moves and where stage 3's forward gathers sit."""
     from stepfx.graph import META_PHASE, Phase
-    from stepfx.passes.collectives import COLLECTIVE_OPS
+    from stepfx.passes.data_parallel.collectives import COLLECTIVE_OPS
     from tests.steps import adamw
 
     rank = dist.get_rank()
@@ -353,7 +353,7 @@ def bucket_packing_run(stage: int, pack: bool, steps: int = 2) -> dict:
     losses, the parameters after, and how the final graph built its buckets
     and launches its Adam updates (every parameter sharded, small buckets:
     some parameters lie wholly on the other rank)."""
-    from stepfx.passes import fuse_bucket_packing
+    from stepfx.passes.data_parallel import fuse_bucket_packing
     from tests.steps import adamw
 
     fuse_bucket_packing.MIN_NUMEL = 0  # this rank process only

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 APPLIED: frozenset[str] = frozenset({
     "stepfx.*",  # stepfx's own options
-    # ZeRO (passes/plan_zero_layout, reduce_gradients, shard_*, schedule_collectives)
+    # ZeRO (passes/data_parallel: plan_zero_layout, reduce_gradients, shard_*, schedule_collectives)
     "zero_optimization.stage",
     "zero_optimization.reduce_bucket_size",  # the bucket size of every collective
     "zero_optimization.prefetch_bucket_size",  # how far ahead stage-3 gathers run

@@ -3,9 +3,14 @@
 Each pass is one module named ``verb_object`` with one public function of
 the same name (STYLE.md). Passes are pure rewrites: mesh facts and config
 arrive as data in :class:`PassOptions`; they never touch process groups.
+
+Passes live in one subpackage per concern: ``cleanup``, ``data_parallel``,
+``precision``, ``fusion``, and (to come) ``memory``, ``tensor_parallel``,
+``pipeline``. Their order is one list, ``declared.PIPELINE``; ``manager``
+runs it.
 """
+from .declared import PIPELINE, pass_names
 from .manager import PassManager, PassOptions, PassRecord, PassResult, PipelineEntry, dump_records
-from .pipeline import PIPELINE, pass_names
 
 __all__ = [
     "PassManager",

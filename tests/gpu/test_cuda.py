@@ -325,7 +325,7 @@ def test_grouped_query_attention_on_cuda_reads_k_v_unrepeated():
     heads on this GPU, the step reads K/V unrepeated through them, and the
     losses track the step without the pass."""
     from stepfx import compat
-    from stepfx.passes.fold_causal_masks import _get, attention_ops
+    from stepfx.passes.cleanup.fold_causal_masks import _get, attention_ops
     from transformers import LlamaConfig, LlamaForCausalLM
 
     ops = compat.attention_ops_taking_grouped_kv(torch.device("cuda"))

@@ -8,7 +8,8 @@ import torch
 import torch.fx as fx
 
 from stepfx.graph import Role, Slot, StepGraph, StepSignature, verify_step_graph
-from stepfx.passes import PassOptions, fuse_bucket_packing
+from stepfx.passes import PassOptions
+from stepfx.passes.data_parallel import fuse_bucket_packing
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional

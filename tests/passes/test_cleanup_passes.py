@@ -9,11 +9,11 @@ from stepfx.errors import PassError
 from stepfx.graph import Role, Slot, StepGraph, StepSignature, verify_step_graph
 from stepfx.graph.ops import ALIAS_OPS, PROFILER_OPS
 from stepfx.passes import PassOptions
-from stepfx.passes.drop_profiler_nodes import drop_profiler_nodes
-from stepfx.passes.eliminate_dead_code import eliminate_dead_code
-from stepfx.passes.functionalize_graph import functionalize_graph
-from stepfx.passes.prune_unchanged_outputs import prune_unchanged_outputs
-from stepfx.passes.remove_aliases import remove_aliases
+from stepfx.passes.cleanup.drop_profiler_nodes import drop_profiler_nodes
+from stepfx.passes.cleanup.eliminate_dead_code import eliminate_dead_code
+from stepfx.passes.cleanup.functionalize_graph import functionalize_graph
+from stepfx.passes.cleanup.prune_unchanged_outputs import prune_unchanged_outputs
+from stepfx.passes.cleanup.remove_aliases import remove_aliases
 from tests.steps import captured_mlp, run_graph
 
 aten = torch.ops.aten

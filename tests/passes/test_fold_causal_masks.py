@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import stepfx
-from stepfx.passes.fold_causal_masks import _get, _is_causal_mask, attention_ops
+from stepfx.passes.cleanup.fold_causal_masks import _get, _is_causal_mask, attention_ops
 from stepfx.testing.equivalence import assert_step_equivalent
 
 transformers = pytest.importorskip("transformers")

@@ -5,7 +5,7 @@ import torch
 from stepfx.graph import verify_step_graph
 from stepfx.graph.ops import is_mutating
 from stepfx.passes import PassOptions
-from stepfx.passes.functionalize_graph import functionalize_graph
+from stepfx.passes.cleanup.functionalize_graph import functionalize_graph
 from tests.steps import captured_mlp, run_graph
 
 aten = torch.ops.aten

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import stepfx
 from stepfx.graph import META_DONATED
 from stepfx.graph.update_rule import UPDATE_RULES_KEY
-from stepfx.passes.fuse_optimizer_update import FUSION_REPORT_KEY
+from stepfx.passes.fusion.fuse_optimizer_update import FUSION_REPORT_KEY
 from stepfx.testing.equivalence import assert_step_equivalent
 from tests.steps import MLP, lm_step, mlp_batches, scaled_ce_step, tiny_gpt, token_batches
 
@@ -134,7 +134,7 @@ def test_step_counter_on_the_device_is_read_there(monkeypatch):
     correction from one ``adam_scalars`` node computed there, never from a
     host read. On CPU the counter is a host tensor: pretend it is not, and
     the results must be bit-identical to the host path's, skipped steps too."""
-    from stepfx.passes import fuse_optimizer_update as fou
+    from stepfx.passes.fusion import fuse_optimizer_update as fou
 
     config = {"stepfx": {"codegen": True}, "gradient_clipping": 0.5,
               "fp16": {"enabled": True, "auto_cast": True, "initial_scale_power": 8, "hysteresis": 1}}
@@ -200,7 +200,7 @@ def test_parameter_casts_by_the_cast_kernel(monkeypatch, stage):
     """bf16's compute copies of the parameters (whole, or ZeRO-3 shards
     planned for one rank) by the vectorized cast kernel: the same bits as
     aten's cast (every size here, not only the large ones the pass picks)."""
-    from stepfx.passes import fuse_casts
+    from stepfx.passes.fusion import fuse_casts
 
     monkeypatch.setattr(fuse_casts, "MIN_NUMEL", 0)
     runs = []
@@ -301,7 +301,7 @@ def test_generic_regions_go_to_inductor(monkeypatch):
     1e-5 (SGD: inductor's CPU code vectorizes and fuses multiply-adds).
     Regions on CPU only here: inductor's CPU backend compiles C++."""
     from stepfx.codegen.regions import REGIONS
-    from stepfx.passes import fuse_generic_regions
+    from stepfx.passes.fusion import fuse_generic_regions
     from tests.steps import hf_llama, hf_step, parallelized_steps
 
     monkeypatch.setattr(fuse_generic_regions, "ON_CPU", True)
@@ -331,7 +331,7 @@ def test_generic_regions_go_to_inductor(monkeypatch):
 def test_a_region_inductor_cannot_compile_runs_as_its_ops(monkeypatch, caplog):
     from stepfx import compat
     from stepfx.codegen import regions
-    from stepfx.passes import fuse_generic_regions
+    from stepfx.passes.fusion import fuse_generic_regions
 
     def broken(gm, dynamic=False):
         def run(*args):
@@ -504,7 +504,7 @@ def test_bias_gradients_by_the_column_sum_kernel(monkeypatch, model):
     exact); the fp32 step stays within the
     project's bound of eager (SGD: the other summation order shows at its
     own size); without the passes they are aten sums."""
-    from stepfx.passes import fuse_column_sums
+    from stepfx.passes.fusion import fuse_column_sums
     from tests.passes.test_precision import clipped_reference
     from tests.steps import ce_step
 

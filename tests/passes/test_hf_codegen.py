@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import stepfx
-from stepfx.passes.fold_causal_masks import _get, attention_ops
+from stepfx.passes.cleanup.fold_causal_masks import _get, attention_ops
 from stepfx.testing.equivalence import assert_step_equivalent
 from tests.steps import hf_step, token_batches
 
@@ -55,7 +55,7 @@ def make(family):
 @pytest.fixture
 def regions_as_their_ops(monkeypatch):
     from stepfx import compat
-    from stepfx.passes import fuse_generic_regions
+    from stepfx.passes.fusion import fuse_generic_regions
 
     monkeypatch.setattr(fuse_generic_regions, "ON_CPU", True)
     monkeypatch.setattr(compat, "compile_region", lambda gm, dynamic=False: gm)

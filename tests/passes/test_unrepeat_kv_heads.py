@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import stepfx
-from stepfx.passes.fold_causal_masks import _get, attention_ops
+from stepfx.passes.cleanup.fold_causal_masks import _get, attention_ops
 from stepfx.testing.equivalence import assert_step_equivalent
 from tests.steps import hf_step, token_batches
 

@@ -80,7 +80,7 @@ ops = st.tuples(st.sampled_from(UNARY + BINARY + ("linear", "linear", "rownorm",
 @given(program=st.lists(ops, min_size=2, max_size=10), d_in=st.integers(1, 5))
 def test_regions_never_change_the_step(monkeypatch, program, d_in):
     from stepfx import compat
-    from stepfx.passes import fuse_generic_regions
+    from stepfx.passes.fusion import fuse_generic_regions
 
     monkeypatch.setattr(fuse_generic_regions, "ON_CPU", True)
     monkeypatch.setattr(compat, "compile_region", lambda gm, dynamic=False: gm)  # the region's own ops: surgery under test
@@ -100,7 +100,7 @@ def test_a_region_placed_at_its_last_op(monkeypatch):
     import stepfx
     from stepfx import compat
     from stepfx.codegen.regions import REGIONS
-    from stepfx.passes import fuse_generic_regions
+    from stepfx.passes.fusion import fuse_generic_regions
 
     monkeypatch.setattr(fuse_generic_regions, "ON_CPU", True)
     monkeypatch.setattr(compat, "compile_region", lambda gm, dynamic=False: gm)
