@@ -48,6 +48,29 @@ def lengths(args, n: int, seed: int) -> list[int]:
     return torch.randint(args.min_seq, args.seq + 1, (n,), generator=g).tolist()
 
 
+_COMPILES: list[dict] = []
+_CALL = [0]
+
+
+def log_compiles() -> None:
+    """Record every Triton compile (kernel name, the call it happened in,
+    seconds, the specialization key) and torch.compile's recompiles: which
+    kernel a new length recompiles, and why."""
+    import triton.runtime.jit as jit
+
+    original = jit.JITFunction._do_compile
+
+    def logged(self, key, signature, device, constexprs, options, attrs, warmup):
+        start = time.perf_counter()
+        kernel = original(self, key, signature, device, constexprs, options, attrs, warmup)
+        _COMPILES.append({"call": _CALL[0], "kernel": getattr(self.fn, "__name__", str(self.fn)),
+                          "s": round(time.perf_counter() - start, 3), "key": str(key)[:400], "attrs": str(attrs)[:400]})
+        return kernel
+
+    jit.JITFunction._do_compile = logged
+    torch._logging.set_logs(recompiles=True)
+
+
 def run(kind: str, args) -> dict:
     torch.manual_seed(0)
     cfg = gpt_config(args.size, seq_len=args.seq)
@@ -74,12 +97,25 @@ def run(kind: str, args) -> dict:
     batches = [torch.randint(0, cfg.vocab_size, (args.batch, t + 1), generator=g).to(device) for t in seqs]
     warm = []
     for i in range(args.warmup):
+        _CALL[0] = i
         start = time.perf_counter()
         loss = step(model, optimizer, batches[i])
         sync(device)
         warm.append(round(time.perf_counter() - start, 2))
     timed_batches = batches[args.warmup:]
-    times, loss = timed(lambda i: step(model, optimizer, timed_batches[i]), args.steps, device)
+    def call(i):
+        _CALL[0] = args.warmup + i
+        if _CALL[0] != args.profile_call:
+            return step(model, optimizer, timed_batches[i])
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            result = step(model, optimizer, timed_batches[i])
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+        print(f"profile of call {_CALL[0]} (length {seqs[_CALL[0]]}):\n{table}", flush=True)
+        return result
+
+    times, loss = timed(call, args.steps, device)
     tokens = args.batch * sum(seqs[args.warmup:])
     wall_s = times["step_ms"] * args.steps / 1e3
     tps = tokens / wall_s
@@ -93,6 +129,9 @@ def run(kind: str, args) -> dict:
         "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2) if device.type == "cuda" else None,
         "final_loss": round(float(loss), 4), "timing": times,
     }
+    if _COMPILES:
+        row["compiles_after_first_call"] = [c for c in _COMPILES if c["call"] > 0]
+        row["lengths_per_call"] = seqs
     if kind.startswith("stepfx"):
         row["captures"] = len(step.plans)
         row["capture_s"] = [round(p.capture_seconds + p.passes_seconds, 1) for p in step.plans]
@@ -121,8 +160,12 @@ def main() -> None:
     ap.add_argument("--systems", default="stepfx-codegen,eager,compile,stepfx-codegen-fixed")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of the script (tiny sizes)")
     ap.add_argument("--same-process", action="store_true", help="run every system in this process (cuDNN's plan cache is then shared)")
+    ap.add_argument("--profile-call", type=int, default=-1, help="host profile (torch.profiler, CPU) of this call, counting warm-up calls")
+    ap.add_argument("--log-compiles", action="store_true", help="record Triton compiles and torch.compile recompiles per call")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args()
+    if args.log_compiles:
+        log_compiles()
     args.dynamic = {"true": True, "false": False}.get(args.dynamic, args.dynamic)
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     meta = {"date": datetime.date.today().isoformat(), "gpu": gpu, "torch": torch.__version__,
@@ -140,6 +183,9 @@ def main() -> None:
             cmd = [sys.executable, os.path.abspath(__file__), "--systems", kind, "--size", args.size, "--seq", str(args.seq),
                    "--min-seq", str(args.min_seq), "--batch", str(args.batch), "--warmup", str(args.warmup),
                    "--steps", str(args.steps), "--dynamic", str(args.dynamic).lower(), "--device", args.device]
+            if args.log_compiles:
+                cmd.append("--log-compiles")
+            cmd += ["--profile-call", str(args.profile_call)]
             if args.out:
                 cmd += ["--out", args.out]
             subprocess.run(cmd, check=False)
@@ -158,6 +204,7 @@ def main() -> None:
         rows.append({**meta, **row, "process": "own" if len(args.systems.split(",")) == 1 else "shared"})
         print(json.dumps(rows[-1]), flush=True)
         if args.out:
+            os.makedirs(args.out, exist_ok=True)
             with open(os.path.join(args.out, "dynamic_lengths.jsonl"), "a") as f:
                 f.write(json.dumps(rows[-1]) + "\n")
     by = {r["system"]: r for r in rows if "tokens_per_s" in r}
