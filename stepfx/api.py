@@ -40,6 +40,7 @@ from .graph import Role, StepGraph, Storage, TensorSpec
 from .graph.layout import LAYOUT_KEY, Sharding
 from .optimizer_builder import build_optimizer
 from .passes import PIPELINE, PassManager, PassOptions, PassRecord, dump_records
+from .passes.cleanup.choose_attention_kernels import FLASH_CHECK_KEY
 from .passes.cleanup.unrepeat_kv_heads import GQA_OPS_KEY
 from .runtime import (
     DataParallel,
@@ -490,7 +491,8 @@ class ParallelStep:
         manager = PassManager(PIPELINE, disable=options.disable, verify=options.verify, dump_dir=None)
         pass_options = PassOptions(
             config=self.config, world_size=dp.world_size, rank=dp.rank, device_type=device_type, group_name=dp.group_name,
-            extra={GQA_OPS_KEY: compat.attention_ops_taking_grouped_kv(_device_of(model, device_type))},
+            extra={GQA_OPS_KEY: compat.attention_ops_taking_grouped_kv(_device_of(model, device_type)),
+                   FLASH_CHECK_KEY: compat.flash_attention_takes(_device_of(model, device_type))},
         )
         start = time.perf_counter()
         records = manager.run(captured, pass_options, first=first)

@@ -714,6 +714,38 @@ def _probe_grouped_kv(device: torch.device) -> frozenset:
     return frozenset(out)
 
 
+def flash_attention_takes(device: torch.device) -> Callable[..., bool] | None:
+    """A predicate ``(dtype, head_dim, query_heads, kv_heads, is_causal) -> bool``:
+    whether torch's flash attention kernel takes such a call on ``device``
+    (CUDA only; None elsewhere). Asks torch's own dispatcher check
+    (``torch.backends.cuda.can_use_flash_attention`` on small tensors of the
+    call's dtype and head sizes: GPU architecture, head dim, dtype, whether
+    flash is enabled), once per combination and process."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    from torch.backends.cuda import SDPAParams, can_use_flash_attention
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    dev = torch.device("cuda", index)
+
+    def takes(dtype, head_dim: int, heads: int, kv_heads: int, is_causal: bool) -> bool:
+        key = (index, dtype, head_dim, heads, kv_heads, is_causal)
+        if key not in _FLASH_TAKES:
+            try:
+                q = torch.empty(1, heads, 128, head_dim, device=dev, dtype=dtype)
+                kv = torch.empty(1, kv_heads, 128, head_dim, device=dev, dtype=dtype)
+                _FLASH_TAKES[key] = bool(can_use_flash_attention(
+                    SDPAParams(q, kv, kv, None, 0.0, is_causal, kv_heads != heads), False))
+            except Exception:  # an SDPAParams this torch does not have: not taken
+                _FLASH_TAKES[key] = False
+        return _FLASH_TAKES[key]
+
+    return takes
+
+
+_FLASH_TAKES: dict = {}
+
+
 def inductor_default_cache_dir() -> str:
     """Where inductor keeps its compiled artifacts when TORCHINDUCTOR_CACHE_DIR
     is not set (``/tmp/torchinductor_<user>``), without creating it.

@@ -13,6 +13,7 @@ from .cleanup.hoist_symbolic_sizes import hoist_symbolic_sizes
 from .cleanup.prune_unchanged_outputs import prune_unchanged_outputs
 from .cleanup.remove_aliases import remove_aliases
 from .cleanup.unrepeat_kv_heads import unrepeat_kv_heads
+from .cleanup.choose_attention_kernels import choose_attention_kernels
 from .data_parallel.fuse_bucket_packing import fuse_bucket_packing
 from .data_parallel.hold_accumulated_gradients import accumulation_steps, hold_accumulated_gradients
 from .data_parallel.place_gradients_early import place_gradients_early
@@ -92,6 +93,12 @@ PIPELINE: tuple[PipelineEntry, ...] = (
         unrepeat_kv_heads,
         "after fold_causal_masks (a kernel reading a mask may not take grouped heads) and before eliminate_dead_code "
         "(which removes the repeats): grouped-query attention reads K/V unrepeated, as eager's enable_gqa does",
+    ),
+    PipelineEntry(
+        "choose_attention_kernels",
+        choose_attention_kernels,
+        "after fold_causal_masks (a folded mask is is_causal, no bias) and unrepeat_kv_heads (the heads it reads), "
+        "before eliminate_dead_code: with symbolic lengths attention runs flash, which builds no plan per new length",
     ),
     PipelineEntry(
         "eliminate_dead_code",
