@@ -170,6 +170,11 @@ class StepfxOptions:
     cast_inputs: cast floating-point batch tensors to the compute dtype
         under bf16/fp16, as the Hugging Face Trainer does for DeepSpeed;
         None = on when bf16 or fp16 is enabled, false to feed them as given.
+    activation_memory_budget: activation checkpointing chosen on the graph
+        (passes/memory/recompute_activations.py): the forward values kept for
+        the backward may take at most this fraction (0 to 1) of the bytes they
+        take without recomputation; 0 = recompute all that can be; None = off,
+        unless DeepSpeed's ``activation_checkpointing`` block is there (then 0).
     """
 
     codegen: bool | None = spec(None, Optional(Bool()))
@@ -181,6 +186,7 @@ class StepfxOptions:
     freeze_gc: bool = spec(True, Bool())
     dynamic: str | bool = spec("auto", OneOf((Choice(("auto",)), Bool())), auto_value=True)
     cast_inputs: bool | None = spec(None, Optional(Bool()))
+    activation_memory_budget: float | None = spec(None, Optional(Float(ge=0.0, le=1.0)))
 
     def __post_init__(self):
         validate_fields(self, "stepfx")

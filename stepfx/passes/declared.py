@@ -12,9 +12,11 @@ from .cleanup.functionalize_graph import functionalize_graph
 from .cleanup.hoist_symbolic_sizes import hoist_symbolic_sizes
 from .cleanup.prune_unchanged_outputs import prune_unchanged_outputs
 from .cleanup.remove_aliases import remove_aliases
+from .cleanup.replay_checkpoint_randomness import replay_checkpoint_randomness
 from .cleanup.unrepeat_kv_heads import unrepeat_kv_heads
 from .cleanup.choose_attention_kernels import choose_attention_kernels
 from .data_parallel.fuse_bucket_packing import fuse_bucket_packing
+from .memory.recompute_activations import recompute_activations
 from .data_parallel.hold_accumulated_gradients import accumulation_steps, hold_accumulated_gradients
 from .data_parallel.place_gradients_early import place_gradients_early
 from .data_parallel.plan_zero_layout import plan_zero_layout, zero_settings
@@ -83,6 +85,12 @@ PIPELINE: tuple[PipelineEntry, ...] = (
         "needs aliases gone to see that an output is its own input (frozen params, untouched buffers)",
     ),
     PipelineEntry(
+        "replay_checkpoint_randomness",
+        replay_checkpoint_randomness,
+        "a cleanup on the functional graph, before eliminate_dead_code (which removes the second draw's inputs) "
+        "and recompute_activations: a checkpointed region's recomputed dropout reuses the forward's mask",
+    ),
+    PipelineEntry(
         "fold_causal_masks",
         fold_causal_masks,
         "a cleanup, before eliminate_dead_code (which removes the mask's computation once no attention reads it): "
@@ -110,6 +118,12 @@ PIPELINE: tuple[PipelineEntry, ...] = (
         hoist_symbolic_sizes,
         "symbolic batch sizes, once the graph is functional and clean: later passes and the memory plan see "
         "size reads of batch inputs only, not extra readers of activations",
+    ),
+    PipelineEntry(
+        "recompute_activations",
+        recompute_activations,
+        "on the clean graph, before ZeRO and precision: what the backward recomputes reads parameters and "
+        "activations as the backward does (stage 3 gathers them there), and the fusion passes see the copies",
     ),
     PipelineEntry(
         "hold_accumulated_gradients",

@@ -1,7 +1,8 @@
 """Property: for generated models x optimizers x stages x bucket sizes (with
 parameter sizes that do not divide by the world size, and some parameters
-frozen: at stage 3 those are sharded too), ZeRO on 2 real ranks equals the
-averaged-gradient reference bitwise."""
+frozen: at stage 3 those are sharded too), with or without activations
+recomputed under a drawn budget (recompute_activations), ZeRO on 2 real
+ranks equals the averaged-gradient reference bitwise."""
 from __future__ import annotations
 
 from hypothesis import HealthCheck, Phase, given, settings
@@ -30,12 +31,14 @@ from tests.steps import ce_step
     steps=st.integers(2, 3),
     seed=st.integers(0, 1000),
     frozen=st.sets(st.integers(0, 7), max_size=3),
+    budget=st.sampled_from([None, None, 0.6, 0.0]),
 )
-def test_generated_zero_runs_equal_the_reference(rank_pool, widths, d_in, classes, stage, bucket, optimizer, steps, seed, frozen):
+def test_generated_zero_runs_equal_the_reference(rank_pool, widths, d_in, classes, stage, bucket, optimizer, steps, seed, frozen, budget):
     sizes = (d_in, *widths, classes)
     make_model = W.MLPFactory(sizes, sorted(frozen))
     make_opt = W.OptimizerFactory(optimizer)
     batches = W.mlp_rank_batches(2, steps, d_in, classes, seed)
-    config = {"gradient_clipping": 0, "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "stage3_param_persistence_threshold": 0}}
+    config = {"gradient_clipping": 0, "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "stage3_param_persistence_threshold": 0},
+              "stepfx": {"activation_memory_budget": budget}}
     report = assert_data_parallel_equivalent(rank_pool(2), ce_step, make_model, make_opt, batches, config=config, exact=True, seed=seed)
     assert report.bitwise and report.steps == steps

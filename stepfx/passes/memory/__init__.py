@@ -1,3 +1,3 @@
-"""Memory passes (none yet): activation checkpointing, offload, and the
-planner that chooses between them against a memory budget.
+"""Memory passes: activation checkpointing (recompute_activations); offload
+and the planner that chooses between them against a memory budget come next.
 """

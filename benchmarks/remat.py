@@ -1,0 +1,134 @@
+"""Activation checkpointing on one GPU: stepfx's recompute_activations
+(``stepfx.activation_memory_budget``) against eager ``torch.utils.checkpoint``
+per block and torch.compile's activation memory budget, at a micro-batch
+that does not fit without recomputation.
+
+    python3 benchmarks/remat.py --out $OUT                     # 1.3B, seq 2048, micro-batch 24
+    python3 benchmarks/remat.py --batch 4 --systems stepfx-0,stepfx   # what remat costs where it is not needed
+
+Workload as benchmarks/single_gpu.py (BENCHMARKS.md's GPT, bf16 with fp32
+masters, AdamW, clipping 1.0). Systems, each in its own process (a failed
+one, out of memory, is recorded as such):
+
+- ``stepfx``: no recomputation (expected to run out of memory at the
+  default micro-batch: that is the point);
+- ``stepfx-<b>``: ``"stepfx": {"activation_memory_budget": b}`` (codegen on);
+- ``eager-ckpt``: autocast, every block under ``torch.utils.checkpoint``
+  (non-reentrant), fused AdamW;
+- ``compile-<b>``: every block ``torch.compile``d with
+  ``torch._functorch.config.activation_memory_budget = b``.
+
+Reported per system: tokens/s, MFU with recomputation *not* counted (the
+workload's useful FLOPs) and the step's compute bound with recomputation
+counted is left to the reader from the levels stepfx names; peak memory;
+stepfx's pass summary (the level chosen, saved bytes per level). JSON lines
+to ``$OUT/remat.jsonl``.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import stepfx  # noqa: E402
+from benchmarks.single_gpu import PEAK_FLOPS, eager_step, stepfx_step, sync, timed  # noqa: E402
+from stepfx.testing.models import GPT, gpt_config  # noqa: E402
+
+
+def run(kind: str, args) -> dict:
+    torch.manual_seed(0)
+    device = torch.device(args.device)
+    cfg = gpt_config(args.size, seq_len=args.seq)
+    model = GPT(cfg).to(device)
+    adamw = dict(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    summary = None
+    if kind.startswith("stepfx"):
+        budget = float(kind.split("-", 1)[1]) if "-" in kind else None
+        optimizer = torch.optim.AdamW(model.parameters(), **adamw)
+        config = {"bf16": {"enabled": True}, "gradient_clipping": 1.0,
+                  "stepfx": {"codegen": device.type == "cuda" or None, "activation_memory_budget": budget}}
+        step = stepfx.parallelize(config)(stepfx_step)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), fused=device.type == "cuda", **adamw)
+        if kind == "eager-ckpt":
+            for block in model.blocks:
+                forward = block.forward
+                block.forward = lambda x, f=forward: torch.utils.checkpoint.checkpoint(f, x, use_reentrant=False)
+        elif kind.startswith("compile-"):
+            import torch._functorch.config as functorch_config  # the knob torch.compile reads (private)
+
+            functorch_config.activation_memory_budget = float(kind.split("-", 1)[1])
+            for block in model.blocks:
+                block.compile()
+        step = eager_step
+    g = torch.Generator().manual_seed(7)
+    batches = [torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=g).to(device) for _ in range(2)]
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    warm = []
+    for i in range(args.warmup):
+        start = time.perf_counter()
+        step(model, optimizer, batches[i % 2])
+        sync(device)
+        warm.append(round(time.perf_counter() - start, 2))
+    times, loss = timed(lambda i: step(model, optimizer, batches[i % 2]), args.steps, device)
+    tps = args.batch * args.seq / (times["step_ms"] / 1e3)
+    flops_per_token = 6 * model.matmul_params() + 12 * cfg.n_layers * cfg.d_model * args.seq
+    if kind.startswith("stepfx"):
+        summary = next((r.summary for r in step.plan.records if r.name == "recompute_activations"), None)
+    return {"system": kind, "size": args.size, "batch": args.batch, "seq": args.seq, "tokens_per_s": round(tps),
+            "mfu_useful": round(flops_per_token * tps / PEAK_FLOPS, 4), "first_call_s": warm[0],
+            "peak_alloc_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None,
+            "final_loss": round(float(loss.detach()), 4), "timing": times, "remat": summary}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--size", default="1.3B")
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--batch", type=int, default=24)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--systems", default="stepfx,stepfx-0.5,stepfx-0,eager-ckpt,compile-0.5,compile-0")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", default=os.environ.get("OUT"))
+    args = ap.parse_args()
+    systems = args.systems.split(",")
+    meta = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
+            "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+            "command": f"python3 benchmarks/remat.py --size {args.size} --seq {args.seq} --batch {args.batch} "
+                       f"--systems {args.systems}"}
+    if len(systems) > 1:  # one process per system: an out-of-memory failure leaves nothing behind for the next
+        for kind in systems:
+            cmd = [sys.executable, os.path.abspath(__file__), "--systems", kind, "--size", args.size, "--seq",
+                   str(args.seq), "--batch", str(args.batch), "--warmup", str(args.warmup), "--steps",
+                   str(args.steps), "--device", args.device] + (["--out", args.out] if args.out else [])
+            subprocess.run(cmd, check=False)
+        return
+    kind = systems[0]
+    try:
+        row = run(kind, args)
+    except torch.OutOfMemoryError as exc:
+        row = {"system": kind, "error": f"out of memory: {str(exc).splitlines()[0][:200]}"}
+    except Exception as exc:  # recorded, as a peer's failure is a result
+        row = {"system": kind, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"}
+    gc.collect()
+    row = {**meta, **row}
+    print(json.dumps(row), flush=True)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "remat.jsonl"), "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()

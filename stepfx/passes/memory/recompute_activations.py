@@ -1,0 +1,276 @@
+"""recompute_activations: activation checkpointing chosen on the graph — the
+backward recomputes forward values instead of keeping them, under a budget.
+
+Why: between the forward and the backward a step holds every forward value
+the backward reads (saved activations): for a transformer most of its peak
+at long sequences. Recomputing cheap ones (pointwise ops, casts, norms,
+views: memory-bound, a few percent of the step's time) frees most of that;
+recomputing matmuls (whole blocks from their inputs, as
+``torch.utils.checkpoint`` per block does) frees nearly all of it for about
+a third more forward compute.
+
+What is saved is a minimum cut (networkx), as torch's own partitioner
+chooses it: each forward value that the backward needs is either saved
+(paying its bytes) or recomputed from saved values and the step's inputs.
+Ops are recomputable by level, and the pass takes the least aggressive
+level whose saved bytes meet the budget:
+
+- ``cheap``: pointwise ops, casts, row reductions, norms, views, embedding
+  lookups (O(bytes) work);
+- ``matmuls``: also matmuls (attention's output and statistics stay saved);
+- ``all``: also attention — whole blocks recomputed from their inputs.
+
+From ``matmuls`` on, the values between blocks (where all of the batch's
+data flows through one value that several ops read: the residual stream)
+are kept: a cut that saved only the embedding would rebuild every earlier
+block for each later block's backward and keep those copies alive until
+their own backward — fewer saved bytes, a higher peak.
+
+Never recomputed at any level: random ops (a second draw would differ),
+collectives and ops with side effects; values the step returns.
+
+Config: ``"stepfx": {"activation_memory_budget": b}`` with b in [0, 1]: the
+saved bytes may be at most b times what the step saves without
+recomputation (1: nothing recomputed; 0: the least the levels reach).
+DeepSpeed's ``activation_checkpointing`` block present (and no budget set)
+means b = 0. Neither: the pass does nothing.
+
+Requires: a functional graph with phases (capture), before the ZeRO passes
+(a recomputed op reads parameters the way the backward does: stage 3
+gathers them again there).
+
+Ensures: for the chosen set R of forward nodes, a copy of each node of R
+(phase backward, ``meta["recomputed_from"]`` naming the original) sits just
+before the first backward or optimizer node that needs it, and every
+non-forward reader of a node of R reads the copy; forward readers keep the
+original. Values are unchanged (the same ops on the same inputs: bitwise
+where kernels are deterministic). The summary names each level's saved
+bytes and recomputed ops, and the choice.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import networkx as nx
+import torch
+import torch.fx as fx
+
+from ...errors import PassError
+from ...graph import StepGraph
+from ...graph.accounting import Sizes, size_values
+from ...graph.build import clone_step_graph_mapped, copy_node_meta
+from ...graph.ops import allocates_nothing, has_side_effect, is_collective, is_random
+from ...graph.signature import Role
+from ...graph.step_graph import META_PHASE, Phase
+from ..manager import PassOptions, PassResult
+
+__all__ = ["LEVELS", "activation_memory_budget", "recompute_activations"]
+
+aten = torch.ops.aten
+LEVELS = ("cheap", "matmuls", "all")
+META_RECOMPUTED = "recomputed_from"
+
+_MATMULS = frozenset({
+    aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.matmul.default,
+    aten.linear.default, aten.convolution.default, aten._convolution.default,
+})
+_INF = float("inf")
+
+
+def _is_attention(target) -> bool:
+    name = getattr(target, "__name__", str(target))
+    return "scaled_dot_product" in name or "flash_attention" in name or "efficient_attention" in name \
+        or "cudnn_attention" in name
+
+
+def _level_of(node: fx.Node) -> int | None:
+    """The first level (index in LEVELS) at which ``node`` may be recomputed; None: never."""
+    if is_random(node) or is_collective(node) or has_side_effect(node):
+        return None
+    if not isinstance(node.target, torch._ops.OpOverload) and node.target is not operator.getitem:
+        return None
+    if _is_attention(node.target):
+        return 2
+    if node.target in _MATMULS:
+        return 1
+    return 0
+
+
+def activation_memory_budget(config) -> float | None:
+    """The budget the config asks for: ``stepfx.activation_memory_budget``,
+    else 0 when DeepSpeed's ``activation_checkpointing`` block is there, else None."""
+    if config is None:
+        return None
+    budget = getattr(getattr(config, "stepfx", None), "activation_memory_budget", None)
+    if budget is not None:
+        return float(budget)
+    raw = getattr(config, "raw", None) or {}
+    return 0.0 if "activation_checkpointing" in raw else None
+
+
+@dataclass
+class _Choice:
+    level: str
+    saved: set  # forward nodes whose values the backward reads as saved
+    recompute: set  # forward nodes copied into the backward
+    saved_bytes: int
+
+
+def _is_tensor(val) -> bool:
+    return isinstance(val, torch.Tensor) or (isinstance(val, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in val))
+
+
+class _Analysis:
+    def __init__(self, graph: StepGraph):
+        self.nodes = list(graph.gm.graph.nodes)
+        self.index = {n: i for i, n in enumerate(self.nodes)}
+        self.sizes = Sizes(size_values(graph))
+        self.forward = [n for n in self.nodes if n.op == "call_function" and n.meta.get(META_PHASE) == Phase.FORWARD]
+        fwd = set(self.forward)
+        # forward values read after the forward (backward, optimizer) or returned
+        self.needed = {n for n in self.forward if any(u not in fwd for u in n.users)}
+        self.returned = {n for n in self.forward if any(u.op == "output" for u in n.users)}
+        self.fwd = fwd
+        self.boundaries = self._boundaries()
+
+    def _boundaries(self) -> set:
+        """Where the batch's data flows through one value that several ops read: the residual stream
+        between blocks (an articulation point of the forward's data flow with more than one reader).
+        Recomputing across them would rebuild earlier blocks for a later block's backward and keep the
+        copies alive until their own backward: from the ``matmuls`` level on they are kept."""
+        data = {n for n in self.nodes if n.op == "placeholder" and getattr(n.meta.get("slot"), "role", None) is Role.BATCH}
+        for n in self.forward:
+            if any(a in data for a in n.all_input_nodes):
+                data.add(n)
+        flow = nx.Graph()
+        for n in self.forward:
+            if n in data and _is_tensor(n.meta.get("val")):
+                flow.add_node(n)
+                flow.add_edges_from((a, n) for a in n.all_input_nodes if a in data and a in self.fwd)
+        return {n for n in nx.articulation_points(flow)
+                if sum(1 for u in n.users if u in self.fwd) > 1 and not allocates_nothing(n)}
+
+    def bytes(self, node: fx.Node) -> float:
+        val = node.meta.get("val")
+        return float(self.sizes.value(self.sizes.bytes_of(val))) if _is_tensor(val) else 0.0
+
+    def cost(self, node: fx.Node, movable: bool = True) -> float:
+        """Bytes kept if ``node``'s value is saved. A view or getitem that could be recomputed keeps its
+        base: the cut goes there (infinite here); one that cannot counts its own bytes."""
+        if movable and allocates_nothing(node):
+            return _INF
+        return self.bytes(node)
+
+    def choose(self, level: int) -> _Choice:
+        g = nx.DiGraph()
+        for n in self.forward:
+            # sizes and scalars are read as they are; returned values live all step anyway
+            if not _is_tensor(n.meta.get("val")) or n in self.returned:
+                g.add_edge("source", (n, "out"), capacity=_INF)
+                continue
+            lvl = _level_of(n)
+            movable = lvl is not None and lvl <= level and not (level >= 1 and n in self.boundaries)
+            g.add_edge((n, "in"), (n, "out"), capacity=self.cost(n, movable))
+            if not movable:
+                g.add_edge("source", (n, "in"), capacity=_INF)  # computed in the forward, only saved or not
+            for arg in n.all_input_nodes:
+                if arg in self.fwd:
+                    g.add_edge((arg, "out"), (n, "in"), capacity=_INF)
+            if n in self.needed:
+                g.add_edge((n, "out"), "sink", capacity=_INF)
+        # inputs (placeholders) are held all step: available, nothing to cut
+        _, (reachable, _) = nx.minimum_cut(g, "source", "sink") if g.has_node("sink") else (0, (set(g.nodes), None))
+        saved = {n for n in self.forward if (n, "in") in reachable and (n, "out") not in reachable}
+        recompute: set = set()
+        stack = [n for n in self.needed if n not in saved and (n, "out") not in reachable]
+        while stack:
+            n = stack.pop()
+            if n in recompute:
+                continue
+            recompute.add(n)
+            stack += [a for a in n.all_input_nodes if a in self.fwd and a not in saved and (a, "out") not in reachable]
+        saved_bytes = int(sum(self.bytes(n) for n in saved))
+        return _Choice(LEVELS[level], saved, recompute, saved_bytes)
+
+    def baseline_bytes(self) -> int:
+        """Bytes of the forward values the backward reads, without recomputation (a view counts its base)."""
+        roots = set()
+        for n in self.needed:
+            root = n
+            while allocates_nothing(root) and root.all_input_nodes and root.args and isinstance(root.args[0], fx.Node) \
+                    and root.args[0] in self.fwd:
+                root = root.args[0]
+            if root in self.fwd and not allocates_nothing(root):
+                roots.add(root)
+        return int(sum(self.bytes(n) for n in roots))
+
+
+def _rewrite(graph: StepGraph, recompute: set) -> StepGraph:
+    graph, copy_of = clone_step_graph_mapped(graph)
+    g = graph.gm.graph
+    order = {n: i for i, n in enumerate(g.nodes)}
+    R = {copy_of[n] for n in recompute}
+    # where each copy must exist: before its first non-forward reader, or before the copy that reads it
+    first: dict[fx.Node, fx.Node] = {}
+    for n in sorted(R, key=order.__getitem__, reverse=True):
+        readers = [u for u in n.users if u not in R and u.meta.get(META_PHASE) != Phase.FORWARD and u.op != "output"]
+        readers += [first[u] for u in n.users if u in R and u in first]
+        if readers:
+            first[n] = min(readers, key=order.__getitem__)
+    copies: dict[fx.Node, fx.Node] = {}
+    for n in sorted(first, key=lambda x: (order[first[x]], order[x])):
+        with g.inserting_before(first[n]):
+            args = fx.node.map_arg(n.args, lambda a: copies.get(a, a))
+            kwargs = fx.node.map_arg(n.kwargs, lambda a: copies.get(a, a))
+            new = g.create_node("call_function", n.target, args, kwargs, name=f"recompute_{n.name}")
+        copy_node_meta(n, new, phase=Phase.BACKWARD)
+        new.meta["val"] = n.meta.get("val")
+        new.meta[META_RECOMPUTED] = n.name
+        copies[n] = new
+    for n, new in copies.items():
+        for user in list(n.users):
+            if user not in copies.values() and user.meta.get(META_PHASE) != Phase.FORWARD and user.op != "output" \
+                    and user not in R:
+                user.replace_input_with(n, new)
+    g.lint()
+    graph.gm.recompile()
+    return graph
+
+
+def _mib(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def recompute_activations(graph: StepGraph, options: PassOptions) -> PassResult:
+    budget = activation_memory_budget(options.config)
+    if budget is None:
+        return PassResult(graph, False, "")
+    if not graph.functional:
+        raise PassError("recompute_activations requires a functional graph (run functionalize_graph first)")
+    analysis = _Analysis(graph)
+    base = analysis.baseline_bytes()
+    if base == 0:
+        return PassResult(graph, False, "no forward value is read by the backward")
+    limit = budget * base
+    if base <= limit:
+        return PassResult(graph, False, f"budget {budget:g}: nothing recomputed ({_mib(base)} saved for the backward)")
+    lines, chosen = [], None
+    for level in range(len(LEVELS)):
+        choice = analysis.choose(level)
+        lines.append(f"{choice.level}: saves {_mib(choice.saved_bytes)}, recomputes {len(choice.recompute)} ops")
+        if chosen is None and choice.saved_bytes <= limit:
+            chosen = choice
+    met = chosen is not None
+    if chosen is None:  # the budget cannot be met: the least the levels reach
+        chosen = min((analysis.choose(level) for level in range(len(LEVELS))), key=lambda c: c.saved_bytes)
+    head = (f"budget {budget:g} x {_mib(base)} saved without recomputation: level {chosen.level!r}, "
+            f"{len(chosen.recompute)} ops recomputed, saves {_mib(chosen.saved_bytes)}"
+            + ("" if met else f" (over the budget's {_mib(int(limit))}: no level saves less)"))
+    if not chosen.recompute:
+        return PassResult(graph, False, head + " [" + "; ".join(lines) + "]")
+    out = _rewrite(graph, chosen.recompute)
+    return PassResult(out, True, head + " [" + "; ".join(lines) + "]")

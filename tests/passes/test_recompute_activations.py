@@ -1,0 +1,158 @@
+"""recompute_activations: the backward recomputes forward values under a
+memory budget (a minimum cut per level), the step stays bitwise what it was,
+and what the model checkpoints itself is captured as it is."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import stepfx
+from stepfx.graph.accounting import estimate_memory
+from stepfx.graph.ops import is_random
+from stepfx.graph.step_graph import META_PHASE, Phase
+from stepfx.passes.memory.recompute_activations import META_RECOMPUTED
+from stepfx.testing.equivalence import assert_step_equivalent
+from tests.steps import adamw, lm_step, tiny_gpt, token_batches
+
+
+def _gpt():
+    return tiny_gpt(seq_len=64, d_model=32)
+
+
+def _batches(n=2):
+    return token_batches(n, batch=4, seq=64)
+
+
+def _run(config, make=_gpt, step_fn=lm_step, batches=None):
+    torch.manual_seed(0)
+    model = make()
+    opt = adamw(model)
+    step = stepfx.parallelize(config)(step_fn)
+    for batch in batches or _batches(1):
+        step(model, opt, *batch)
+    return step
+
+
+def _summary(step) -> str:
+    return next(r.summary for r in step.plan.records if r.name == "recompute_activations")
+
+
+def _copies(step) -> list:
+    return [n for n in step.plan.graph.gm.graph.nodes if META_RECOMPUTED in n.meta]
+
+
+def test_budgets_pick_a_level_lower_the_peak_and_keep_the_step_bitwise():
+    base = _run({"gradient_clipping": 0})
+    peak0 = estimate_memory(base.plan.graph).peak
+    assert not _copies(base)
+    peaks = {}
+    for budget, level in ((0.7, "cheap"), (0.0, "matmuls")):
+        config = {"gradient_clipping": 0, "stepfx": {"activation_memory_budget": budget}}
+        step = _run(config)
+        summary = _summary(step)
+        assert f"level '{level}'" in summary and "cheap: saves" in summary and "all: saves" in summary
+        copies = _copies(step)
+        assert copies and all(n.meta[META_PHASE] == Phase.BACKWARD for n in copies)
+        targets = {n.target for n in copies}
+        assert (torch.ops.aten.mm.default in targets) == (level == "matmuls")
+        # every copy reads what is alive in the backward: inputs, saved values, or other copies
+        for n in copies:
+            first_reader = min((u for u in n.users), key=list(step.plan.graph.gm.graph.nodes).index)
+            assert first_reader.meta.get(META_PHASE) != Phase.FORWARD
+        peaks[budget] = estimate_memory(step.plan.graph).peak
+        report = assert_step_equivalent(lm_step, _gpt, adamw, _batches(), exact=True, config=config)
+        assert report.bitwise
+    assert peaks[0.0] < peaks[0.7] < peak0, (peaks, peak0)
+
+
+def test_no_budget_or_budget_one_recomputes_nothing():
+    assert _summary(_run({"gradient_clipping": 0})) == ""
+    step = _run({"gradient_clipping": 0, "stepfx": {"activation_memory_budget": 1.0}})
+    assert not _copies(step) and "nothing recomputed" in _summary(step)
+
+
+def test_deepspeed_activation_checkpointing_block_means_budget_zero():
+    step = _run({"gradient_clipping": 0, "activation_checkpointing": {"partition_activations": False,
+                                                                     "number_checkpoints": 2}})
+    assert _summary(step).startswith("budget 0 x") and _copies(step)
+
+
+def test_budget_out_of_range_is_a_config_error():
+    with pytest.raises(stepfx.ConfigError, match="stepfx.activation_memory_budget"):
+        stepfx.parallelize({"stepfx": {"activation_memory_budget": 1.5}})(lm_step)
+
+
+class _DropoutMLP(nn.Module):
+    def __init__(self, checkpointed=False):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 3)
+        self.checkpointed = checkpointed
+
+    def block(self, x):
+        return F.dropout(F.gelu(self.b(x)), 0.3, self.training)
+
+    def forward(self, x):
+        x = F.gelu(self.a(x))
+        x = torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False) if self.checkpointed else self.block(x)
+        return self.c(x)
+
+
+def _ce_step(model, opt, x, y):
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def _xy(n=2):
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(6, 8, generator=g), torch.randint(0, 3, (6,), generator=g)) for _ in range(n)]
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_random_ops_are_never_recomputed_and_user_checkpoints_are_honoured(checkpointed):
+    config = {"gradient_clipping": 0, "stepfx": {"activation_memory_budget": 0.0}}
+    make = lambda: _DropoutMLP(checkpointed)
+    step = _run(config, make=make, step_fn=_ce_step, batches=_xy(1))
+    assert _copies(step) and not any(is_random(n) for n in _copies(step))
+    report = assert_step_equivalent(_ce_step, make, adamw, _xy(), exact=True, config=config)
+    assert report.bitwise
+
+
+def test_bf16_recomputed_step_is_bitwise_the_saved_one():
+    losses = {}
+    for budget in (None, 0.0):
+        torch.manual_seed(0)
+        model = _gpt()
+        opt = adamw(model)
+        step = stepfx.parallelize({"bf16": {"enabled": True}, "gradient_clipping": 1.0,
+                                   "stepfx": {"activation_memory_budget": budget}})(lm_step)
+        losses[budget] = ([step(model, opt, *b).item() for b in _batches()], [p.detach().clone() for p in model.parameters()])
+    assert losses[None][0] == losses[0.0][0]
+    assert all(torch.equal(a, b) for a, b in zip(losses[None][1], losses[0.0][1]))
+
+
+def _checkpointed_gpt2():
+    from tests.steps import hf_gpt2
+
+    model = hf_gpt2()  # dropout 0.1 on embeddings, attention and residuals
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def test_hugging_face_gradient_checkpointing_with_dropout_equals_eager():
+    """Hugging Face's gradient_checkpointing_enable() recomputes each block in
+    the backward with the forward's RNG state: captured, the recomputed dropout
+    reuses the forward's mask (replay_checkpoint_randomness), bitwise eager."""
+    pytest.importorskip("transformers")
+    from tests.steps import hf_step
+
+    step = _run({"gradient_clipping": 0}, make=_checkpointed_gpt2, step_fn=hf_step, batches=token_batches(1))
+    summary = next(r.summary for r in step.plan.records if r.name == "replay_checkpoint_randomness")
+    assert "reuse the forward's draw" in summary
+    report = assert_step_equivalent(hf_step, _checkpointed_gpt2, adamw, token_batches(2), exact=True,
+                                    config={"gradient_clipping": 0})
+    assert report.bitwise
