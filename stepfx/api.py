@@ -42,6 +42,7 @@ from .optimizer_builder import build_optimizer
 from .passes import PIPELINE, PassManager, PassOptions, PassRecord, dump_records
 from .passes.cleanup.choose_attention_kernels import FLASH_CHECK_KEY
 from .passes.cleanup.unrepeat_kv_heads import GQA_OPS_KEY
+from .passes.memory.planner import memory_budget_bytes, plan_memory
 from .runtime import (
     DataParallel,
     LocalExecutor,
@@ -495,7 +496,11 @@ class ParallelStep:
                    FLASH_CHECK_KEY: compat.flash_attention_takes(_device_of(model, device_type))},
         )
         start = time.perf_counter()
-        records = manager.run(captured, pass_options, first=first)
+        budget = memory_budget_bytes(self.config)
+        if budget is None:
+            records = manager.run(captured, pass_options, first=first)
+        else:  # the memory planner: the pipeline per candidate until the predicted peak fits
+            records = plan_memory(lambda opts: manager.run(captured, opts, first=first), pass_options, budget)
         passes_seconds = time.perf_counter() - start
         final = records[-1].graph
         executor = LocalExecutor(final, ModuleBinding(final.signature, model, optimizer, self._store), dp,

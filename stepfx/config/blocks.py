@@ -175,6 +175,9 @@ class StepfxOptions:
         the backward may take at most this fraction (0 to 1) of the bytes they
         take without recomputation; 0 = recompute all that can be; None = off,
         unless DeepSpeed's ``activation_checkpointing`` block is there (then 0).
+    memory_budget_gib: the memory planner (passes/memory/planner.py): the
+        least recomputation whose predicted per-rank peak fits this many GiB
+        (overrides activation_memory_budget); None = no planning.
     """
 
     codegen: bool | None = spec(None, Optional(Bool()))
@@ -187,6 +190,7 @@ class StepfxOptions:
     dynamic: str | bool = spec("auto", OneOf((Choice(("auto",)), Bool())), auto_value=True)
     cast_inputs: bool | None = spec(None, Optional(Bool()))
     activation_memory_budget: float | None = spec(None, Optional(Float(ge=0.0, le=1.0)))
+    memory_budget_gib: float | None = spec(None, Optional(Float(gt=0.0)))
 
     def __post_init__(self):
         validate_fields(self, "stepfx")

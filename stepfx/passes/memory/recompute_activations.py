@@ -29,7 +29,9 @@ their own backward — fewer saved bytes, a higher peak.
 Never recomputed at any level: random ops (a second draw would differ),
 collectives and ops with side effects; values the step returns.
 
-Config: ``"stepfx": {"activation_memory_budget": b}`` with b in [0, 1]: the
+Config: ``"stepfx": {"memory_budget_gib": X}``: the memory planner
+(planner.py) imposes the level (``options.extra[RECOMPUTE_LEVEL_KEY]``).
+``"stepfx": {"activation_memory_budget": b}`` with b in [0, 1]: the
 saved bytes may be at most b times what the step saves without
 recomputation (1: nothing recomputed; 0: the least the levels reach).
 DeepSpeed's ``activation_checkpointing`` block present (and no budget set)
@@ -65,10 +67,12 @@ from ...graph.signature import Role
 from ...graph.step_graph import META_PHASE, Phase
 from ..manager import PassOptions, PassResult
 
-__all__ = ["LEVELS", "activation_memory_budget", "recompute_activations"]
+__all__ = ["LEVELS", "RECOMPUTE_LEVEL_KEY", "activation_memory_budget", "recompute_activations"]
 
 aten = torch.ops.aten
 LEVELS = ("cheap", "matmuls", "all")
+# options.extra[RECOMPUTE_LEVEL_KEY]: a level the memory planner (planner.py) imposes, or "none"
+RECOMPUTE_LEVEL_KEY = "recompute_level"
 META_RECOMPUTED = "recomputed_from"
 
 _MATMULS = frozenset({
@@ -246,12 +250,20 @@ def _mib(n: float) -> str:
 
 
 def recompute_activations(graph: StepGraph, options: PassOptions) -> PassResult:
+    imposed = (options.extra or {}).get(RECOMPUTE_LEVEL_KEY)
     budget = activation_memory_budget(options.config)
-    if budget is None:
+    if imposed == "none" or (budget is None and imposed is None):
         return PassResult(graph, False, "")
     if not graph.functional:
         raise PassError("recompute_activations requires a functional graph (run functionalize_graph first)")
     analysis = _Analysis(graph)
+    if imposed is not None:  # the memory planner chose the level
+        choice = analysis.choose(LEVELS.index(imposed))
+        head = (f"level {choice.level!r} (stepfx.memory_budget_gib's plan): {len(choice.recompute)} ops recomputed, "
+                f"saves {_mib(choice.saved_bytes)} of {_mib(analysis.baseline_bytes())}")
+        if not choice.recompute:
+            return PassResult(graph, False, head)
+        return PassResult(_rewrite(graph, choice.recompute), True, head)
     base = analysis.baseline_bytes()
     if base == 0:
         return PassResult(graph, False, "no forward value is read by the backward")

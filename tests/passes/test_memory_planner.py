@@ -1,0 +1,65 @@
+"""The memory planner (stepfx.memory_budget_gib): the least recomputation
+whose predicted per-rank peak fits the budget, predictions that hold against
+what the step really allocates, and a clear error for a budget no plan meets."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+import stepfx
+from stepfx.graph.accounting import estimate_memory
+from stepfx.testing.equivalence import assert_step_equivalent
+from stepfx.testing.memory import measure_memory
+from tests.steps import adamw, lm_step, tiny_gpt, token_batches
+
+GIB = 2**30
+
+
+def _gpt():
+    return tiny_gpt(seq_len=128, d_model=64, n_layers=3)
+
+
+def _batch():
+    return token_batches(1, batch=8, seq=128)[0]
+
+
+def _step(budget_gib):
+    torch.manual_seed(0)
+    model, batch = _gpt(), _batch()
+    opt = adamw(model)
+    step = stepfx.parallelize({"gradient_clipping": 1.0, "stepfx": {"memory_budget_gib": budget_gib}})(lm_step)
+    step(model, opt, *batch)
+    return step, model, opt, batch
+
+
+
+
+def test_generous_budget_recomputes_nothing_and_tight_budgets_pick_the_least_that_fits():
+    step, *_ = _step(1.0)
+    summary = next(r.summary for r in step.plan.records if r.name == "plan_memory")
+    assert "recompute 'none'" in summary and summary.count("predicted peak") == 2  # the choice, and one tried
+    none_peak = estimate_memory(step.plan.graph).peak
+    # a budget just under the unrecomputed peak: the next level ('cheap') fits it
+    tight, model, opt, batch = _step((none_peak - 1) / GIB)
+    records = {r.name: r for r in tight.plan.records}
+    assert "recompute 'cheap'" in records["plan_memory"].summary
+    assert "level 'cheap'" in records["recompute_activations"].summary
+    cheap_peak = estimate_memory(tight.plan.graph).peak
+    assert cheap_peak < none_peak
+    # the prediction holds against the measured allocation (issue 18: within 10%)
+    held = [*model.parameters(), *batch] + [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+    gc.collect()
+    measured = measure_memory(lambda: tight(model, opt, *batch), held)
+    est = estimate_memory(tight.plan.graph)
+    assert abs((est.peak - est.resident) - measured.peak) <= 0.1 * measured.peak
+    report = assert_step_equivalent(lm_step, _gpt, adamw, [_batch(), _batch()], exact=True,
+                                    config={"gradient_clipping": 1.0, "stepfx": {"memory_budget_gib": (none_peak - 1) / GIB}})
+    assert report.bitwise
+
+
+def test_a_budget_no_plan_meets_is_a_config_error_naming_the_smallest_peak():
+    with pytest.raises(stepfx.ConfigError, match=r"stepfx.memory_budget_gib: 1e-06 GiB cannot be met on rank 0: "
+                                                 r"the smallest predicted peak is [0-9.]+ MiB \(recompute '(matmuls|all|cheap)'\)"):
+        _step(1e-6)
