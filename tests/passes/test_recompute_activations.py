@@ -185,3 +185,20 @@ def test_measured_peak_falls_as_predicted():
         assert abs(predicted - memory.peak) <= 0.1 * memory.peak, (budget, predicted, memory.peak)
         measured[budget] = memory.peak
     assert measured[0.0] < 0.6 * measured[None], measured
+
+
+def test_hugging_face_llama_and_symbolic_lengths_recompute_bitwise():
+    """Grouped-query attention, rotary embeddings and RMSNorm (a tiny HF Llama),
+    and a plan with symbolic lengths (stepfx.dynamic: sizes are graph values the
+    copies read) recompute at budget 0 and stay bitwise eager."""
+    pytest.importorskip("transformers")
+    from tests.steps import hf_llama, hf_step
+
+    config = {"gradient_clipping": 0, "stepfx": {"activation_memory_budget": 0.0}}
+    assert assert_step_equivalent(hf_step, hf_llama, adamw, token_batches(2), exact=True, config=config).bitwise
+    g = torch.Generator().manual_seed(0)
+    varying = [(torch.randint(0, 64, (2, t), generator=g),) for t in (9, 12, 7)]
+    dynamic = {"gradient_clipping": 0, "stepfx": {"activation_memory_budget": 0.0, "dynamic": True}}
+    step = _run(dynamic, make=tiny_gpt, batches=varying)
+    assert len(step.plans) == 1 and _copies(step)
+    assert assert_step_equivalent(lm_step, tiny_gpt, adamw, varying, exact=True, config=dynamic).bitwise

@@ -179,7 +179,8 @@ class _Analysis:
             if not movable:
                 g.add_edge("source", (n, "in"), capacity=_INF)  # computed in the forward, only saved or not
             for arg in n.all_input_nodes:
-                if arg in self.fwd:
+                # sizes and returned values are there in the backward anyway: reading them costs no edge
+                if arg in self.fwd and _is_tensor(arg.meta.get("val")) and arg not in self.returned:
                     g.add_edge((arg, "out"), (n, "in"), capacity=_INF)
             if n in self.needed:
                 g.add_edge((n, "out"), "sink", capacity=_INF)
