@@ -30,7 +30,7 @@ from .capture.dynamic import BatchShapeGuard, changed_dims
 from .capture.trace import batch_slot_name
 from .codegen import available as codegen_available
 from .capture.fingerprint import describe_change, fingerprint
-from .capture.initial_state import create_initial_state, drop_state, untouched_state
+from .capture.initial_state import create_initial_state, drop_state, stepped_params
 from .passes.data_parallel.plan_zero_layout import stays_whole
 from .config.implicit import fill_auto_clipping, implicit_defaults
 from .config import AUTO, Config, ConfigError, load_config, resolve_batch_sizes, resolve_zero_auto
@@ -39,6 +39,8 @@ from .monitor import Monitor, dense_flops_per_token, loss_of, tokens_in
 from .graph import Role, StepGraph, Storage, TensorSpec
 from .graph.layout import LAYOUT_KEY, Sharding
 from .optimizer_builder import build_optimizer
+from . import plan_cache
+from .progress import Progress
 from .passes import PIPELINE, PassManager, PassOptions, PassRecord, dump_records
 from .passes.cleanup.choose_attention_kernels import FLASH_CHECK_KEY
 from .passes.cleanup.unrepeat_kv_heads import GQA_OPS_KEY
@@ -105,13 +107,20 @@ class Plan:
     batch_shapes: dict = field(default_factory=dict)  # batch slot name -> shape at capture
     dynamic_dims: dict = field(default_factory=dict)  # batch slot name -> the dims asked to be symbolic
     last_batch_shapes: list | None = None  # the batch tensors' shapes at the last run (symbolic variants)
+    stepped: frozenset = frozenset()  # parameters whose optimizer step counter the captured step writes
+    param_numels: dict = field(default_factory=dict)  # parameter name -> elements, as captured (whole)
+    from_cache: bool = False  # loaded from the on-disk plan cache: capture and passes did not run
+    cache_note: str = ""  # the plan cache's part in this plan (explain())
+    cache_seconds: float = 0.0  # loading it from the cache, or writing it there
+    first_call_seconds: float | None = None  # the call that made this plan, start to return
 
     @property
     def graph(self) -> StepGraph:
         return self.records[-1].graph
 
     @property
-    def captured(self) -> StepGraph:
+    def captured(self) -> StepGraph | None:
+        """The graph as captured (None for a plan loaded from the cache, which keeps the final graph only)."""
         return self.records[0].graph
 
 
@@ -148,9 +157,12 @@ class ParallelStep:
         self._flops_per_token: float | None = None  # 6 x parameters, counted before ZeRO-3 empties the module
         self._window_loss: torch.Tensor | None = None  # this update's micro-step losses, summed on the device
         self._window_tokens = 0  # this update's tokens on this rank
+        self._cache: plan_cache.PlanCache | None = None  # the on-disk plan cache (stepfx.cache_dir), from the first call
+        self._progress = Progress(self.__name__, False)  # progress lines (rank 0, stepfx.progress), from the first call
 
     # -- calling --------------------------------------------------------------
     def __call__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *args, **kwargs) -> Any:
+        started = time.perf_counter()
         if not isinstance(model, torch.nn.Module):
             raise TypeError(
                 f"{self.__name__}: the first argument must be the nn.Module being trained, got {type(model).__name__}"
@@ -178,6 +190,8 @@ class ParallelStep:
             self._monitor = Monitor(self.config, rank=self._dp.rank, world_size=self._dp.world_size)
             atexit.register(self._monitor.close)
             self._flops_per_token = dense_flops_per_token(model)
+            self._progress = Progress(self.__name__, bool(self.config.stepfx.progress) and self._dp.rank == 0)
+            self._cache = plan_cache.PlanCache.open(self.config.stepfx.cache_dir)
         elif self._dp.active and self._dp.group is None:
             raise ExecutionError(f"{self.__name__}: an earlier step failed and aborted stepfx's data-parallel group; restart the job")
         if self._calls == 1 and self._dp.active and self.config.stepfx.dynamic == "auto":
@@ -204,6 +218,9 @@ class ParallelStep:
             resharded = self._last is not None and plan is not self._last and bool(self._store.tensors) and self._reshard(
                 self._last, plan, model, optimizer)
             self._check_loss_scale(wait=self._schedule_pending)
+            first = plan.runs == 0 and plan.created_at_call == self._calls  # the call that made it: compiles now
+            if first:
+                self._progress_compiles(plan)
             result = plan.executor.run(batch)
         except BaseException:
             if fresh:  # the state this call created goes again: the optimizer as it was
@@ -214,6 +231,9 @@ class ParallelStep:
             self._moved_state.clear()
             raise
         self._moved_state.clear()
+        if first:
+            plan.first_call_seconds = time.perf_counter() - started
+            self._progress("first call done in %.1f s", plan.first_call_seconds)
         self._micro_steps += 1
         if self._monitor.active:
             self._feed_monitor(result, args, kwargs, options, optimizer, plan)
@@ -337,7 +357,7 @@ class ParallelStep:
         captured step does not update (the loss does not reach them) would
         have no state in eager Adam: drop it and the plan that reads it."""
         given_state = {name for name, keys in fresh if not keys or keys[0][0] is Role.OPTIMIZER_STATE}
-        unused = untouched_state(plan.captured, given_state)
+        unused = given_state - plan.stepped
         if not unused:
             return False
         self._drop_fresh_state(model, optimizer, fresh, unused)
@@ -419,7 +439,8 @@ class ParallelStep:
         error: BaseException | None = None
         plan = None
         try:
-            plan = self._build_plan(key, model, optimizer, args, kwargs, options, dynamic_dims=dynamic_dims)
+            plan = self._build_plan(key, model, optimizer, args, kwargs, options, dynamic_dims=dynamic_dims,
+                                    structure=structure)
             plan.structure, plan.dynamic_dims = structure, dict(dynamic_dims or {})
             plan.batch_shapes = _batch_shapes(args, kwargs)
             if plan.guard is not None:  # serves every size its guard admits, not just this call's
@@ -477,24 +498,38 @@ class ParallelStep:
         raise error
 
     def _build_plan(self, key, model, optimizer, args, kwargs, capture: CaptureOptions, *,
-                    dynamic_dims: dict | None = None) -> Plan:
+                    dynamic_dims: dict | None = None, structure: tuple | None = None) -> Plan:
+        """Capture and pass this call's plan, or load it from the on-disk
+        plan cache (stepfx/plan_cache), which a fresh capture writes."""
         options = self.config.stepfx
         dp = self._dp
         start = time.perf_counter()
         inputs = collect_inputs(model, optimizer, args, kwargs, held=self._store.held, options=capture)
+        # the model's own device (under ZeRO-3 its tensors are empty but keep
+        # their device); the learning rate and step counters are CPU scalars
+        device_type = _device_type(list(model.parameters()) + list(model.buffers()) + inputs.values)
+        batch_shapes = _batch_shapes(args, kwargs)
+        lookup = plan_cache.look_up(
+            self._cache, structure + (("dynamic", _frozen_dims(dynamic_dims)),) if dynamic_dims else key, fn=self.fn,
+            model=model, optimizer=optimizer, config=self.config, world_size=dp.world_size, rank=dp.rank,
+            group_name=dp.group_name, device=_device_of(model, device_type), dynamic_dims=dynamic_dims,
+            batch_shapes=batch_shapes, batch=[v for s, v in zip(inputs.slots, inputs.values) if s.role is Role.BATCH])
+        if lookup.entry is not None:
+            return self._plan_from_cache(lookup, key, model, optimizer, device_type, start)
+        self._progress("capturing the step (plan cache: %s)...", lookup.note)
+        start = time.perf_counter()
         captured = capture_step(self.fn, model, optimizer, args, kwargs, inputs=inputs, options=capture,
                                 dynamic_dims=dynamic_dims)
         capture_seconds = time.perf_counter() - start
         first = PassRecord(0, "capture", captured, True, capture_seconds, f"{captured.count_ops()} ops captured")
-        # the model's own device (under ZeRO-3 its tensors are empty but keep
-        # their device); the learning rate and step counters are CPU scalars
-        device_type = _device_type(list(model.parameters()) + list(model.buffers()) + inputs.values)
         manager = PassManager(PIPELINE, disable=options.disable, verify=options.verify, dump_dir=None)
         pass_options = PassOptions(
             config=self.config, world_size=dp.world_size, rank=dp.rank, device_type=device_type, group_name=dp.group_name,
             extra={GQA_OPS_KEY: compat.attention_ops_taking_grouped_kv(_device_of(model, device_type)),
                    FLASH_CHECK_KEY: compat.flash_attention_takes(_device_of(model, device_type))},
         )
+        self._progress("captured in %.1f s (%s ops); running %d passes...", capture_seconds,
+                       f"{captured.count_ops():,}", manager.count_running(pass_options))
         start = time.perf_counter()
         budget = memory_budget_bytes(self.config)
         if budget is None:
@@ -508,6 +543,8 @@ class ParallelStep:
                                  graph_pool=self._graph_pool)
         plan = Plan(key, records, executor, capture_seconds, passes_seconds, self._calls, device_type)
         plan.held = _held_specs(captured, final)
+        plan.stepped = stepped_params(captured)
+        plan.param_numels = plan_cache.param_numels(captured)
         if dynamic_dims:
             batch = {n.meta["slot"].name: n.meta["val"] for n in captured.gm.graph.nodes
                      if n.op == "placeholder" and n.meta["slot"].role is Role.BATCH}
@@ -517,7 +554,58 @@ class ParallelStep:
                 log.warning("stepfx: %s: the capture with symbolic batch sizes specialized every one of them, so each "
                             "new size is captured again; the guards: %s", self.__name__,
                             "; ".join(f"{e} at {w}" for e, w in guards[:4]) or "none recorded")
+        plan.cache_note = lookup.note
+        if lookup.key is not None:
+            start = time.perf_counter()
+            note = plan_cache.save(self._cache, lookup.key, captured=captured, final=final, records=records,
+                                   held=plan.held, stepped=plan.stepped, guard=plan.guard, batch_shapes=batch_shapes,
+                                   dynamic=bool(dynamic_dims), capture_seconds=capture_seconds,
+                                   passes_seconds=passes_seconds)
+            plan.cache_seconds = time.perf_counter() - start
+            plan.cache_note = f"{note} under key {lookup.key.short} in {plan.cache_seconds:.1f} s"
+        self._progress("passes done in %.1f s (%s ops); plan cache: %s", passes_seconds, f"{final.count_ops():,}",
+                       plan.cache_note)
         return plan
+
+    def _plan_from_cache(self, lookup, key, model, optimizer, device_type: str, start: float) -> Plan:
+        """The plan of a cache entry: its final graph bound to this call's
+        model, optimizer and rank store; its regions registered again."""
+        from .codegen.regions import restore_regions
+
+        entry = lookup.entry
+        restore_regions(entry.regions)
+        final = entry.graph
+        executor = LocalExecutor(final, ModuleBinding(final.signature, model, optimizer, self._store), self._dp,
+                                 cuda_graphs=bool(self.config.stepfx.cuda_graphs), device_type=device_type,
+                                 graph_pool=self._graph_pool)
+        last = len(entry.records) - 1
+        records = [PassRecord(i, name, final if n == last else None, changed, seconds, summary, skipped)
+                   for n, (i, name, changed, seconds, summary, skipped) in enumerate(entry.records)]
+        plan = Plan(key, records, executor, entry.capture_seconds, entry.passes_seconds, self._calls, device_type)
+        plan.held, plan.stepped, plan.param_numels, plan.guard = entry.held, entry.stepped, entry.param_numels, entry.guard
+        plan.from_cache = True
+        plan.cache_seconds = time.perf_counter() - start
+        plan.cache_note = (f"loaded from {entry.loaded_from} (key {lookup.key.short}) in {plan.cache_seconds:.1f} s; "
+                           f"capture and passes skipped (they took {entry.capture_seconds + entry.passes_seconds:.1f} s)")
+        self._progress("loaded the plan from the cache in %.1f s (key %s, %s ops): capture and passes skipped",
+                       plan.cache_seconds, lookup.key.short, f"{final.count_ops():,}")
+        return plan
+
+    def _progress_compiles(self, plan: Plan) -> None:
+        """The progress line before a plan's first run, when it compiles."""
+        from .codegen.graph_ops import KERNELS_OF, kernels_of
+        from .codegen.regions import REGIONS, regions_of
+        from .codegen.registry import interpreting
+
+        regions = [k for k in regions_of(plan.graph.gm) if REGIONS[k].compiled is None]
+        kernels = set() if interpreting() else {
+            name for n in plan.graph.gm.graph.nodes if n.op == "call_function" and n.target in KERNELS_OF
+            for name in kernels_of(n.target)}
+        parts = ([f"{len(regions)} inductor region(s)"] if regions else []) + (
+            [f"stepfx's Triton kernels ({len(kernels)})"] if kernels else [])
+        if parts:
+            kept = "; kept on disk for the next run" if self._cache is not None and self._cache.enabled else ""
+            self._progress("first run: compiling %s%s...", " and ".join(parts), kept)
 
     def _capture_options(self) -> CaptureOptions:
         """What the config asks of this call's capture (gradient accumulation:

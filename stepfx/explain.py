@@ -163,12 +163,13 @@ def explain_plan(step, plan) -> str:
     rank = dp.rank if dp is not None else 0
     lines.append(f"config: {getattr(cfg, 'source', '<config>')}    device: {plan.device_type}    world size: {world}    rank: {rank}")
     lines.append(f"replay: {plan.executor.graphs_note}")
+    lines.append(f"plan cache: {plan.cache_note or 'not consulted'}")
     for note in plan.executor.binding.carried_notes():
         lines.append(f"carried compute copies: {note}")
     lines.append("")
 
     total = sum(r.seconds for r in plan.records)
-    lines.append(f"passes ({total:.2f} s in all):")
+    lines.append(f"passes ({total:.2f} s in all" + (", when the cached plan was made" if plan.from_cache else "") + "):")
     for r in plan.records:
         if r.skipped:
             lines.append(f"  {r.label:<32} {'':>10}  skipped ({r.skipped})")
@@ -208,8 +209,7 @@ def explain_plan(step, plan) -> str:
     model = step._model
     if model is not None:
         # shapes as captured: under ZeRO-3 the module's own tensors are empty between steps
-        shapes = {n.meta["slot"].name: n.meta["val"].numel() for n in plan.captured.gm.graph.nodes
-                  if n.op == "placeholder" and n.meta["slot"].role is Role.PARAM}
+        shapes = plan.param_numels
         trainable = sum(shapes.get(n, 0) for n, p in model.named_parameters() if p.requires_grad)
         frozen = sum(shapes.get(n, 0) for n, p in model.named_parameters() if not p.requires_grad)
         lines.append(f"parameters: {trainable + frozen:,} ({trainable:,} trainable, {frozen:,} frozen) in {len(shapes)} tensors")

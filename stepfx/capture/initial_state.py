@@ -40,7 +40,7 @@ from ..graph import META_SLOT, Role, StepGraph, TensorSpec
 from ..graph.ops import mutated_args
 from ..graph.verify import mutation_base
 
-__all__ = ["create_initial_state", "untouched_state", "drop_state"]
+__all__ = ["create_initial_state", "untouched_state", "stepped_params", "drop_state"]
 
 
 def _creates_like_adam(optimizer) -> bool:
@@ -98,15 +98,22 @@ def untouched_state(captured: StepGraph, names: set[str]) -> set[str]:
     """Of the parameters ``names``, those whose step counter the captured
     (not yet functional) graph never writes: the step gave them no update,
     and eager Adam would have created no state for them."""
+    return set(names) - stepped_params(captured)
+
+
+def stepped_params(captured: StepGraph) -> frozenset[str]:
+    """The parameters whose optimizer step counter the captured (not yet
+    functional) graph writes: those the step updates. A plan keeps this,
+    so that one loaded from disk (without its captured graph) answers
+    :func:`untouched_state`'s question."""
     steps = {
         node: node.meta[META_SLOT].name
         for node in captured.gm.graph.nodes
         if node.op == "placeholder" and (slot := node.meta.get(META_SLOT)) is not None
-        and slot.role is Role.OPTIMIZER_STATE and slot.key == "step" and slot.name in names
+        and slot.role is Role.OPTIMIZER_STATE and slot.key == "step"
     }
-    written = {steps[base] for node in captured.gm.graph.nodes if node.op == "call_function"
-               for arg in mutated_args(node) if (base := mutation_base(arg)) in steps}
-    return set(names) - written
+    return frozenset(steps[base] for node in captured.gm.graph.nodes if node.op == "call_function"
+                     for arg in mutated_args(node) if (base := mutation_base(arg)) in steps)
 
 
 def drop_state(optimizer, params) -> None:

@@ -46,6 +46,11 @@ class Region:
     def source(self) -> str:
         return self.gm.code
 
+    @property
+    def compiled(self):
+        """Inductor's compiled form (None until the first call)."""
+        return self._compiled
+
     def __call__(self, *args: torch.Tensor) -> tuple:
         if self._compiled is None:
             with self._lock:
@@ -82,3 +87,27 @@ def register_region(gm: fx.GraphModule, inputs: list[Any]) -> str:
         dynamic = any(isinstance(s, torch.SymInt) for v in inputs for s in v.shape)
         REGIONS[key] = Region(key, gm, ops, dynamic)
     return key
+
+
+def regions_of(gm: fx.GraphModule) -> dict[str, tuple[fx.GraphModule, tuple[str, ...], bool]]:
+    """The regions ``gm`` runs (``run_region`` calls), as what
+    :func:`restore_regions` needs to register them again in another process:
+    key -> (region graph, ops, dynamic)."""
+    from .graph_ops import run_region
+
+    out = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is run_region and node.args[0] not in out:
+            region = REGIONS[node.args[0]]
+            out[region.key] = (region.gm, region.ops, region.dynamic)
+    return out
+
+
+def restore_regions(saved: dict[str, tuple[fx.GraphModule, tuple[str, ...], bool]]) -> None:
+    """Register regions :func:`regions_of` listed (a plan loaded from disk);
+    a key already registered is the same region (keys hash the code and the
+    inputs), so it is kept, with its compiled form."""
+    for key, (gm, ops, dynamic) in saved.items():
+        if key not in REGIONS:
+            gm.recompile()  # a loaded GraphModule has its code but no forward yet
+            REGIONS[key] = Region(key, gm, ops, dynamic)

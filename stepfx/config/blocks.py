@@ -20,6 +20,7 @@ stepfx — STRICT: stepfx's own options; an unknown key is an error.
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -145,6 +146,23 @@ def parse_scheduler(mapping: Any, path: str, notes: Notes):
 
 
 @dataclass(frozen=True)
+class _CacheDir:
+    """``stepfx.cache_dir``: a directory (string or path), false (no plan
+    cache) or true (the default place, as null)."""
+
+    expected: str = "a directory path, false (no plan cache) or null (the default place)"
+
+    def __call__(self, value: Any, path: str) -> str | bool | None:
+        if value is True:
+            return None
+        if value is False:
+            return False
+        if isinstance(value, (str, os.PathLike)) and os.fspath(value):
+            return os.fspath(value)
+        raise bad_value(path, value, self.expected)
+
+
+@dataclass(frozen=True)
 class StepfxOptions:
     """The top-level ``"stepfx"`` block: stepfx's own options (not DeepSpeed's).
 
@@ -162,6 +180,16 @@ class StepfxOptions:
         1.3B GPT took 1000 ms on the H200 where the others took ~129).
         Undone (``gc.unfreeze()``) before the next capture, so what was
         dropped meanwhile, an evicted plan included, is collected again.
+    cache_dir: where captured-and-passed plans are kept across runs, so a
+        restarted job skips capture and passes (stepfx/plan_cache); inductor's
+        and Triton's compiled kernels go under it too unless
+        TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR are set. None =
+        ``$STEPFX_CACHE_DIR``, else ``~/.cache/stepfx``; false = no plan
+        cache. Plans are pickles: stepfx only reads a directory that the
+        current user owns and that no one else may write to.
+    progress: print a few lines on rank 0 while a first call captures,
+        runs passes and compiles (through the ``stepfx.progress`` logger,
+        to stderr unless logging is configured); false = quiet.
     dynamic: symbolic batch dimensions. "auto" (default): a dimension of a
         batch tensor that changes between calls becomes symbolic and the
         step is captured once more, for all its sizes (torch.compile's
@@ -187,6 +215,8 @@ class StepfxOptions:
     verify: bool = spec(True, Bool())
     cuda_graphs: bool | None = spec(None, Optional(Bool()))
     freeze_gc: bool = spec(True, Bool())
+    cache_dir: str | bool | None = spec(None, Optional(_CacheDir()))
+    progress: bool = spec(True, Bool())
     dynamic: str | bool = spec("auto", OneOf((Choice(("auto",)), Bool())), auto_value=True)
     cast_inputs: bool | None = spec(None, Optional(Bool()))
     activation_memory_budget: float | None = spec(None, Optional(Float(ge=0.0, le=1.0)))

@@ -68,7 +68,7 @@ class PipelineEntry:
 class PassRecord:
     index: int
     name: str
-    graph: StepGraph
+    graph: StepGraph | None  # None: not kept (a plan loaded from the cache keeps only its final graph)
     changed: bool
     seconds: float
     summary: str = ""
@@ -104,6 +104,10 @@ class PassManager:
         self.disable = frozenset(disable)
         self.verify = verify
         self.dump_dir = dump_dir
+
+    def count_running(self, options: PassOptions) -> int:
+        """How many passes :meth:`run` would run (neither disabled nor inapplicable)."""
+        return sum(1 for e in self.pipeline if e.name not in self.disable and (e.applies is None or e.applies(options)))
 
     def run(self, graph: StepGraph, options: PassOptions, *, first: PassRecord | None = None) -> list[PassRecord]:
         """Run the pipeline on ``graph``. ``first`` (the capture record) is
@@ -159,6 +163,8 @@ def dump_records(records: Sequence[PassRecord], directory: str) -> list[str]:
     os.makedirs(directory, exist_ok=True)
     paths = []
     for record in records:
+        if record.graph is None:  # a plan loaded from the cache keeps its final graph only
+            continue
         path = os.path.join(directory, f"{record.label}.py")
         with open(path, "w") as f:
             f.write(format_graph(record.graph, header=record.provenance()))
