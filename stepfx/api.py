@@ -35,7 +35,7 @@ from .passes.data_parallel.plan_zero_layout import stays_whole
 from .config.implicit import fill_auto_clipping, implicit_defaults
 from .config import AUTO, Config, ConfigError, load_config, resolve_batch_sizes, resolve_zero_auto
 from .errors import ExecutionError, StepfxError
-from .monitor import Monitor, dense_flops_per_token, loss_of, tokens_in
+from .monitor import PHASES, Monitor, dense_flops_per_token, loss_of, tokens_in
 from .graph import Role, StepGraph, Storage, TensorSpec
 from .graph.layout import LAYOUT_KEY, Sharding
 from .optimizer_builder import build_optimizer
@@ -157,6 +157,7 @@ class ParallelStep:
         self._flops_per_token: float | None = None  # 6 x parameters, counted before ZeRO-3 empties the module
         self._window_loss: torch.Tensor | None = None  # this update's micro-step losses, summed on the device
         self._window_tokens = 0  # this update's tokens on this rank
+        self._window_phases: dict[str, float] = {}  # wall_clock_breakdown: this update's seconds per phase
         self._cache: plan_cache.PlanCache | None = None  # the on-disk plan cache (stepfx.cache_dir), from the first call
         self._progress = Progress(self.__name__, False)  # progress lines (rank 0, stepfx.progress), from the first call
 
@@ -540,7 +541,7 @@ class ParallelStep:
         final = records[-1].graph
         executor = LocalExecutor(final, ModuleBinding(final.signature, model, optimizer, self._store), dp,
                                  cuda_graphs=bool(options.cuda_graphs), device_type=device_type,
-                                 graph_pool=self._graph_pool)
+                                 graph_pool=self._graph_pool, time_phases=self.config.wall_clock_breakdown)
         plan = Plan(key, records, executor, capture_seconds, passes_seconds, self._calls, device_type)
         plan.held = _held_specs(captured, final)
         plan.stepped = stepped_params(captured)
@@ -577,7 +578,7 @@ class ParallelStep:
         final = entry.graph
         executor = LocalExecutor(final, ModuleBinding(final.signature, model, optimizer, self._store), self._dp,
                                  cuda_graphs=bool(self.config.stepfx.cuda_graphs), device_type=device_type,
-                                 graph_pool=self._graph_pool)
+                                 graph_pool=self._graph_pool, time_phases=self.config.wall_clock_breakdown)
         last = len(entry.records) - 1
         records = [PassRecord(i, name, final if n == last else None, changed, seconds, summary, skipped)
                    for n, (i, name, changed, seconds, summary, skipped) in enumerate(entry.records)]
@@ -772,6 +773,9 @@ class ParallelStep:
             loss = loss.detach().to(torch.float32, copy=True)  # a copy: the plan may reuse its output buffers
             self._window_loss = loss if self._window_loss is None else self._window_loss + loss
         self._window_tokens += tokens_in(args, kwargs) or 0
+        for kind, seconds in (plan.executor.phase_seconds or {}).items():  # wall_clock_breakdown
+            if kind in PHASES:
+                self._window_phases[kind] = self._window_phases.get(kind, 0.0) + seconds
         if options.accumulate_only:
             return
         state = self._store.tensors
@@ -784,8 +788,9 @@ class ParallelStep:
             loss_scale=state.get((Role.RUNTIME_STATE, "loss_scale", None, None, Storage.RANK, None)),
             skipped_steps=state.get((Role.RUNTIME_STATE, "skipped_steps", None, None, Storage.RANK, None)),
             flops_per_token=self._flops_per_token,
+            phase_seconds=self._window_phases or None,
         )
-        self._window_loss, self._window_tokens = None, 0
+        self._window_loss, self._window_tokens, self._window_phases = None, 0, {}
 
     # -- checkpoints (stepfx/checkpoint) ------------------------------------------
     @property

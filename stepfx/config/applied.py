@@ -51,6 +51,7 @@ APPLIED: frozenset[str] = frozenset({
     "tensorboard.*",
     "csv_monitor.*",
     "wandb.*",
+    "wall_clock_breakdown",  # seconds per phase of the program, marked by the executor (runtime/phase_timer.py)
 })
 
 

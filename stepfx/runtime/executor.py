@@ -17,13 +17,15 @@ from ..graph import StepGraph
 from .binding import ModuleBinding
 from .distributed import DataParallel, failed_together
 from .graphs import WARMUP_RUNS, GraphedStep, NotGraphable, PoolHolder
+from .phase_timer import PhaseTimer
 
 __all__ = ["LocalExecutor"]
 
 
 class LocalExecutor:
     def __init__(self, graph: StepGraph, binding: ModuleBinding, dp: DataParallel | None = None, *,
-                 cuda_graphs: bool = False, device_type: str = "cuda", graph_pool: PoolHolder | None = None):
+                 cuda_graphs: bool = False, device_type: str = "cuda", graph_pool: PoolHolder | None = None,
+                 time_phases: bool = False):
         if not graph.functional:
             raise ValueError("the executor runs functional step graphs only (run the pass pipeline first)")
         self.graph = graph
@@ -34,6 +36,9 @@ class LocalExecutor:
         self.runs = 0
         self.graphed: GraphedStep | None = None
         self._no_graphs = "off (stepfx.cuda_graphs)"  # why there is no GraphedStep
+        # wall_clock_breakdown: a marked copy of the program; seconds per phase of the last eager run
+        self.timer = PhaseTimer(self.gm, device_type) if time_phases else None
+        self.phase_seconds: dict[str, float] | None = None
         if cuda_graphs:
             try:
                 self.graphed = GraphedStep(self.gm, device_type, graph.signature, graph_pool)
@@ -50,8 +55,12 @@ class LocalExecutor:
             inputs = self.binding.inputs(batch_tensors)
             graphed = self.graphed
             with torch.no_grad():
+                self.phase_seconds = None
                 if graphed is not None and graphed.failed is None and self.runs >= WARMUP_RUNS:
-                    outputs = graphed.run(inputs)
+                    outputs = graphed.run(inputs)  # a replayed graph has no phase marks
+                elif self.timer is not None:
+                    outputs = self.timer.program(*inputs)
+                    self.phase_seconds = self.timer.seconds()
                 else:
                     outputs = self.gm(*inputs)
         except Exception as exc:
