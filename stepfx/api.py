@@ -160,6 +160,7 @@ class ParallelStep:
         self._window_phases: dict[str, float] = {}  # wall_clock_breakdown: this update's seconds per phase
         self._cache: plan_cache.PlanCache | None = None  # the on-disk plan cache (stepfx.cache_dir), from the first call
         self._progress = Progress(self.__name__, False)  # progress lines (rank 0, stepfx.progress), from the first call
+        self._profile: Any = None  # step.profile(steps=N): the runs it measures (stepfx/report)
 
     # -- calling --------------------------------------------------------------
     def __call__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *args, **kwargs) -> Any:
@@ -708,8 +709,25 @@ class ParallelStep:
         return explain_plan(self, self.plan)
 
     def dump(self, directory: str) -> list[str]:
-        """Write ``NN_<pass>.py`` for every pass of the latest plan."""
-        return dump_records(self.plan.records, directory)
+        """Write ``NN_<pass>.py`` for every pass of the latest plan, and the
+        HTML report's data (``report.json``: ``stepfx report-html DIRECTORY``)."""
+        from .report import save_report_data
+
+        return [*dump_records(self.plan.records, directory), save_report_data(self, directory)]
+
+    def report(self, path: str, *, all_ranks: bool = False) -> str | None:
+        """Write the HTML report of the latest plan to ``path`` (stepfx/report);
+        ``all_ranks=True``: every rank calls it, rank 0 writes all ranks' page."""
+        from .report import write_report
+
+        return write_report(self, path, all_ranks=all_ranks)
+
+    def profile(self, steps: int = 1):
+        """Measure the next ``steps`` runs of the latest plan; the report then shows the measured timeline."""
+        from .report import profile_step
+
+        self._profile = profile_step(self, steps)
+        return self._profile
 
     def model_state_dict(self, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
         """The whole model state (parameters and buffers) by the module's

@@ -156,7 +156,8 @@ def test_dump_writes_every_pass(tmp_path):
     step = stepfx.parallelize()(ce_step)
     step(model, opt, *mlp_batches(1)[0])
     paths = step.dump(str(tmp_path))
-    assert [os.path.basename(p) for p in paths] == [f"{i:02d}_{n}.py" for i, n in enumerate(["capture", *pass_names()])]
+    assert [os.path.basename(p) for p in paths] == [f"{i:02d}_{n}.py" for i, n in enumerate(["capture", *pass_names()])] + [
+        "report.json"]  # the HTML report's data (stepfx report-html)
 
 
 def test_dump_env_var_is_read_when_decorating(tmp_path, monkeypatch):

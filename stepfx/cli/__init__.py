@@ -25,6 +25,7 @@ from .check import ConfigCheck, Finding, _check_arguments, _run_check, check_con
 from .export import export_arguments, import_deepspeed_arguments, run_export, run_import_deepspeed
 from .plan import plan_arguments, run_plan
 from .report import _report_arguments, _run_report, environment_report
+from .report_html import report_html_arguments, run_report_html
 from .status import EXIT_INVALID, EXIT_OK, EXIT_USAGE
 
 __all__ = ["COMMANDS", "Command", "ConfigCheck", "Finding", "check_config", "environment_report", "main",
@@ -51,6 +52,8 @@ COMMANDS: tuple[Command, ...] = (
             plan_arguments, run_plan),
     Command("export", "consolidated safetensors (Hugging Face's layout) from a stepfx checkpoint, no GPU needed",
             export_arguments, run_export),
+    Command("report-html", "the HTML report (passes, diffs, program, timeline, memory, communication) from a dump directory",
+            report_html_arguments, run_report_html),
     Command("import-deepspeed", "a DeepSpeed ZeRO checkpoint (stages 1-3) as a stepfx checkpoint",
             import_deepspeed_arguments, run_import_deepspeed),
 )

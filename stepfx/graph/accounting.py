@@ -32,7 +32,7 @@ from .ops import allocates_nothing, storage_root
 from .signature import Role
 from .step_graph import META_DONATED, StepGraph
 
-__all__ = ["MemoryEstimate", "CommItem", "Sizes", "estimate_memory", "communication", "size_values"]
+__all__ = ["MemoryEstimate", "CommItem", "Sizes", "estimate_memory", "communication", "size_values", "liveness"]
 
 c10d = torch.ops._c10d_functional
 
@@ -128,14 +128,14 @@ class MemoryEstimate:
         return sum(self.at_rest.values())
 
 
-def estimate_memory(graph: StepGraph, values: Mapping | None = None) -> MemoryEstimate:
-    """``values``: symbol -> size to evaluate symbolic sizes at
-    (:func:`size_values`; by default the sizes seen at capture)."""
-    gm = graph.gm
-    sizes = Sizes(size_values(graph) if values is None else values)
-    est = MemoryEstimate()
-    at_rest: dict[Role, collections.Counter] = collections.defaultdict(collections.Counter)
-    nodes = list(gm.graph.nodes)
+def liveness(graph: StepGraph, sizes: Sizes):
+    """The liveness walk both :func:`estimate_memory` and the HTML report read:
+    per placeholder and call_function node in program order,
+    ``(node, allocated, freed)``: ``allocated`` the byte terms the node adds
+    (None for views and other nodes that allocate nothing), ``freed`` the
+    ``(holder, terms)`` whose last reader the node is, released after it ran.
+    The live set right after ``allocated`` is added is what a peak counts."""
+    nodes = list(graph.gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     # last position at which each storage is read (through any view of it)
     last_read: dict[fx.Node, int] = {}
@@ -144,31 +144,45 @@ def estimate_memory(graph: StepGraph, values: Mapping | None = None) -> MemoryEs
             root = storage_root(arg)
             last_read[root] = max(last_read.get(root, -1), pos[n])
     outputs = {storage_root(v) for v in (nodes[-1].args[0] if nodes and nodes[-1].op == "output" else ()) if isinstance(v, fx.Node)}
-    frees: dict[int, list[collections.Counter]] = collections.defaultdict(list)
-    live: collections.Counter = collections.Counter()
-    live_value = 0
-    peak_terms: collections.Counter = collections.Counter()
+    frees: dict[int, list[tuple[fx.Node, collections.Counter]]] = collections.defaultdict(list)
     for n in nodes:
         if n.op == "placeholder":
-            size = sizes.bytes_of(n.meta.get("val"))
-            at_rest[n.meta["slot"].role].update(size)
-            live.update(size)  # inputs live for the whole step
-            live_value += sizes.value(size)
+            yield n, sizes.bytes_of(n.meta.get("val")), []  # inputs live for the whole step
             continue
         if n.op != "call_function":
             continue
+        size = None
         if not allocates_nothing(n):
             size = sizes.bytes_of(n.meta.get("val"))
             if META_DONATED in n.meta:  # results written into the donated inputs
                 for i in n.meta[META_DONATED]:
                     size.subtract(sizes.bytes_of(n.args[i].meta.get("val")))
+            if n not in outputs:
+                frees[last_read.get(n, pos[n])].append((n, size))
+        yield n, size, frees.pop(pos[n], [])
+
+
+def estimate_memory(graph: StepGraph, values: Mapping | None = None) -> MemoryEstimate:
+    """``values``: symbol -> size to evaluate symbolic sizes at
+    (:func:`size_values`; by default the sizes seen at capture)."""
+    sizes = Sizes(size_values(graph) if values is None else values)
+    est = MemoryEstimate()
+    at_rest: dict[Role, collections.Counter] = collections.defaultdict(collections.Counter)
+    live: collections.Counter = collections.Counter()
+    live_value = 0
+    peak_terms: collections.Counter = collections.Counter()
+    for n, size, freed in liveness(graph, sizes):
+        if n.op == "placeholder":
+            at_rest[n.meta["slot"].role].update(size)
             live.update(size)
             live_value += sizes.value(size)
-            if n not in outputs:
-                frees[last_read.get(n, pos[n])].append(size)
+            continue
+        if size is not None:
+            live.update(size)
+            live_value += sizes.value(size)
         if live_value > est.peak:
             est.peak, est.peak_node, peak_terms = live_value, n.name, +live
-        for size in frees.pop(pos[n], ()):
+        for _, size in freed:
             live.subtract(size)
             live_value -= sizes.value(size)
     est.at_rest = {role: sizes.value(terms) for role, terms in at_rest.items()}

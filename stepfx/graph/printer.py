@@ -19,7 +19,7 @@ import torch.fx as fx
 
 from .step_graph import META_PARAM, META_PHASE, META_SLOT, StepGraph
 
-__all__ = ["format_graph", "format_target"]
+__all__ = ["format_graph", "format_target", "format_statement"]
 
 _INFIX = {
     operator.add: "+",
@@ -126,6 +126,11 @@ def _comment(node: fx.Node) -> str:
     if param is not None:
         parts.append(param)
     return "  ".join(parts)
+
+
+def format_statement(node: fx.Node) -> str:
+    """One node as the printed graph shows it (``mm_3 = aten.mm(t_1, view_2)``), without its comment."""
+    return f"{node.name} = {_expression(node)}"
 
 
 def format_graph(graph: StepGraph, *, header: str = "", name: str = "step") -> str:
