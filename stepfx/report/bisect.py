@@ -34,6 +34,14 @@ from ..runtime.binding import ModuleBinding, RankStore
 
 __all__ = ["Divergence", "bisect_divergence", "bisect_records", "default_tolerance"]
 
+# Passes that add what the config asks and the user's step does not do: a
+# departure there may be the config's intent, not a wrong rewrite.
+_CONFIG_SEMANTICS = {
+    "unscale_clip_gradients": "it clips gradients as the config's gradient_clipping asks (DeepSpeed's default "
+                              "is 1.0), which the user's step does not; set gradient_clipping to 0 to compare",
+    "skip_step_on_overflow": "it skips steps whose fp16 gradients overflow, as the config's loss scaling asks",
+}
+
 
 @dataclass
 class Divergence:
@@ -66,6 +74,8 @@ class Divergence:
             lines.append(f"  source: {self.source or '(no user source line)'}")
             if self.new_inputs:
                 lines.append(f"  inputs made by this pass: {', '.join(self.new_inputs)}")
+        if self.pass_name in _CONFIG_SEMANTICS:
+            lines.append(f"note: {self.pass_name} may differ on purpose: {_CONFIG_SEMANTICS[self.pass_name]}")
         return "\n".join(lines)
 
 

@@ -9,6 +9,9 @@ stepfx step equals the eager step.
 - `run_threaded(fn, world_size)`: ranks as threads of this process with
   torch's threaded process group; milliseconds per call, for unit tests.
 - `rank()`, `world_size()`, `seed_all(seed)`: helpers for code running on a rank.
+- `bisect_divergence(...)`: when a step departs from the eager one, the
+  first pass whose program computes something else, and the first node in it
+  (stepfx/report/bisect.py).
 - The pytest plugin `stepfx.testing.pytest_plugin` provides a session-scoped
   `rank_pool(world_size, backend="gloo")` fixture that shares pools across tests.
 
@@ -34,6 +37,7 @@ from stepfx.testing.threaded import run_threaded
 
 __all__ = [
     "assert_step_equivalent",
+    "bisect_divergence",
     "assert_data_parallel_equivalent",
     "data_parallel_reference",
     "EquivalenceReport",
@@ -48,3 +52,11 @@ __all__ = [
     "torchrun_env",
     "world_size",
 ]
+
+
+def bisect_divergence(*args, **kwargs):
+    """``stepfx.report.bisect_divergence`` (imported when called: the report
+    package is not loaded with the test helpers)."""
+    from stepfx.report.bisect import bisect_divergence as bisect
+
+    return bisect(*args, **kwargs)
