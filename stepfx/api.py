@@ -158,7 +158,9 @@ class ParallelStep:
         self._window_loss: torch.Tensor | None = None  # this update's micro-step losses, summed on the device
         self._window_tokens = 0  # this update's tokens on this rank
         self._window_phases: dict[str, float] = {}  # wall_clock_breakdown: this update's seconds per phase
-        self._cache: plan_cache.PlanCache | None = None  # the on-disk plan cache (stepfx.cache_dir), from the first call
+        # the on-disk plan cache (stepfx.cache_dir), opened by the first call (a plan built otherwise,
+        # as stepfx.planning's, does without)
+        self._cache = plan_cache.PlanCache(None, "not used (the step's first call opens it)")
         self._progress = Progress(self.__name__, False)  # progress lines (rank 0, stepfx.progress), from the first call
         self._profile: Any = None  # step.profile(steps=N): the runs it measures (stepfx/report)
 
@@ -464,10 +466,13 @@ class ParallelStep:
                 "stepfx: %s keeps at most %d captured variants (stepfx.cache_size); dropped the one from call %d",
                 self.__name__, options.cache_size, old.created_at_call,
             )
-        log.info(
-            "stepfx: captured %s (call %d): %d ops, capture %.2fs, passes %.2fs",
-            self.__name__, self._calls, plan.graph.count_ops(), plan.capture_seconds, plan.passes_seconds,
-        )
+        if plan.from_cache:
+            log.info("stepfx: %s (call %d): plan cache: %s", self.__name__, self._calls, plan.cache_note)
+        else:
+            log.info(
+                "stepfx: captured %s (call %d): %d ops, capture %.2fs, passes %.2fs",
+                self.__name__, self._calls, plan.graph.count_ops(), plan.capture_seconds, plan.passes_seconds,
+            )
         if self.dump_dir:
             suffix = f"_rank{dp.rank}" if dp.active else ""
             dump_records(plan.records, os.path.join(self.dump_dir, f"variant{len(self._plans) - 1:02d}_call{self._calls}{suffix}"))
@@ -513,8 +518,8 @@ class ParallelStep:
         batch_shapes = _batch_shapes(args, kwargs)
         lookup = plan_cache.look_up(
             self._cache, structure + (("dynamic", _frozen_dims(dynamic_dims)),) if dynamic_dims else key, fn=self.fn,
-            model=model, optimizer=optimizer, config=self.config, world_size=dp.world_size, rank=dp.rank,
-            group_name=dp.group_name, device=_device_of(model, device_type), dynamic_dims=dynamic_dims,
+            model=model, optimizer=optimizer, config=self.config, mesh=plan_cache.mesh_of(dp),
+            device=_device_of(model, device_type), dynamic_dims=dynamic_dims,
             batch_shapes=batch_shapes, batch=[v for s, v in zip(inputs.slots, inputs.values) if s.role is Role.BATCH])
         if lookup.entry is not None:
             return self._plan_from_cache(lookup, key, model, optimizer, device_type, start)
@@ -606,7 +611,7 @@ class ParallelStep:
         parts = ([f"{len(regions)} inductor region(s)"] if regions else []) + (
             [f"stepfx's Triton kernels ({len(kernels)})"] if kernels else [])
         if parts:
-            kept = "; kept on disk for the next run" if self._cache is not None and self._cache.enabled else ""
+            kept = "; kept on disk for the next run" if self._cache.enabled else ""
             self._progress("first run: compiling %s%s...", " and ".join(parts), kept)
 
     def _capture_options(self) -> CaptureOptions:

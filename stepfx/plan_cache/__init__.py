@@ -14,6 +14,7 @@ it was not cached.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -23,7 +24,7 @@ from ..graph import META_SLOT, Role, StepGraph
 from .key import NotCacheable, PlanKey, file_digest, plan_key
 from .store import CACHE_ENV, FORMAT, CachedPlan, PlanCache, traced_files
 
-__all__ = ["CACHE_ENV", "FORMAT", "CachedPlan", "PlanCache", "PlanKey", "Lookup", "look_up", "save", "param_numels"]
+__all__ = ["CACHE_ENV", "FORMAT", "CachedPlan", "PlanCache", "PlanKey", "Lookup", "look_up", "mesh_of", "save", "param_numels"]
 
 
 @dataclass
@@ -36,15 +37,23 @@ class Lookup:
     note: str
 
 
+def mesh_of(dp: Any) -> tuple:
+    """The facts of the rank's place in the job (a ``runtime.DataParallel``)
+    a plan depends on: every plain field (world size, rank, group names,
+    tensor-parallel size and rank, backend); the group objects are left out."""
+    return tuple((f.name, getattr(dp, f.name)) for f in dataclasses.fields(dp)
+                 if getattr(dp, f.name) is None or isinstance(getattr(dp, f.name), (bool, int, str)))
+
+
 def look_up(cache: PlanCache, fingerprint: tuple, *, fn: Callable, model: torch.nn.Module, optimizer, config: Any,
-            world_size: int, rank: int, group_name: str | None, device: torch.device,
-            dynamic_dims: Mapping[str, frozenset[int]] | None, batch_shapes: dict, batch: list[torch.Tensor]) -> Lookup:
-    """The plan on disk for this call, if one may serve it."""
+            mesh: tuple, device: torch.device, dynamic_dims: Mapping[str, frozenset[int]] | None, batch_shapes: dict,
+            batch: list[torch.Tensor]) -> Lookup:
+    """The plan on disk for this call, if one may serve it. ``mesh``: :func:`mesh_of`."""
     if not cache.enabled:
         return Lookup(None, None, cache.why_off or "off")
     try:
-        key = plan_key(fingerprint, fn=fn, model=model, optimizer=optimizer, config=config, world_size=world_size,
-                       rank=rank, group_name=group_name, device=device, dynamic_dims=dynamic_dims)
+        key = plan_key(fingerprint, fn=fn, model=model, optimizer=optimizer, config=config, mesh=mesh, device=device,
+                       dynamic_dims=dynamic_dims)
     except NotCacheable as exc:
         return Lookup(None, None, f"not cached: {exc}")
     entry, note = cache.load(key)

@@ -13,8 +13,8 @@ A plan is reused across runs only when all of these are equal:
 - the resolved config as canonical JSON, less the keys that change no graph
   (``stepfx.cache_dir``, ``progress``, ``dump_dir``, ``cache_size``,
   ``freeze_gc``);
-- the world size, this rank and stepfx's process group name (collectives
-  name their group);
+- the rank's place in the job: world size, rank, tensor-parallel size and
+  rank, the process group names (collectives name their group);
 - the source files of the step function, of every module class of the model
   and of the optimizer's class, by content (torch's own classes are covered
   by torch's version); the files the trace ran through besides these are
@@ -93,9 +93,8 @@ def source_file(obj: Any) -> str | None:
     return os.path.abspath(path)
 
 
-def plan_key(fingerprint: tuple, *, fn: Callable, model: torch.nn.Module, optimizer, config: Any,
-             world_size: int, rank: int, group_name: str | None, device: torch.device,
-             dynamic_dims: Mapping[str, frozenset[int]] | None) -> PlanKey:
+def plan_key(fingerprint: tuple, *, fn: Callable, model: torch.nn.Module, optimizer, config: Any, mesh: tuple,
+             device: torch.device, dynamic_dims: Mapping[str, frozenset[int]] | None) -> PlanKey:
     """The key of the plan a capture of this call would make. Raises
     :class:`NotCacheable` when something that decides the graph cannot be
     written down stably (a step function typed into the interpreter, an
@@ -110,7 +109,7 @@ def plan_key(fingerprint: tuple, *, fn: Callable, model: torch.nn.Module, optimi
         items.append((label, _stable_text(label, value)))
     items.append(("symbolic batch dimensions", repr(sorted((n, sorted(d)) for n, d in (dynamic_dims or {}).items()))))
     items.append(("config", json.dumps(_plain_config(config), sort_keys=True)))
-    items.append(("ranks", repr((world_size, rank, group_name))))
+    items.append(("ranks", repr(mesh)))
     items.append(("device", _device_text(device)))
     items.append(("versions", repr(_versions())))
     items.append(("stepfx source", _stepfx_source_digest()))

@@ -117,11 +117,19 @@ def test_misses_on_config_batch_shape_model_source_and_versions(tmp_path, cache_
     with monkeypatch.context() as patch:
         patch.setattr(key_module, "_versions", lambda: (("torch", "9.9.9"),))
         assert not _run(cache_dir, net).plan.from_cache
-    assert len(_plans(cache_dir)) == 4
+    with monkeypatch.context() as patch:  # an edited stepfx (a checkout's passes, say)
+        patch.setattr(key_module, "_stepfx_source_digest", lambda: "edited")
+        assert not _run(cache_dir, net).plan.from_cache
+    # a symbolic plan serves the sizes its guards admit, also from the cache
+    dynamic = {"stepfx": {"dynamic": True}}
+    assert not _run(cache_dir, net, config=dynamic).plan.from_cache
+    step = _run(cache_dir, net, config=dynamic, batch=5)
+    assert step.plan.from_cache and step.plan.guard is not None
+    assert len(_plans(cache_dir)) == 6
     edited = _net_module(tmp_path, monkeypatch, MODEL_SOURCE.replace("torch.tanh", "torch.sigmoid"))
     step = _run(cache_dir, edited)
     assert not step.plan.from_cache  # an edited model file is another key
-    assert len(_plans(cache_dir)) == 5
+    assert len(_plans(cache_dir)) == 7
     assert "plan cache: saved" in step.explain()
 
 
