@@ -15,6 +15,10 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test,report]'
+	@# the report's browser test drives Debian's Chromium (playwright downloads no browser here);
+	@# without apt or a network it skips, saying so
+	command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) \
+		|| echo "stepfx: could not install chromium: tests/report/test_browser.py will skip"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -133,7 +133,7 @@ def _passes(data: dict, p: str) -> str:
 def _program(data: dict, p: str) -> str:
     rows = "".join(f'<tr><td class="num">{i}</td>{_row_cells(r)}</tr>' for i, r in enumerate(data["program"]))
     return (f'<section id="{p}program"><h2>Final program</h2>'
-            f'<p><input type="search" class="program-search" placeholder="filter: op, node, phase or source"'
+            f'<p><input type="search" id="{p}program-search" class="program-search" placeholder="filter: op, node, phase or source"'
             f' data-table="{p}program-table" data-count="{p}program-count" aria-label="filter the program">'
             f' <span id="{p}program-count" class="note"></span></p>'
             f'<div class="scroll"><table id="{p}program-table"><thead><tr><th>#</th><th>statement</th><th>phase</th>'

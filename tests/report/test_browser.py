@@ -1,0 +1,66 @@
+"""The report in a real browser: headless Chromium driven by Playwright.
+
+Needs Debian's ``chromium`` (``make install`` installs it where apt can) and
+the ``playwright`` package (the ``test`` extra); skips, saying which is
+missing, elsewhere. ``STEPFX_SCREENSHOT_DIR`` keeps the screenshots.
+"""
+import os
+import shutil
+
+import pytest
+
+pytest.importorskip("matplotlib", reason="the report's plots need matplotlib (the 'report' extra)")
+playwright = pytest.importorskip("playwright.sync_api", reason="no playwright (pip install playwright)")
+
+CHROMIUM = os.environ.get("STEPFX_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.skipif(CHROMIUM is None, reason="no Chromium (Debian: apt-get install chromium; or set STEPFX_CHROMIUM)"),
+]
+
+
+def _not_blank(path) -> bool:
+    from PIL import Image  # matplotlib's own dependency
+
+    with Image.open(path) as image:
+        colors = image.convert("RGB").getcolors(maxcolors=1 << 16)
+    return colors is None or len(colors) > 20  # None: more colors than counted
+
+
+def test_the_report_in_chromium(mlp_step, tmp_path):
+    path = mlp_step.report(str(tmp_path / "report.html"))
+    shots = os.environ.get("STEPFX_SCREENSHOT_DIR") or str(tmp_path)
+    os.makedirs(shots, exist_ok=True)
+    errors = []
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(f"file://{path}")
+            for section in ("passes", "program", "timeline", "memory", "communication"):
+                assert page.locator(f"#r0-{section}").is_visible()
+            # a pass's diff opens on a click
+            diff = page.locator("details.pass").first
+            assert diff.get_attribute("open") is None and not diff.locator("table.diff").is_visible()
+            diff.locator("summary").click()
+            assert diff.get_attribute("open") is not None and diff.locator("table.diff").is_visible()
+            # the search box filters the program's rows
+            rows = page.locator("#r0-program-table tbody tr")
+            total = rows.count()
+            page.fill("#r0-program-search", "addmm")
+            shown = page.locator("#r0-program-table tbody tr:not([hidden])")
+            assert 0 < shown.count() < total
+            assert all("addmm" in t for t in shown.all_inner_texts())
+            assert page.locator("#r0-program-count").inner_text() == f"{shown.count()} of {total} nodes"
+            # pictures drawn: non-blank screenshots of the page and of the memory plot
+            page.screenshot(path=os.path.join(shots, "report_top.png"))
+            page.locator("#r0-memory figure").screenshot(path=os.path.join(shots, "report_memory.png"))
+            page.locator("#r0-timeline").screenshot(path=os.path.join(shots, "report_timeline.png"))
+        finally:
+            browser.close()
+    assert not errors, errors
+    for name in ("report_top.png", "report_memory.png", "report_timeline.png"):
+        assert _not_blank(os.path.join(shots, name)), name
