@@ -21,11 +21,13 @@ from .config import Config
 from .errors import ConfigError, ConfigWarning
 from .load import load_config
 from .precision import BF16Config, FP16Config
+from .tensor_parallel import LayerSpec, TensorParallelConfig, check_tensor_parallel
 from .values import AUTO
 from .zero import OffloadConfig, ZeroConfig
 
 __all__ = [
     "AUTO", "APPLIED", "BF16Config", "Config", "ConfigError", "ConfigWarning", "FP16Config", "OffloadConfig",
-    "OptimizerConfig", "SchedulerConfig", "StepfxOptions", "ZeroConfig", "load_config", "resolve_auto",
+    "LayerSpec", "OptimizerConfig", "SchedulerConfig", "StepfxOptions", "TensorParallelConfig", "ZeroConfig",
+    "check_tensor_parallel", "load_config", "resolve_auto",
     "resolve_batch_sizes", "resolve_zero_auto",
 ]

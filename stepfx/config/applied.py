@@ -27,6 +27,9 @@ APPLIED: frozenset[str] = frozenset({
     # DeepSpeed switches choose between equivalent ways of moving the same bytes
     "zero_optimization.contiguous_gradients",
     "zero_optimization.allgather_partitions",
+    # tensor parallelism: Megatron pairs found on the graph (passes/tensor_parallel); partition_config,
+    # preset_model, vocab_parallel_lm_head and tp_overlap_comm are not honoured yet
+    "tensor_parallel.autotp_size",
     # precision, accumulation, clipping (capture options and the passes
     # hold_accumulated_gradients, unscale_clip_gradients, skip_step_on_overflow)
     "bf16.enabled",

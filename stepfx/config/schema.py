@@ -1,7 +1,7 @@
 """DeepSpeed's top-level keys that stepfx accepts but does not type, and how each is read.
 
 The typed blocks (zero_optimization, fp16, bf16/bfloat16, optimizer,
-scheduler, stepfx) and the typed top-level scalars live on ``Config``; this
+scheduler, stepfx, tensor_parallel) and the typed top-level scalars live on ``Config``; this
 file lists everything else DeepSpeed v0.19.5 reads, with the rule
 (``rules.Rule``) DeepSpeed applies and where that comes from. Values are
 checked with the types DeepSpeed's code needs, and kept in ``Config.raw``.
@@ -85,10 +85,6 @@ BLOCKS: Mapping[str, Block] = MappingProxyType({
     "hybrid_engine": Block(Rule.STRICT, "runtime/config.py: HybridEngineConfig", {
         "enabled": _B, "max_out_tokens": _I, "inference_tp_size": _I, "release_inference_cache": _B,
         "pin_parameters": _B, "tp_gather_partition_size": _I, "enable_cuda_graph": _B}, False),
-    "tensor_parallel": Block(Rule.STRICT, "runtime/tensor_parallel/config.py: TPTrainingConfig", {
-        "dtype": Anything(), "autotp_size": Int(ge=0), "tp_overlap_comm": _B, "tensor_parallel": AnyMap(),
-        "tp": AnyMap(), "injection_policy_tuple": Anything(), "partition_config": Optional(AnyMap()),
-        "preset_model": _OS, "keep_module_on_host": _B, "replace_with_kernel_inject": _B, "kernel_inject": _B}),
     "weight_quantization": Block(Rule.STRICT, "inference/config.py: WeightQuantConfig", {
         "enabled": _B, "num_bits": _I, "q_type": Choice(("asymmetric", "symmetric")), "q_groups": _I,
         "quantized_initialization": AnyMap(), "post_init_quant": AnyMap()}, True),

@@ -1,0 +1,148 @@
+"""``tensor_parallel``: DeepSpeed's AutoTP training block, typed.
+
+Mirrors ``deepspeed/runtime/tensor_parallel/config.py: TPTrainingConfig``
+(DeepSpeed v0.19.5, a pydantic model with ``extra="forbid"``: an unknown key
+is an error) and its ``partition_config``
+(``module_inject/autotp_config.py``: ``use_default_specs`` and a list of
+``layer_specs``, each with ``patterns``, ``partition_type`` "row" or
+"column", optional ``shape`` and ``partition_dim``). ``vocab_parallel_lm_head``
+is accepted here for the vocabulary-parallel head of issue 19.
+
+What stepfx honours today (``applied.py``): ``autotp_size`` (Megatron pairs
+found on the graph, ``passes/tensor_parallel``). The rest is validated and
+listed in ``Config.not_applied``.
+
+The checks that need the world and the model (``autotp_size`` divides the
+world size; head counts divisible by it) are :func:`check_tensor_parallel`,
+called by the runtime once both are known.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import ConfigError, bad_value, join
+from .rules import Notes, Rule, handle_unknown, parse_fields, spec, validate_fields
+from .values import AnyMap, Anything, Bool, Choice, FrozenMap, Int, ListOf, OneOf, Optional, Str, StrList
+
+__all__ = ["TensorParallelConfig", "LayerSpec", "parse_tensor_parallel", "check_tensor_parallel"]
+
+PARTITION_TYPES = ("row", "column")
+_LAYER_SPEC_KEYS = ("patterns", "partition_type", "shape", "partition_dim")
+_PARTITION_KEYS = ("use_default_specs", "layer_specs")
+_SHAPE = Optional(ListOf(OneOf((Int(), ListOf(Int()), Str()))))
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One ``partition_config.layer_specs`` entry: parameters whose names match
+    ``patterns`` (regular expressions) are split by ``partition_type``."""
+
+    patterns: tuple[str, ...] = spec((), StrList())
+    partition_type: str = spec("column", Choice(PARTITION_TYPES, lower=True))
+    shape: tuple | None = spec(None, _SHAPE)
+    partition_dim: int | None = spec(None, Optional(Int(ge=0)))
+
+    def __post_init__(self):
+        validate_fields(self, "tensor_parallel.partition_config.layer_specs[]", pydantic=True)
+        if not self.patterns:
+            raise bad_value("tensor_parallel.partition_config.layer_specs[].patterns", self.patterns,
+                            "a non-empty list of regular expressions")
+
+
+@dataclass(frozen=True)
+class TensorParallelConfig:
+    """``tensor_parallel`` with DeepSpeed's keys and defaults.
+
+    ``autotp_size`` 0 or 1: no tensor parallelism (DeepSpeed's default 0).
+    ``partition_config``: None, or ``{"use_default_specs": bool,
+    "layer_specs": (LayerSpec, ...)}``.
+    """
+
+    autotp_size: int = spec(0, Int(ge=0))
+    tp_overlap_comm: bool = spec(False, Bool())
+    preset_model: str | None = spec(None, Optional(Str()))
+    vocab_parallel_lm_head: bool = spec(False, Bool())
+    partition_config: FrozenMap | None = spec(None, Optional(AnyMap()))
+    # DeepSpeed's other keys, read by its inference / injection paths: kept, not acted on
+    dtype: Any = spec(None, Anything())
+    tensor_parallel: FrozenMap | None = spec(None, Optional(AnyMap()))
+    tp: FrozenMap | None = spec(None, Optional(AnyMap()))
+    injection_policy_tuple: Any = spec(None, Anything())
+    keep_module_on_host: bool = spec(False, Bool())
+    replace_with_kernel_inject: bool = spec(False, Bool())
+    kernel_inject: bool = spec(False, Bool())
+
+    def __post_init__(self):
+        validate_fields(self, "tensor_parallel", pydantic=True)
+        if self.partition_config is not None:
+            object.__setattr__(self, "partition_config", _check_partition(self.partition_config))
+
+    @property
+    def degree(self) -> int:
+        """The tensor-parallel degree (1: off)."""
+        return max(1, self.autotp_size)
+
+    @property
+    def layer_specs(self) -> tuple[LayerSpec, ...]:
+        return tuple(self.partition_config.get("layer_specs", ())) if self.partition_config else ()
+
+
+def _check_partition(value: Any, notes: Notes | None = None) -> FrozenMap:
+    path = "tensor_parallel.partition_config"
+    if not isinstance(value, Mapping):
+        raise bad_value(path, value, "a mapping with use_default_specs and layer_specs")
+    for key, v in value.items():
+        if key not in _PARTITION_KEYS:
+            handle_unknown(join(path, key), v, _PARTITION_KEYS, Rule.STRICT, notes or Notes(True), path)
+    use_default = Bool()(value.get("use_default_specs", True), join(path, "use_default_specs"))
+    specs = value.get("layer_specs", ())
+    if not isinstance(specs, (list, tuple)):
+        raise bad_value(join(path, "layer_specs"), specs, "a list of layer specs")
+    out = []
+    for i, item in enumerate(specs):
+        item_path = f"{path}.layer_specs[{i}]"
+        if isinstance(item, LayerSpec):
+            out.append(item)
+            continue
+        if not isinstance(item, Mapping):
+            raise bad_value(item_path, item, "a mapping with patterns and partition_type")
+        for key, v in item.items():
+            if key not in _LAYER_SPEC_KEYS:
+                handle_unknown(join(item_path, key), v, _LAYER_SPEC_KEYS, Rule.STRICT, notes or Notes(True), item_path)
+        try:
+            out.append(LayerSpec(**dict(item)))
+        except ConfigError as e:  # name the entry, not "layer_specs[]"
+            raise ConfigError(e.path.replace("layer_specs[]", f"layer_specs[{i}]"), str(e).split(": ", 1)[-1],
+                              value=e.value, expected=e.expected) from None
+    return FrozenMap({"use_default_specs": use_default, "layer_specs": tuple(out)})
+
+
+def parse_tensor_parallel(mapping: Any, path: str, notes: Notes) -> tuple[TensorParallelConfig, list[str]]:
+    """Build a TensorParallelConfig from the user's ``tensor_parallel`` mapping."""
+    kwargs, set_paths = parse_fields(TensorParallelConfig, mapping, path, "tensor_parallel", notes, Rule.STRICT,
+                                     pydantic=True, handled=("partition_config",), block="tensor_parallel")
+    if mapping.get("partition_config") is not None:
+        kwargs["partition_config"] = _check_partition(mapping["partition_config"], notes)
+        set_paths.append("tensor_parallel.partition_config")
+    return TensorParallelConfig(**kwargs), set_paths
+
+
+def check_tensor_parallel(config: TensorParallelConfig, world_size: int, heads: dict[str, int] | None = None) -> int:
+    """The TP degree, checked against the world and the model's head counts
+    (``heads``: e.g. {"num_attention_heads": 12, "num_key_value_heads": 4};
+    a key-value head count of 1 is replicated, as Megatron does for MQA).
+    Raises ConfigError naming the numbers."""
+    tp = config.degree
+    if tp == 1:
+        return 1
+    if world_size % tp:
+        raise ConfigError("tensor_parallel.autotp_size", f"{tp} does not divide the world size {world_size}; "
+                          f"tensor-parallel groups are {tp} consecutive ranks", value=tp,
+                          expected=f"a divisor of {world_size}")
+    for name, count in (heads or {}).items():
+        if count and count % tp and not (name == "num_key_value_heads" and count == 1):
+            raise ConfigError("tensor_parallel.autotp_size", f"{tp} does not divide the model's {name} ({count}); "
+                              "each rank must hold whole heads", value=tp, expected=f"a divisor of {count}")
+    return tp
