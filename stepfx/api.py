@@ -33,7 +33,7 @@ from .capture.fingerprint import describe_change, fingerprint
 from .capture.initial_state import create_initial_state, drop_state, stepped_params
 from .passes.data_parallel.plan_zero_layout import stays_whole
 from .config.implicit import fill_auto_clipping, implicit_defaults
-from .config import AUTO, Config, ConfigError, load_config, resolve_batch_sizes, resolve_zero_auto
+from .config import AUTO, Config, ConfigError, check_tensor_parallel, load_config, resolve_batch_sizes, resolve_zero_auto
 from .errors import ExecutionError, StepfxError
 from .monitor import PHASES, Monitor, dense_flops_per_token, loss_of, tokens_in
 from .graph import Role, StepGraph, Storage, TensorSpec
@@ -55,6 +55,7 @@ from .runtime import (
     data_parallel,
     gather_sharded_params,
     gather_sharded_state,
+    gather_tensor_parallel,
     preflight,
 )
 from .runtime.distributed import RankMismatchError, rank_varying_dims
@@ -187,8 +188,8 @@ class ParallelStep:
         if self._dp is None:
             device_type = _device_type(list(model.parameters()) + list(model.buffers()))
             self.config = _resolve_cuda_graphs(_resolve_codegen(self.config, device_type), device_type)
-            self._dp = data_parallel(device_type)
-            self.config = _resolve_batch_sizes(self.config, self._dp.world_size)
+            self._dp = data_parallel(device_type, tp_size=_tensor_parallel_degree(self.config, model))
+            self.config = _resolve_batch_sizes(self.config, self._dp.dp_size)
             # after the batch sizes (the monitor's x axis is samples), before any capture: a missing
             # tensorboard/wandb package fails here, on every rank, before any state changes
             self._monitor = Monitor(self.config, rank=self._dp.rank, world_size=self._dp.world_size)
@@ -256,6 +257,10 @@ class ParallelStep:
             # described before the first capture but kept whole by the layout (no gradient reaches them)
             for key in [k for k in held if k[0] is Role.PARAM and k not in plan.held]:
                 del held[key]
+            if plan.runs == 0 and _serves_after_tensor_parallel_move(plan, held, model, optimizer):
+                # tensor parallelism: this run moved the split parameters into the rank's store, which
+                # describes them from now on; the next call's fingerprint says so, and this plan serves it
+                self._plans[fingerprint(model, optimizer, args, kwargs, held=held) + (("capture options", options),)] = plan
         plan.runs += 1
         if plan.guard is not None:
             plan.last_batch_shapes = [t.shape for t in batch]
@@ -531,7 +536,8 @@ class ParallelStep:
         first = PassRecord(0, "capture", captured, True, capture_seconds, f"{captured.count_ops()} ops captured")
         manager = PassManager(PIPELINE, disable=options.disable, verify=options.verify, dump_dir=None)
         pass_options = PassOptions(
-            config=self.config, world_size=dp.world_size, rank=dp.rank, device_type=device_type, group_name=dp.group_name,
+            config=self.config, world_size=dp.dp_size, rank=dp.dp_rank, device_type=device_type,
+            group_name=dp.dp_group_name, tp_size=dp.tp_size, tp_rank=dp.tp_rank, tp_group_name=dp.tp_group_name,
             extra={GQA_OPS_KEY: compat.attention_ops_taking_grouped_kv(_device_of(model, device_type)),
                    FLASH_CHECK_KEY: compat.flash_attention_takes(_device_of(model, device_type))},
         )
@@ -785,6 +791,10 @@ class ParallelStep:
         if layout is not None:
             for name, state in gather_sharded_state(layout, self._store, self._dp).items():
                 out.setdefault(name, {}).update(state)
+        if self._dp.tp_size > 1:
+            split = gather_tensor_parallel(self.plan.graph.signature, self._store, self._dp, Role.OPTIMIZER_STATE)
+            for name, state in split.items():
+                out.setdefault(name, {}).update(state)
         return out
 
     def _feed_monitor(self, result, args, kwargs, options: CaptureOptions, optimizer, plan: Plan) -> None:
@@ -897,10 +907,14 @@ class ParallelStep:
         return True
 
     def _gather_params(self) -> dict[str, torch.Tensor]:
+        out = {}
+        if self._dp is not None and self._dp.tp_size > 1:  # the Megatron shards of split parameters
+            split = gather_tensor_parallel(self.plan.graph.signature, self._store, self._dp, Role.PARAM)
+            out.update({name: keys[None] for name, keys in split.items()})
         layout = self.plan.graph.signature.extra.get(LAYOUT_KEY)
         if layout is None or not any(b.sharding is Sharding.PARAMETERS for b in layout.buckets):
-            return {}
-        return gather_sharded_params(layout, self._store, self._dp)
+            return out
+        return {**out, **gather_sharded_params(layout, self._store, self._dp)}
 
 
 def _hidden_size(model: torch.nn.Module) -> int | None:
@@ -914,6 +928,47 @@ def _hidden_size(model: torch.nn.Module) -> int | None:
         return int(max(cfg.hidden_sizes))
     widths = collections.Counter(m.in_features for m in model.modules() if isinstance(m, torch.nn.Linear))
     return widths.most_common(1)[0][0] if widths else None
+
+
+def _serves_after_tensor_parallel_move(plan: Plan, held: dict, model, optimizer) -> bool:
+    """Whether a plan that split parameters over a tensor-parallel group
+    also serves the next call, whose inputs the rank's store now describes:
+    the same optimizer state exists as at its capture (not so when the run
+    created state lazily, e.g. SGD's momentum buffers)."""
+    inputs = plan.graph.signature.inputs
+    if not any(s.split is not None for s in inputs):
+        return False
+    names = {id(p): n for n, p in model.named_parameters()}
+    before = {(s.name, s.key) for s in inputs if s.role is Role.OPTIMIZER_STATE}
+    after = {(n, k) for (r, n, k) in held if r is Role.OPTIMIZER_STATE}
+    if optimizer is not None:
+        after |= {(names.get(id(p)), k) for p, state in optimizer.state.items() for k in state}
+    return before == after
+
+
+def _tensor_parallel_degree(config: Config, model: torch.nn.Module) -> int:
+    """``tensor_parallel.autotp_size`` checked against torchrun's world and
+    the model's head counts; what the first version does not compose with
+    yet is refused by name."""
+    import torch.distributed as dist
+
+    tp_config = config.tensor_parallel
+    if tp_config.degree == 1:
+        return 1
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    cfg = getattr(model, "config", None) or getattr(model, "cfg", None)
+    heads = {key: getattr(cfg, attr, None) for key, attr in (
+        ("num_attention_heads", "num_attention_heads"), ("num_key_value_heads", "num_key_value_heads"),
+        ("num_attention_heads", "n_heads"), ("num_attention_heads", "n_head")) if getattr(cfg, attr, None)}
+    tp = check_tensor_parallel(tp_config, world, heads)
+    zero = config.zero_optimization.stage
+    for bad, path, what in ((isinstance(zero, int) and zero > 0, "zero_optimization.stage", f"ZeRO stage {zero}"),
+                            (bool(config.gradient_clipping), "gradient_clipping", "gradient clipping (its global norm)"),
+                            (config.bf16.enabled is True or config.fp16.enabled is True, "bf16.enabled", "bf16/fp16")):
+        if bad:
+            raise ConfigError(path, f"tensor parallelism (autotp_size {tp}) does not compose with {what} yet "
+                              "(issue 19: ZeRO 0 and fp32 first)", value=True, expected="ZeRO stage 0, no clipping, fp32")
+    return tp
 
 
 def _resolve_precision(config: Config) -> Config:
@@ -989,7 +1044,8 @@ def _held_specs(captured: StepGraph, final: StepGraph) -> dict:
     parameters themselves under ZeRO-3. Shapes come from the captured
     (unsharded) graph, so later captures see the same whole tensors."""
     layout = final.signature.extra.get(LAYOUT_KEY)
-    if layout is None:
+    split = [s for s in (*final.signature.inputs, *final.signature.outputs) if s.split is not None]
+    if layout is None and not split:
         return {}
     whole: dict[tuple, TensorSpec] = {}
     gm = captured.gm
@@ -998,8 +1054,9 @@ def _held_specs(captured: StepGraph, final: StepGraph) -> dict:
         val = node.meta.get("val") if hasattr(node, "meta") else None
         if isinstance(val, torch.Tensor):
             whole[(slot.role, slot.name, slot.key)] = TensorSpec.of(val)
-    held = {}
-    for bucket, p in layout.params():
+    # tensor parallelism: a split parameter and its split optimizer state (its step counter is held whole)
+    held = {(s.role, s.name, s.key): whole[(s.role, s.name, s.key)] for s in split}
+    for bucket, p in (layout.params() if layout is not None else ()):
         if bucket.sharding is Sharding.NONE:
             continue
         for (role, name, key), spec in whole.items():

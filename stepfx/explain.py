@@ -15,6 +15,7 @@ from . import compat
 from .graph import CARRIED_COPIES_KEY, META_DONATED, META_PHASE, Role, format_graph
 from .graph.accounting import Sizes, communication, estimate_memory, size_values
 from .graph.layout import LAYOUT_KEY
+from .graph.tp_layout import TP_PLAN_KEY
 from .capture.tracing_checks import TRACING_CHECKS_KEY
 from .passes.fusion.fuse_optimizer_update import FUSION_REPORT_KEY
 
@@ -80,6 +81,19 @@ def _zero_section(graph, world: int, values: dict) -> list[str]:
             acc[2] += item.sent_bytes
         for op, (count, payload, sent) in sorted(by_op.items()):
             lines.append(f"  {op:<16} x{count:<4} buffers {format_bytes(payload):>12}   sent (ring) {format_bytes(sent):>12}")
+    lines.append("")
+    return lines
+
+
+def _tensor_parallel_section(graph) -> list[str]:
+    """Each parameter's tensor-parallel placement and why (plan_tensor_parallel)."""
+    plan = graph.signature.extra.get(TP_PLAN_KEY)
+    if plan is None:
+        return []
+    lines = [f"tensor parallelism: degree {plan.degree}, this rank {plan.rank} of its group; "
+             f"{len(plan.sharded)} parameters split"]
+    lines += [f"  note: {note}" for note in plan.notes]
+    lines += [f"  {line}" for line in plan.describe()]
     lines.append("")
     return lines
 
@@ -202,6 +216,7 @@ def explain_plan(step, plan) -> str:
 
     lines.extend(_dynamic_section(plan, values))
     lines.extend(_tracing_checks_section(plan))
+    lines.extend(_tensor_parallel_section(graph))
     lines.extend(_zero_section(graph, world, values))
     lines.extend(_training_section(step))
     lines.extend(_kernels_section(step, graph))

@@ -93,6 +93,9 @@ class Slot:
     ``storage`` says who holds the value between steps; ``piece`` is the
     flat element range ``[start, stop)`` of the named tensor that this slot
     holds when the tensor is sharded (ZeRO), None when it holds all of it.
+    ``split`` (a ``tp_layout.TensorSplit``) is the Megatron shard a rank holds
+    under tensor parallelism (storage "rank"); it is not part of ``ident``:
+    a tensor has one tensor-parallel placement per plan.
     """
 
     role: Role
@@ -101,6 +104,7 @@ class Slot:
     group: int | None = None
     storage: Storage = Storage.USER
     piece: tuple[int, int] | None = None
+    split: Any = None
 
     @property
     def ident(self) -> tuple:
@@ -114,6 +118,8 @@ class Slot:
             text += f"[{self.key}]"
         if self.piece is not None:
             text += f"{{{self.piece[0]}:{self.piece[1]}}}"
+        if self.split is not None:
+            text += f"<tp {self.split.describe()}>"
         if self.group is not None:
             text += f" (group {self.group})"
         if self.storage is not Storage.USER:

@@ -41,6 +41,8 @@ from .precision.carry_parameter_copies import carry_parameter_copies
 from .precision.fold_gradient_casts import fold_gradient_casts
 from .precision.skip_step_on_overflow import skip_step_on_overflow
 from .precision.unscale_clip_gradients import precision_settings, unscale_clip_gradients
+from .tensor_parallel.plan_tensor_parallel import plan_tensor_parallel
+from .tensor_parallel.shard_tensor_parallel import shard_tensor_parallel
 
 __all__ = ["PIPELINE", "pass_names", "codegen_enabled"]
 
@@ -118,6 +120,19 @@ PIPELINE: tuple[PipelineEntry, ...] = (
         hoist_symbolic_sizes,
         "symbolic batch sizes, once the graph is functional and clean: later passes and the memory plan see "
         "size reads of batch inputs only, not extra readers of activations",
+    ),
+    PipelineEntry(
+        "plan_tensor_parallel",
+        plan_tensor_parallel,
+        "on the clean graph (cleanups done, sizes hoisted): the column/row search reads the data flow as captured",
+        applies=lambda options: options.tp_size > 1,
+    ),
+    PipelineEntry(
+        "shard_tensor_parallel",
+        shard_tensor_parallel,
+        "right after its plan, before recomputation and ZeRO: recomputed copies read the shards, and ZeRO "
+        "buckets and reduces this rank's shards over the data-parallel group",
+        applies=lambda options: options.tp_size > 1,
     ),
     PipelineEntry(
         "recompute_activations",

@@ -41,6 +41,11 @@ class PassOptions:
     device_type: str = "cpu"
     group_name: str | None = None  # stepfx's data-parallel process group
     extra: dict = field(default_factory=dict)
+    # tensor parallelism (the 2D mesh's other axis): degree, this rank's place in its TP group, the group;
+    # world_size / rank / group_name above are then the data-parallel axis
+    tp_size: int = 1
+    tp_rank: int = 0
+    tp_group_name: str | None = None
 
 
 @dataclass(frozen=True)

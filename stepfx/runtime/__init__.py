@@ -7,6 +7,7 @@ from .binding import ModuleBinding, RankStore
 from .distributed import DataParallel, RankMismatchError, collective_fingerprint, data_parallel, preflight
 from .executor import LocalExecutor
 from .graphs import PoolHolder
+from .tp_state import gather_tensor_parallel
 from .zero_state import gather_sharded_params, gather_sharded_state
 
 __all__ = [
@@ -20,5 +21,6 @@ __all__ = [
     "collective_fingerprint",
     "preflight",
     "gather_sharded_params",
+    "gather_tensor_parallel",
     "gather_sharded_state",
 ]

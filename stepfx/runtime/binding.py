@@ -118,7 +118,12 @@ class ModuleBinding:
         self._state_owned = [params[p.name] for b, p in sharded if b.shards_state]
         self._params_owned = [params[p.name] for b, p in sharded if b.sharding is Sharding.PARAMETERS]
         self._whole_scalars = {(s.role, s.name, s.key): s.ident for s in (*signature.inputs, *signature.outputs)
-                               if s.storage is Storage.RANK and s.piece is None and s.ident not in self._carried}
+                               if s.storage is Storage.RANK and s.piece is None and s.split is None
+                               and s.ident not in self._carried}
+        # tensor parallelism: the rank holds its shard of these parameters and all their optimizer state
+        tp_split = [params[s.name] for s in signature.inputs if s.role is Role.PARAM and s.split is not None]
+        self._state_owned += tp_split
+        self._params_owned += tp_split
         # the parameters the step writes: their versions are bumped after it, as optimizer.step() does
         self._stepped_params = [params[s.name] for s in signature.outputs if s.role is Role.PARAM and s.storage is Storage.USER]
         # rank-held gradients an update consumes (read, not written back)
@@ -180,7 +185,7 @@ class ModuleBinding:
             return read_carried
         if slot.storage is Storage.RANK:
             source = self._user_tensor(slot, params)
-            store, ident, piece = self.store, slot.ident, slot.piece
+            store, ident, piece, split = self.store, slot.ident, slot.piece, slot.split
 
             def read_rank():
                 value = store.tensors.get(ident)
@@ -188,7 +193,11 @@ class ModuleBinding:
                     whole = source()
                     if isinstance(whole, TensorSpec):  # zeros never made whole
                         shape = (piece[1] - piece[0],) if piece is not None else whole.shape
+                        if split is not None:
+                            shape = split.local_shape(whole.shape)
                         value = torch.zeros(shape, dtype=whole.dtype, device=whole.device)
+                    elif split is not None:  # a tensor-parallel shard
+                        value = split.take(whole.detach())
                     else:
                         whole = whole.detach()
                         value = whole.reshape(-1)[piece[0] : piece[1]].clone() if piece is not None else whole.clone()

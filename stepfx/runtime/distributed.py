@@ -3,7 +3,10 @@ and failing together.
 
 - The process group comes from torchrun's environment (``RANK``,
   ``WORLD_SIZE``, ``MASTER_ADDR``/``PORT``), NCCL for CUDA and gloo for CPU;
-  stepfx never launches processes. Data parallelism spans all ranks.
+  stepfx never launches processes. Without tensor parallelism data
+  parallelism spans all ranks; with a TP degree t the mesh is 2D: TP groups
+  of t consecutive ranks (inside a node, where the fast links are), data
+  parallelism across them (ranks with the same place in their TP group).
 - stepfx's collectives run on a group of their own (all ranks), created
   with a bounded timeout, so that a failed step can abort it without
   touching the user's default group.
@@ -52,6 +55,22 @@ class DataParallel:
     group: Any = None  # stepfx's own ProcessGroup over all ranks
     group_name: str | None = None
     backend: str | None = None
+    # the 2D mesh: this rank's tensor-parallel group (consecutive ranks) and data-parallel group
+    # (one rank of each TP group); without TP the DP group is ``group``
+    tp_size: int = 1
+    tp_rank: int = 0
+    tp_group: Any = None
+    tp_group_name: str | None = None
+    dp_group: Any = None
+    dp_group_name: str | None = None
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.tp_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.tp_size
 
     @property
     def active(self) -> bool:
@@ -62,23 +81,27 @@ class DataParallel:
         collectives fails now instead of at the timeout."""
         if self.group is None:
             return
-        group, self.group = self.group, None
+        groups = [self.group] + [g for g in (self.tp_group, self.dp_group) if g is not None and g is not self.group]
+        self.group = self.tp_group = self.dp_group = None
         for key, value in list(_GROUPS.items()):
-            if value is group:
+            if any(value is g or (isinstance(value, tuple) and g in value) for g in groups):
                 del _GROUPS[key]
-        abort = getattr(group, "abort", None)
-        try:
-            if abort is not None:
-                abort()
-            dist.destroy_process_group(group)
-        except Exception:  # already broken: nothing more to release
-            pass
+        for group in groups:
+            abort = getattr(group, "abort", None)
+            try:
+                if abort is not None:
+                    abort()
+                dist.destroy_process_group(group)
+            except Exception:  # already broken: nothing more to release
+                pass
 
 
-def data_parallel(device_type: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> DataParallel:
+def data_parallel(device_type: str, timeout_s: float = DEFAULT_TIMEOUT_S, *, tp_size: int = 1) -> DataParallel:
     """Join (or start, from torchrun's environment) torch.distributed and
-    make stepfx's data-parallel group. A single process without torchrun's
-    environment is world size 1."""
+    make stepfx's groups: one over all ranks and, with ``tp_size`` > 1, the
+    tensor- and data-parallel groups of the 2D mesh. A single process
+    without torchrun's environment is world size 1. ``tp_size`` must divide
+    the world size (``config.check_tensor_parallel`` says so first)."""
     if not dist.is_available():
         return DataParallel()
     if not dist.is_initialized():
@@ -97,7 +120,32 @@ def data_parallel(device_type: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> Dat
     if group is None:
         group = dist.new_group(ranks=list(range(world)), backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
         _GROUPS[key] = group
-    return DataParallel(world, dist.get_rank(), group, group.group_name, backend)
+    rank = dist.get_rank()
+    if tp_size <= 1:
+        return DataParallel(world, rank, group, group.group_name, backend, dp_group=group, dp_group_name=group.group_name)
+    tp_group, dp_group = _mesh_groups(backend, world, tp_size, timeout_s, rank)
+    return DataParallel(world, rank, group, group.group_name, backend, tp_size=tp_size, tp_rank=rank % tp_size,
+                        tp_group=tp_group, tp_group_name=tp_group.group_name, dp_group=dp_group,
+                        dp_group_name=dp_group.group_name)
+
+
+def _mesh_groups(backend: str, world: int, tp: int, timeout_s: float, rank: int) -> tuple[Any, Any]:
+    """This rank's TP and DP groups. Every rank creates every group, in the
+    same order (``new_group`` is a collective over the default group)."""
+    key = ("mesh", backend, world, tp, timeout_s, id(dist.group.WORLD))
+    if key not in _GROUPS:
+        timeout = datetime.timedelta(seconds=timeout_s)
+        mine_tp = mine_dp = None
+        for start in range(0, world, tp):  # TP groups: consecutive ranks
+            g = dist.new_group(ranks=list(range(start, start + tp)), backend=backend, timeout=timeout)
+            if start <= rank < start + tp:
+                mine_tp = g
+        for offset in range(tp):  # DP groups: the same place in every TP group
+            g = dist.new_group(ranks=list(range(offset, world, tp)), backend=backend, timeout=timeout)
+            if rank % tp == offset:
+                mine_dp = g
+        _GROUPS[key] = (mine_tp, mine_dp)
+    return _GROUPS[key]
 
 
 # stepfx's process groups, one per (backend, world, timeout, default group):

@@ -1,0 +1,509 @@
+"""How a tensor-parallel split travels through a step graph (not a pass).
+
+Both tensor-parallel passes share this: ``plan_tensor_parallel`` tries
+candidate splits with it, ``shard_tensor_parallel`` rewrites with the result.
+
+Every value of the joint graph gets a state: replicated (``None``: every
+rank of the TP group holds all of it), sharded (:class:`Sharded`: each rank
+holds a slice along ``dim``, in ``parts`` fused parts), or partial
+(``PARTIAL``: each rank holds a summand; the sum over the group is the
+value). Seeds are the split parameters (and their optimizer state); the
+rules below say what each op makes of its inputs' states, in graph order:
+
+- pointwise ops keep a split when every split operand is split alike and
+  the replicated ones broadcast along that dimension;
+- views, transposes, expands move the split dimension (a dimension of
+  heads x head size keeps the split on heads);
+- ``mm(x split on K, w split on K)`` is partial (the row-parallel product);
+  a sum over the split dimension is partial;
+- attention is split over heads (q, k and v split on dim 1; k/v with one
+  head may stay replicated: multi-query attention, their gradients partial);
+- a partial value stays partial through views and sums of partials; any
+  other reader needs the whole value: an all-reduce goes before it
+  (Megatron's g in the forward, f's gradient in the backward).
+
+What no rule covers refuses the split (:class:`Refused`, with the op), and
+the planner keeps those parameters replicated.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from ...graph import META_PHASE, Phase, Role
+
+__all__ = ["Sharded", "PARTIAL", "Refused", "Propagation", "propagate", "linear_uses", "LinearUse"]
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class Sharded:
+    dim: int
+    parts: int = 1
+
+
+PARTIAL = "partial"
+
+
+class Refused(Exception):
+    """A split cannot pass ``node``; ``parts`` suggests a fused split to try instead."""
+
+    def __init__(self, node: fx.Node | None, reason: str, parts: int | None = None):
+        super().__init__(reason)
+        self.node, self.reason, self.parts = node, reason, parts
+
+    def describe(self) -> str:
+        where = f" at {self.node.name} ({_op_name(self.node)})" if self.node is not None else ""
+        return f"{self.reason}{where}"
+
+
+def _op_name(node: fx.Node) -> str:
+    return getattr(node.target, "__name__", str(node.target))
+
+
+POINTWISE = frozenset({
+    aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar, aten.mul.Tensor, aten.mul.Scalar,
+    aten.div.Tensor, aten.div.Scalar, aten.neg.default, aten.silu.default, aten.silu_backward.default,
+    aten.gelu.default, aten.gelu_backward.default, aten.sqrt.default, aten.rsqrt.default, aten.lerp.Scalar,
+    aten.lerp.Tensor, aten.addcmul.default, aten.addcdiv.default, aten.pow.Tensor_Scalar, aten.clone.default,
+    aten._to_copy.default, aten.tanh.default, aten.tanh_backward.default, aten.sigmoid.default,
+    aten.sigmoid_backward.default, aten.exp.default, aten.relu.default, aten.threshold_backward.default,
+    aten.where.self, aten.maximum.default, aten.minimum.default, aten.abs.default, aten.sign.default,
+    aten.reciprocal.default, aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
+    aten.masked_fill.Scalar, aten.fill.Scalar, aten.sin.default, aten.cos.default, aten.erf.default,
+})
+# a partial value stays partial through these when every tensor operand is partial
+_LINEAR_IN_ALL = frozenset({aten.add.Tensor, aten.sub.Tensor})
+VIEWS = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default})
+ATTENTION = frozenset(
+    op for op in (
+        getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None),
+        getattr(aten, "_scaled_dot_product_flash_attention", None),
+        getattr(aten, "_scaled_dot_product_efficient_attention", None),
+        getattr(aten, "_scaled_dot_product_cudnn_attention", None),
+    ) if op is not None for op in [op.default])
+ATTENTION_BACKWARD = frozenset(
+    op for op in (
+        getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None),
+        getattr(aten, "_scaled_dot_product_flash_attention_backward", None),
+        getattr(aten, "_scaled_dot_product_efficient_attention_backward", None),
+        getattr(aten, "_scaled_dot_product_cudnn_attention_backward", None),
+    ) if op is not None for op in [op.default])
+
+
+def _shape(node) -> tuple[int, ...] | None:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    if not isinstance(val, torch.Tensor):
+        return None
+    if not all(isinstance(s, int) for s in val.shape):
+        raise Refused(node, "symbolic sizes are not split yet")
+    return tuple(val.shape)
+
+
+@dataclass
+class Propagation:
+    """The states of every value, and what the rewrite must add: an
+    all-reduce after each partial value for the readers that need it whole,
+    and row-parallel ``addmm`` nodes to split into mm, all-reduce, bias add."""
+
+    tp: int
+    states: dict = field(default_factory=dict)  # node -> state, or a tuple of states (multi-output)
+    reduce: dict = field(default_factory=dict)  # partial node -> [readers needing it whole]
+    decompose: set = field(default_factory=set)  # addmm nodes whose product is partial
+    constants: set = field(default_factory=set)  # empty get_attr constants concatenated to split values
+
+    def state(self, value):
+        return self.states.get(value) if isinstance(value, fx.Node) else None
+
+
+@dataclass(frozen=True)
+class LinearUse:
+    """A forward matmul by a parameter: ``out`` = x @ W^T (Linear, weight
+    ``t``-ed) or x @ W (Conv1D). ``out_dim`` / ``in_dim``: the weight's
+    dimension of output / input features; ``bias``: the bias parameter name."""
+
+    weight: str
+    node: fx.Node  # the mm / addmm
+    x: fx.Node
+    out_dim: int
+    in_dim: int
+    bias: str | None
+
+
+def linear_uses(g: fx.Graph) -> dict[str, list[LinearUse]]:
+    """Parameter name -> its forward matmul uses."""
+    params = {n: n.meta["slot"].name for n in g.nodes if n.op == "placeholder" and n.meta["slot"].role is Role.PARAM}
+    uses: dict[str, list[LinearUse]] = {}
+    for node in g.nodes:
+        if node.op != "call_function" or node.target not in (aten.mm.default, aten.addmm.default):
+            continue
+        if node.meta.get(META_PHASE) is not Phase.FORWARD:
+            continue
+        x, w = (node.args[0], node.args[1]) if node.target is aten.mm.default else (node.args[1], node.args[2])
+        bias = params.get(node.args[0]) if node.target is aten.addmm.default else None
+        if isinstance(w, fx.Node) and w.target is aten.t.default and w.args[0] in params:
+            uses.setdefault(params[w.args[0]], []).append(LinearUse(params[w.args[0]], node, x, 0, 1, bias))
+        elif w in params:
+            uses.setdefault(params[w], []).append(LinearUse(params[w], node, x, 1, 0, bias))
+    return uses
+
+
+def propagate(g: fx.Graph, seeds: dict[str, Sharded], tp: int, outputs) -> Propagation:
+    """States of every node for parameters split as ``seeds`` (name ->
+    Sharded of the parameter); ``outputs``: the signature's output slots.
+    Raises :class:`Refused`."""
+    prop = Propagation(tp)
+    for node in g.nodes:
+        if node.op == "placeholder":
+            prop.states[node] = _placeholder(node, seeds, tp)
+        elif node.op == "get_attr":
+            prop.states[node] = None
+        elif node.op == "call_function":
+            ins = [a for a in node.all_input_nodes]
+            if all(prop.states.get(a) is None for a in ins):
+                prop.states[node] = None
+                continue
+            prop.states[node] = _rule(node, prop, tp)
+        elif node.op == "output":
+            _output(node, prop, seeds, outputs)
+    return prop
+
+
+def _placeholder(node: fx.Node, seeds: dict[str, Sharded], tp: int):
+    slot = node.meta["slot"]
+    seed = seeds.get(slot.name)
+    if seed is None or slot.role not in (Role.PARAM, Role.OPTIMIZER_STATE, Role.GRAD):
+        return None
+    shape = _shape(node)
+    if slot.role is Role.GRAD:
+        raise Refused(node, f"{slot.name} keeps its gradient across calls (end the step with zero_grad)")
+    if slot.role is Role.OPTIMIZER_STATE and (shape is None or len(shape) <= seed.dim):
+        return None  # a step counter
+    if shape[seed.dim] % (seed.parts * tp):
+        raise Refused(node, f"{slot.name}: dimension {seed.dim} ({shape[seed.dim]}) is not divisible by "
+                      f"{seed.parts} part(s) x {tp} ranks")
+    return seed
+
+
+def _output(node: fx.Node, prop: Propagation, seeds: dict[str, Sharded], slots) -> None:
+    for i, value in enumerate(node.args[0]):
+        state = prop.state(value)
+        if state is None:
+            continue
+        if state == PARTIAL:
+            prop.reduce.setdefault(value, []).append(node)
+            continue
+        slot = slots[i] if slots is not None else None
+        if slot is None or slot.role not in (Role.PARAM, Role.OPTIMIZER_STATE) or seeds.get(slot.name) != state:
+            what = slot.describe() if slot is not None else f"output #{i}"
+            raise Refused(value, f"a split value is returned as {what}")
+
+
+def _whole(prop: Propagation, node: fx.Node, value):
+    """The state ``node`` reads ``value`` in when it needs it replicated or
+    split: a partial value is all-reduced first."""
+    state = prop.state(value)
+    if state == PARTIAL:
+        prop.reduce.setdefault(value, []).append(node)
+        return None
+    return state
+
+
+def _tensor_args(node: fx.Node) -> list[fx.Node]:
+    return [a for a in node.args if isinstance(a, fx.Node)] + [a for a in node.kwargs.values() if isinstance(a, fx.Node)]
+
+
+def _rule(node: fx.Node, prop: Propagation, tp: int):
+    target = node.target
+    if target is operator.getitem:
+        src, i = node.args
+        state = prop.state(src)
+        return state[i] if isinstance(state, tuple) else state
+    if target in VIEWS:
+        return _view(node, prop, tp)
+    if target in (aten.t.default, aten.transpose.int, aten.permute.default):
+        return _permute(node, prop)
+    if target in (aten.unsqueeze.default, aten.squeeze.dim):
+        return _squeeze(node, prop)
+    if target is aten.expand.default:
+        state = _whole(prop, node, node.args[0])
+        if state is None:
+            return None
+        return Sharded(state.dim + len(node.args[1]) - len(_shape(node.args[0])), state.parts)
+    if target in (aten.mm.default, aten.addmm.default):
+        return _mm(node, prop)
+    if target in POINTWISE:
+        return _pointwise(node, prop, tp)
+    if target in (aten.sum.dim_IntList, aten.mean.dim):
+        return _reduction(node, prop)
+    if target in (aten.split.Tensor, aten.split_with_sizes.default):
+        return _split(node, prop, tp)
+    if target is aten.cat.default:
+        return _cat(node, prop, tp)
+    if target is aten.slice.Tensor:
+        state = _whole(prop, node, node.args[0])
+        dim = node.args[1] % len(_shape(node.args[0])) if len(node.args) > 1 else 0
+        if state is not None and state.dim == dim:
+            raise Refused(node, "a slice along the split dimension")
+        return state
+    if target is aten.slice_backward.default:
+        state = _whole(prop, node, node.args[0])
+        if state is not None and state.dim == node.args[2] % len(node.args[1]):
+            raise Refused(node, "a slice along the split dimension")
+        return state
+    if target in ATTENTION:
+        return _attention(node, prop, backward=False)
+    if target in ATTENTION_BACKWARD:
+        return _attention(node, prop, backward=True)
+    # no rule: partial inputs are reduced; a split input refuses
+    for a in _tensor_args(node):
+        if _whole(prop, node, a) is not None:
+            raise Refused(node, "no tensor-parallel rule for this op")
+    return None
+
+
+def _view(node: fx.Node, prop: Propagation, tp: int):
+    src = node.args[0]
+    state = prop.state(src)
+    if state is None or state == PARTIAL:
+        return state
+    a, b = _shape(src), _shape(node)
+    groups = _view_groups(a, b)
+    if groups is None:
+        raise Refused(node, "a view that does not regroup dimensions")
+    for ins, outs in groups:
+        if state.dim in ins:
+            ins = [d for d in ins if a[d] != 1]  # size-1 dimensions carry nothing
+            outs = [d for d in outs if b[d] != 1]
+            if len(ins) > 1 and state.dim != ins[0]:
+                raise Refused(node, f"a view {list(a)} -> {list(b)} merging the split dimension {state.dim} "
+                              "into an outer one")
+            if b[outs[0]] % (state.parts * tp):
+                raise Refused(node, f"the split dimension becomes {[b[o] for o in outs]}: "
+                              f"{b[outs[0]]} not divisible by {state.parts} part(s) x {tp}")
+            return Sharded(outs[0], state.parts)
+    raise Refused(node, "lost track of the split dimension")
+
+
+def _view_groups(a, b):
+    """Pairs (input dims, output dims) of equal products, in order (size-1
+    dims attached to a neighbour), or None."""
+    groups, i, j = [], 0, 0
+    while i < len(a) or j < len(b):
+        ins, outs = [], []
+        pa = pb = 1
+        if i < len(a):
+            ins.append(i); pa *= a[i]; i += 1
+        if j < len(b):
+            outs.append(j); pb *= b[j]; j += 1
+        while pa != pb:
+            if pa < pb and i < len(a):
+                ins.append(i); pa *= a[i]; i += 1
+            elif pb < pa and j < len(b):
+                outs.append(j); pb *= b[j]; j += 1
+            else:
+                return None
+        groups.append((ins, outs))
+    return groups
+
+
+def _permute(node: fx.Node, prop: Propagation):
+    src = node.args[0]
+    state = prop.state(src)
+    if state is None or state == PARTIAL:
+        return state
+    n = len(_shape(src))
+    if node.target is aten.t.default:
+        order = [1, 0] if n == 2 else [0]
+    elif node.target is aten.transpose.int:
+        order = list(range(n))
+        d0, d1 = node.args[1] % n, node.args[2] % n
+        order[d0], order[d1] = order[d1], order[d0]
+    else:
+        order = [d % n for d in node.args[1]]
+    return Sharded(order.index(state.dim), state.parts)
+
+
+def _squeeze(node: fx.Node, prop: Propagation):
+    src = node.args[0]
+    state = prop.state(src)
+    if state is None or state == PARTIAL:
+        return _whole(prop, node, src)
+    n = len(_shape(src))
+    if node.target is aten.unsqueeze.default:
+        d = node.args[1] % (n + 1)
+        return Sharded(state.dim + (1 if d <= state.dim else 0), state.parts)
+    d = node.args[1] % n
+    if d == state.dim:
+        raise Refused(node, "a squeeze of the split dimension")
+    return Sharded(state.dim - (1 if d < state.dim else 0), state.parts)
+
+
+def _mm(node: fx.Node, prop: Propagation):
+    x, w = (node.args[0], node.args[1]) if node.target is aten.mm.default else (node.args[1], node.args[2])
+    sx, sw = _whole(prop, node, x), _whole(prop, node, w)
+    if sx is None and sw is None:
+        result = None
+    elif sx is None and sw.dim == 1:
+        result = Sharded(1, sw.parts)
+    elif sw is None and sx.dim == 0:
+        result = Sharded(0, sx.parts)
+    elif sx is not None and sw is not None and sx.dim == 1 and sw.dim == 0 and sx.parts == sw.parts:
+        result = PARTIAL
+    else:
+        raise Refused(node, f"a matmul of operands split as {sx} and {sw}")
+    if node.target is aten.addmm.default:
+        sb = _whole(prop, node, node.args[0])
+        bias_shape = _shape(node.args[0])
+        if result == PARTIAL:
+            if sb is not None:
+                raise Refused(node, "a split bias added to a row-parallel product")
+            prop.decompose.add(node)
+            return None  # the rewrite reduces the product before adding the bias
+        if isinstance(result, Sharded):
+            out_dim = result.dim - (2 - len(bias_shape))
+            if bias_shape and bias_shape[-1] != 1 and (sb is None or sb.dim != out_dim or sb.parts != result.parts):
+                raise Refused(node, "a replicated bias added to a split product")
+        elif sb is not None:
+            raise Refused(node, "a split bias added to a replicated product")
+    return result
+
+
+def _pointwise(node: fx.Node, prop: Propagation, tp: int):
+    out_shape = _shape(node)
+    tensors = [a for a in _tensor_args(node) if _shape(a) is not None]  # scalars computed in the graph broadcast
+    states = [prop.state(a) for a in tensors]
+    if PARTIAL in states:
+        if node.target in _LINEAR_IN_ALL and all(s == PARTIAL for s in states) and len(states) == 2:
+            return PARTIAL
+        states = [_whole(prop, node, a) for a in tensors]
+    split = None
+    for a, s in zip(tensors, states):
+        if s is None:
+            continue
+        dim = s.dim + len(out_shape) - len(_shape(a))
+        here = Sharded(dim, s.parts)
+        if split is not None and here != split:
+            raise Refused(node, f"operands split differently ({split} and {here})")
+        split = here
+    if split is None:
+        return None
+    for a, s in zip(tensors, states):
+        if s is None:
+            shape = _shape(a)
+            dim = split.dim - (len(out_shape) - len(shape))
+            if dim >= 0 and shape[dim] != 1:
+                raise Refused(node, f"a replicated operand ({a.name}) meets a split one along the split dimension")
+    return split
+
+
+def _reduction(node: fx.Node, prop: Propagation):
+    src = node.args[0]
+    state = _whole(prop, node, src)
+    if state is None:
+        return None
+    n = len(_shape(src))
+    dims = node.args[1] if len(node.args) > 1 and node.args[1] is not None else list(range(n))
+    dims = sorted(d % n for d in dims)
+    keep = (node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))
+    if state.dim in dims:
+        if node.target is aten.mean.dim:
+            raise Refused(node, "a mean over the split dimension")
+        if state.parts != 1:
+            raise Refused(node, "a sum over fused parts")
+        return PARTIAL
+    return Sharded(state.dim - (0 if keep else sum(1 for d in dims if d < state.dim)), state.parts)
+
+
+def _split(node: fx.Node, prop: Propagation, tp: int):
+    src = node.args[0]
+    state = _whole(prop, node, src)
+    if state is None:
+        return None
+    shape = _shape(src)
+    dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) % len(shape)
+    outs = [tuple(v.shape) for v in node.meta["val"]]
+    if dim != state.dim:
+        return tuple(state for _ in outs)
+    sizes = [o[dim] for o in outs]
+    if len(set(sizes)) == 1 and len(sizes) == state.parts:
+        if sizes[0] % tp:
+            raise Refused(node, f"fused parts of {sizes[0]} are not divisible by {tp}")
+        return tuple(Sharded(dim, 1) for _ in outs)
+    hint = len(sizes) if len(set(sizes)) == 1 and state.parts == 1 else None
+    raise Refused(node, f"a split of the split dimension into {sizes}", parts=hint)
+
+
+def _cat(node: fx.Node, prop: Propagation, tp: int):
+    tensors, dim = node.args[0], node.args[1] if len(node.args) > 1 else 0
+    n = len(_shape(node))
+    dim %= n
+    states = [_whole(prop, node, t) for t in tensors]
+    split = next(s for s in states if s is not None)
+    for t, s in zip(tensors, states):
+        if s is None:
+            if t.op == "get_attr" and 0 in _shape(t) and split.dim != dim:
+                prop.constants.add(t)  # an empty cache: made again at the local size
+                continue
+            raise Refused(node, f"a replicated value ({t.name}) concatenated to a split one")
+        if s.dim != split.dim or s.parts != 1 and s.dim == dim:
+            raise Refused(node, "values split differently concatenated")
+    if split.dim == dim:
+        sizes = {_shape(t)[dim] for t in tensors}
+        if len(sizes) != 1 or split.parts != 1:
+            raise Refused(node, "a concatenation along the split dimension of unequal parts")
+        return Sharded(dim, len(tensors))
+    return split
+
+
+def _attention(node: fx.Node, prop: Propagation, *, backward: bool):
+    """Heads are dimension 1 of q, k, v ([batch, heads, length, head size]).
+    K/V with a single head may stay replicated (multi-query): each rank's
+    query heads read it; its gradient is then a partial sum over ranks."""
+    if backward:
+        grad_out, q, k, v = node.args[:4]
+        rest = [a for a in node.args[4:] if isinstance(a, fx.Node)]
+    else:
+        q, k, v = node.args[:3]
+        grad_out, rest = None, []
+    sq, sk, sv = (_whole(prop, node, a) for a in (q, k, v))
+    heads = Sharded(1)
+    if sq != heads:
+        raise Refused(node, f"attention with queries split as {sq}")
+    kv_whole = sk is None and sv is None and _shape(k)[1] == 1 and _shape(v)[1] == 1
+    if not kv_whole and (sk != heads or sv != heads):
+        raise Refused(node, f"attention with keys/values split as {sk}, {sv}")
+    for a in rest + ([grad_out] if grad_out is not None else []) + [node.kwargs.get("attn_mask")]:
+        if not isinstance(a, fx.Node):
+            continue
+        s = _whole(prop, node, a)
+        shape = _shape(a)
+        if s is None and shape is not None and len(shape) >= 2 and shape[1] != 1 and a.op != "placeholder":
+            # a mask or saved value over all heads: would need slicing
+            if len(shape) >= 3:
+                raise Refused(node, f"attention reads {a.name} over all heads")
+    dropout = node.args[3] if not backward and len(node.args) > 3 else node.kwargs.get("dropout_p", 0.0)
+    if isinstance(dropout, float) and dropout > 0:
+        raise Refused(node, "attention dropout draws over all heads")
+    vals = node.meta["val"]
+    q_heads = _shape(q)[1]
+    if backward:
+        kv_state = None if kv_whole else heads
+        out = []
+        for i, v_ in enumerate(vals):
+            if i == 0:
+                out.append(heads)
+            elif i in (1, 2) and v_ is not None:
+                out.append(PARTIAL if kv_state is None else heads)
+            else:
+                out.append(None)
+        return tuple(out)
+    out = []
+    for v_ in vals:
+        ok = isinstance(v_, torch.Tensor) and v_.dim() >= 3 and v_.shape[1] == q_heads
+        out.append(heads if ok else None)
+    return tuple(out)

@@ -1,0 +1,228 @@
+"""plan_tensor_parallel: find Megatron's column/row pairs on the graph (no graph change).
+
+Why: DeepSpeed's AutoTP needs a preset or a hand-written partition per
+architecture; the captured step shows the data flow itself. A weight whose
+product reaches another weight's matmul only through pointwise ops, views
+and attention over heads is a column/row pair (q/k/v -> output projection,
+grouped-query heads included; up/gate -> down; a fused q/k/v weight split
+per part): split the first by output features and the second by input
+features, and the region between runs on each rank's slice of features or
+heads with no communication.
+
+Requires: a functional, clean graph (after the cleanups), static sizes,
+``options.tp_size`` > 1.
+
+Ensures: ``signature.extra["tensor_parallel"]`` holds a
+:class:`TensorParallelPlan`: every parameter's placement (column, row or
+replicated) with the reason, and the groups found. A group is kept only
+when the split propagates through the whole step (forward, backward and
+optimizer: ``placements.propagate``); otherwise its weights stay
+replicated, with the op that refused. Columns whose split cannot pass (a
+single key/value head: multi-query attention) are dropped from their group
+and stay replicated when the rest still propagates.
+
+Before / after: the graph is unchanged; ``explain()`` lists the placements::
+
+    blocks.0.qkv.weight: column (dim 0, 3 parts): product reaches blocks.0.proj.weight through attention
+    blocks.0.proj.weight: row (dim 1): reads the split features of blocks.0.qkv.weight
+    tok.weight: replicated: used 2 times in the forward (tied)
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import operator
+
+import torch.fx as fx
+
+from ...graph import META_PHASE, Phase, Role, StepGraph
+from ...graph.tp_layout import TP_PLAN_KEY, Placement, TensorParallelPlan
+from ..manager import PassOptions, PassResult
+from .placements import ATTENTION, POINTWISE, VIEWS, Refused, Sharded, aten, linear_uses, propagate
+
+__all__ = ["plan_tensor_parallel"]
+
+# what a column's product may pass through on its way to a row weight (the search; propagation decides)
+_CARRIERS = POINTWISE | VIEWS | ATTENTION | frozenset({
+    aten.t.default, aten.transpose.int, aten.permute.default, aten.unsqueeze.default, aten.squeeze.dim,
+    aten.expand.default, aten.split.Tensor, aten.split_with_sizes.default, aten.cat.default, aten.slice.Tensor,
+    operator.getitem})
+_MAX_SUBSETS = 16  # column subsets tried per group when the whole group does not propagate
+
+
+def plan_tensor_parallel(graph: StepGraph, options: PassOptions) -> PassResult:
+    tp = options.tp_size
+    g = graph.gm.graph
+    outputs = graph.signature.outputs
+    params = [n.meta["slot"].name for n in g.nodes if n.op == "placeholder" and n.meta["slot"].role is Role.PARAM]
+    uses = linear_uses(g)
+    forward_users = _forward_users(g)
+    why: dict[str, tuple[str, str]] = {}  # name -> (kind, reason) for parameters not split
+    single = {}
+    for name, found in uses.items():
+        if len(found) == 1 and forward_users[name] == 1:
+            single[name] = found[0]
+        else:
+            why[name] = ("replicated", f"used {forward_users[name]} times in the forward (tied or shared)")
+    by_x = {u.x: u for u in single.values()}
+    groups = _groups(_alternate(single, by_x))
+
+    accepted: dict[str, Sharded] = {}
+    found_groups = []
+    details: dict[str, tuple[str, str]] = {}
+    for cols, rows in groups:
+        if set(cols) & set(rows):
+            for n in cols + rows:
+                why[n] = ("replicated", "linears chained without a norm between (not paired yet)")
+            continue
+        result = _try_group(g, outputs, tp, accepted, cols, rows, single)
+        if isinstance(result, Refused):
+            for n in cols + rows:
+                why[n] = ("replicated", f"the split does not propagate: {result.describe()}")
+            continue
+        seeds, kept = result
+        accepted.update(seeds)
+        found_groups.append((tuple(kept), tuple(rows)))
+        for c in cols:
+            if c not in kept:
+                why[c] = ("replicated", "its split does not pass attention (e.g. a single key/value head); "
+                          "each rank reads it whole")
+        for c in kept:
+            u = single[c]
+            parts = seeds[c].parts
+            details[c] = ("column", f"product reaches {', '.join(rows)}" + (f" ({parts} fused parts)" if parts > 1 else ""))
+            if u.bias is not None:
+                details[u.bias] = ("column", f"bias of {c}")
+        for r in rows:
+            details[r] = ("row", f"reads the split features of {', '.join(kept)}; its output is all-reduced")
+    for name in params:
+        if name in single and name not in details and name not in why:
+            why[name] = ("replicated", "its product reaches no other weight through splittable ops")
+    placements = []
+    for name in params:
+        if name in accepted:
+            kind, reason = details[name]
+            placements.append(Placement(name, kind, accepted[name].dim, accepted[name].parts, reason))
+        else:
+            kind, reason = why.get(name, ("replicated", "not a matmul weight (embedding, norm or bias)"))
+            placements.append(Placement(name, "replicated", None, 1, reason))
+    notes = () if accepted else ("nothing to split: every rank of a tensor-parallel group runs the whole step "
+                                 "(replicated)",)
+    plan = TensorParallelPlan(tp, options.tp_rank, tuple(placements), tuple(found_groups), notes)
+    sig = graph.signature
+    new_sig = dataclasses.replace(sig, extra={**sig.extra, TP_PLAN_KEY: plan})
+    summary = (f"{len(plan.sharded)} of {len(params)} parameters split over {tp} ranks in {len(found_groups)} "
+               f"column/row groups" if accepted else notes[0])
+    return PassResult(graph.replace(signature=new_sig), True, summary)
+
+
+def _forward_users(g: fx.Graph) -> dict[str, int]:
+    """Parameter name -> how many forward ops read it (a ``t`` counts for the matmul it feeds)."""
+    out = {}
+    for n in g.nodes:
+        if n.op == "placeholder" and n.meta["slot"].role is Role.PARAM:
+            out[n.meta["slot"].name] = sum(1 for u in n.users if u.meta.get(META_PHASE) is Phase.FORWARD)
+    return out
+
+
+def _reached_rows(start: fx.Node, by_x: dict) -> list[str]:
+    """Weights whose matmul input ``start``'s value reaches through carrier ops (forward only)."""
+    rows, seen, todo = [], {start}, [start]
+    while todo:
+        node = todo.pop()
+        for user in node.users:
+            if user in seen or user.meta.get(META_PHASE) is not Phase.FORWARD:
+                continue
+            seen.add(user)
+            if node in by_x and by_x[node].node is user:
+                if by_x[node].weight not in rows:
+                    rows.append(by_x[node].weight)
+                continue
+            if user.op == "call_function" and user.target in _CARRIERS:
+                todo.append(user)
+    # a view of the row's input counts: the matmul reads a 2-D view of it
+    return rows
+
+
+def _alternate(single: dict, by_x: dict) -> dict[str, list[str]]:
+    """Column -> the rows its product reaches, Megatron's alternation in
+    forward order: the first unassigned weight starts a pair as a column,
+    the weights its product reaches are its rows (a row never starts a
+    pair; a decomposed norm between blocks is pointwise, so a row's output
+    reaches the next block's columns too)."""
+    role: dict[str, str] = {}
+    out: dict[str, list[str]] = {}
+    for name, u in sorted(single.items(), key=lambda item: _order(item[1].node)):
+        if name in role:
+            continue
+        rows = [r for r in _reached_rows(u.node, by_x) if role.get(r) != "column"]
+        if not rows:
+            continue
+        role[name] = "column"
+        for r in rows:
+            role[r] = "row"
+        out[name] = rows
+    return out
+
+
+def _order(node: fx.Node) -> int:
+    i = 0
+    for n in node.graph.nodes:
+        if n is node:
+            return i
+        i += 1
+    return i
+
+
+def _groups(reach: dict[str, list[str]]) -> list[tuple[list[str], list[str]]]:
+    """Connected components of the column -> row graph, in column order."""
+    parent: dict[str, str] = {}
+
+    def find(x):
+        parent.setdefault(x, x)
+        while parent[x] != x:
+            x = parent[x]
+        return x
+
+    for c, rows in reach.items():
+        for r in rows:
+            parent[find(c)] = find(r)
+    out: dict[str, tuple[list[str], list[str]]] = {}
+    for c, rows in reach.items():
+        cols, rs = out.setdefault(find(c), ([], []))
+        cols.append(c)
+        rs.extend(r for r in rows if r not in rs)
+    return list(out.values())
+
+
+def _try_group(g, outputs, tp, accepted, cols, rows, single):
+    """Seeds for the group (columns, their biases, rows) that propagate, and
+    the columns kept; or the Refused of the whole group."""
+    first = None
+    sizes = range(len(cols), 0, -1)
+    tried = 0
+    for size in sizes:
+        for kept in itertools.combinations(cols, size):
+            tried += 1
+            if tried > _MAX_SUBSETS:
+                return first
+            parts = {c: 1 for c in kept}
+            while True:
+                seeds = dict(accepted)
+                for c in kept:
+                    u = single[c]
+                    seeds[c] = Sharded(u.out_dim, parts[c])
+                    if u.bias is not None:
+                        seeds[u.bias] = Sharded(0, parts[c])
+                for r in rows:
+                    seeds[r] = Sharded(single[r].in_dim)
+                try:
+                    propagate(g, seeds, tp, outputs)
+                    return seeds, list(kept)
+                except Refused as e:
+                    first = e
+                    if e.parts and len(kept) == 1 and parts[kept[0]] == 1:
+                        parts[kept[0]] = e.parts  # a fused weight: split per part
+                        continue
+                    break
+    return first

@@ -1,0 +1,221 @@
+"""shard_tensor_parallel: run the step on this rank's Megatron shards.
+
+Why: the plan (``plan_tensor_parallel``) says which weights split; this
+rewrite makes each rank hold and update only its slice, and adds the two
+all-reduces per column/row pair that make the result the unsplit step's.
+
+Requires: ``plan_tensor_parallel`` ran (its plan is in the signature), the
+graph is the one it planned on (no pass in between changed the data flow).
+
+Ensures:
+- every split parameter, and each of its optimizer states, is a rank-held
+  slot (storage "rank") with its ``split``; the step reads and returns the
+  shard; its step counter is rank-held whole (the user's optimizer keeps
+  nothing of a split parameter after the first run);
+- every value derived from a split one has its local shape (view, expand,
+  split and slice_backward sizes rewritten; head counts become per-rank);
+- a partial value (a row-parallel product in the forward, the input
+  gradient of a column-parallel weight in the backward) is all-reduced over
+  the tensor-parallel group right after it is made, for the readers that
+  need it whole (Megatron's g and f); a row-parallel ``addmm`` becomes mm,
+  all-reduce, bias add, so the bias counts once;
+- replicated values are computed alike on every rank of the group: the
+  gradients of replicated parameters need no reduction there.
+
+Before / after (one MLP pair, 2 ranks; shapes per rank)::
+
+    t = aten.t(fc_w)            # [128, 32]       t = aten.t(fc_w)          # [64, 32] shard
+    h = aten.addmm(fc_b, x, t)  # [18, 128]       h = aten.addmm(fc_b, x, t)  # [18, 64]
+    g = aten.gelu(h)                              g = aten.gelu(h)
+    t2 = aten.t(out_w)          # [128, 32]       t2 = aten.t(out_w)        # [64, 32] shard
+    y = aten.addmm(out_b, g, t2)          ->      mm = aten.mm(g, t2)        # partial sums
+                                                  ar = _c10d_functional.all_reduce(mm, 'sum', tp)
+                                                  w = _c10d_functional.wait_tensor(ar)
+                                                  y = aten.add(w, out_b)
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.fx as fx
+
+from ...graph import META_PHASE, Role, StepGraph, Storage
+from ...graph.build import clone_step_graph
+from ...graph.tp_layout import TP_PLAN_KEY
+from ..data_parallel.collectives import fake_like, make_node
+from ..manager import PassOptions, PassResult
+from .placements import VIEWS, Sharded, aten, propagate
+
+__all__ = ["shard_tensor_parallel"]
+
+c10d = torch.ops._c10d_functional
+
+
+def shard_tensor_parallel(graph: StepGraph, options: PassOptions) -> PassResult:
+    plan = graph.signature.extra.get(TP_PLAN_KEY)
+    if plan is None or not plan.sharded:
+        return PassResult(graph, False, "nothing split: the step runs replicated on each tensor-parallel rank")
+    tp, group = options.tp_size, options.tp_group_name
+    graph = clone_step_graph(graph)
+    gm, g = graph.gm, graph.gm.graph
+    seeds = {p.name: Sharded(p.split_dim, p.parts) for p in plan.sharded}
+    prop = propagate(g, seeds, tp, graph.signature.outputs)
+
+    # local shapes, in graph order (each node's inputs are already local)
+    for node in list(g.nodes):
+        state = prop.states.get(node)
+        if node.op == "get_attr" and node in prop.constants:
+            _local_constant(gm, node, prop, tp)
+        if not _is_split(state):
+            continue
+        if node.op == "placeholder":
+            node.meta["val"] = _local_val(node.meta["val"], state, tp)
+        elif node.op == "call_function":
+            _local_arguments(node, state, tp)
+            node.meta["val"] = _run_fake(node, state, tp)
+
+    reduced = 0
+    for node in [n for n in g.nodes if n in prop.decompose]:
+        _decompose_addmm(g, node, group, tp)
+        reduced += 1
+    for value, readers in prop.reduce.items():
+        _all_reduce(g, value, readers, group)
+        reduced += 1
+
+    new_sig = _rank_held(graph.signature, plan, g)
+    g.lint()
+    gm.recompile()
+    summary = (f"{len(plan.sharded)} parameters split over {tp} ranks; {reduced} all-reduces over the "
+               f"tensor-parallel group")
+    return PassResult(graph.replace(signature=new_sig), True, summary)
+
+
+def _is_split(state) -> bool:
+    if isinstance(state, tuple):
+        return any(isinstance(s, Sharded) for s in state)
+    return isinstance(state, Sharded)
+
+
+def _local_val(val, state: Sharded, tp: int):
+    shape = list(val.shape)
+    shape[state.dim] //= tp
+    return fake_like(val, shape)
+
+
+def _local_shape(node: fx.Node, state: Sharded, tp: int) -> list[int]:
+    shape = list(node.meta["val"].shape)
+    shape[state.dim] //= tp
+    return shape
+
+
+def _local_arguments(node: fx.Node, state, tp: int) -> None:
+    """Sizes written in the op's arguments, made per-rank."""
+    target = node.target
+    if target in VIEWS:
+        node.args = (node.args[0], _local_shape(node, state, tp)) + tuple(node.args[2:])
+    elif target is aten.expand.default:
+        sizes = list(node.args[1])
+        if sizes[state.dim] != -1:
+            sizes[state.dim] //= tp
+        node.args = (node.args[0], sizes) + tuple(node.args[2:])
+    elif target is aten.slice_backward.default:
+        sizes = list(node.args[1])
+        sizes[state.dim] //= tp
+        node.args = (node.args[0], sizes) + tuple(node.args[2:])
+    elif target in (aten.split.Tensor, aten.split_with_sizes.default):
+        src_state = state[0]
+        dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) % node.args[0].meta["val"].dim()
+        if dim == src_state.dim:  # a fused dimension split into its parts
+            size = node.args[1]
+            size = [s // tp for s in size] if isinstance(size, (list, tuple)) else size // tp
+            node.args = (node.args[0], size) + tuple(node.args[2:])
+
+
+def _run_fake(node: fx.Node, state, tp: int):
+    """The node's value at local shapes: the op run on its inputs' fake values
+    (keeps strides), or an empty of the local shape when the op cannot run."""
+    def val(a):
+        return a.meta["val"] if isinstance(a, fx.Node) else a
+
+    old = node.meta["val"]
+    try:
+        mode = next(v for v in (val(a) for a in node.all_input_nodes) if isinstance(v, torch.Tensor)).fake_mode
+        args = torch.utils._pytree.tree_map(val, (node.args, node.kwargs))
+        with mode:
+            return node.target(*args[0], **args[1])
+    except Exception:
+        if isinstance(state, tuple):
+            return type(old)(_local_val(v, s, tp) if isinstance(s, Sharded) else v for v, s in zip(old, state))
+        return _local_val(old, state, tp)
+
+
+def _local_constant(gm: fx.GraphModule, node: fx.Node, prop, tp: int) -> None:
+    """An empty constant concatenated to split values (an empty key/value
+    cache): made again with the split dimension per-rank."""
+    reader = next(u for u in node.users if u.target is aten.cat.default)
+    state = prop.states[reader]
+    const = getattr(gm, node.target)
+    shape = list(const.shape)
+    shape[state.dim] //= tp
+    name = f"{node.target}_tp"
+    setattr(gm, name, torch.empty(shape, dtype=const.dtype, device=const.device))
+    node.target = name
+    node.meta["val"] = _local_val(node.meta["val"], state, tp)
+
+
+def _all_reduce(g: fx.Graph, value: fx.Node, readers: list[fx.Node], group: str) -> None:
+    val = value.meta["val"]
+    meta = dict(like=value, phase=value.meta.get(META_PHASE))
+    with g.inserting_after(value):
+        issued = make_node(g, c10d.all_reduce.default, (value, "sum", group), val=fake_like(val, val.shape),
+                           name="tp_all_reduce", **meta)
+    with g.inserting_after(issued):
+        done = make_node(g, c10d.wait_tensor.default, (issued,), val=issued.meta["val"], name="tp_wait", **meta)
+    for reader in dict.fromkeys(readers):
+        reader.replace_input_with(value, done)
+
+
+def _decompose_addmm(g: fx.Graph, node: fx.Node, group: str, tp: int) -> None:
+    """addmm(bias, x, w) with a partial product: mm, all-reduce, then the bias once."""
+    bias, x, w = node.args[:3]
+    val = node.meta["val"]
+    meta = dict(like=node, phase=node.meta.get(META_PHASE))
+    with g.inserting_before(node):
+        mm = make_node(g, aten.mm.default, (x, w), val=fake_like(val, val.shape), name="tp_mm", **meta)
+        issued = make_node(g, c10d.all_reduce.default, (mm, "sum", group), val=fake_like(val, val.shape),
+                           name="tp_all_reduce", **meta)
+        done = make_node(g, c10d.wait_tensor.default, (issued,), val=issued.meta["val"], name="tp_wait", **meta)
+        added = make_node(g, aten.add.Tensor, (done, bias), val=fake_like(val, val.shape), name="tp_bias", **meta)
+    node.replace_all_uses_with(added)
+    g.erase_node(node)
+
+
+def _rank_held(sig, plan, g: fx.Graph):
+    """Split parameters and all their optimizer state become rank-held slots."""
+    split_names = {p.name for p in plan.sharded}
+
+    def held(slot, val):
+        if slot.name not in split_names or slot.role not in (Role.PARAM, Role.OPTIMIZER_STATE):
+            return slot
+        split = plan.split_of(slot.name)
+        whole_scalar = slot.role is Role.OPTIMIZER_STATE and (val is None or val.dim() <= split.dim)
+        return dataclasses.replace(slot, storage=Storage.RANK, split=None if whole_scalar else split)
+
+    placeholders = [n for n in g.nodes if n.op == "placeholder"]
+    inputs = []
+    for node, slot in zip(placeholders, sig.inputs):
+        new = held(slot, node.meta.get("val"))
+        node.meta["slot"] = new
+        inputs.append(new)
+    values = output_node_values(g)
+    outputs = tuple(held(slot, v.meta.get("val") if isinstance(v, fx.Node) else None)
+                    for slot, v in zip(sig.outputs, values))
+    return dataclasses.replace(sig, inputs=tuple(inputs), outputs=outputs)
+
+
+def output_node_values(g: fx.Graph) -> list:
+    for n in reversed(g.nodes):
+        if n.op == "output":
+            return list(n.args[0])
+    return []

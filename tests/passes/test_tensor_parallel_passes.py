@@ -1,0 +1,71 @@
+"""plan_tensor_parallel and shard_tensor_parallel on a captured graph (no
+ranks: the rewrite is checked structurally; numerics are in
+tests/runtime/test_tensor_parallel.py)."""
+from __future__ import annotations
+
+import torch
+
+from stepfx.graph import Phase, Role, Storage
+from stepfx.graph.tp_layout import TP_PLAN_KEY, TensorSplit
+from stepfx.passes.declared import PIPELINE
+from stepfx.passes.manager import PassManager, PassOptions
+from stepfx.passes.tensor_parallel.plan_tensor_parallel import plan_tensor_parallel
+from stepfx.passes.tensor_parallel.shard_tensor_parallel import shard_tensor_parallel
+from tests.steps import captured_mlp
+
+OPTIONS = PassOptions(tp_size=2, tp_rank=1, tp_group_name="tp")
+
+
+def _clean(graph):
+    names = ("functionalize_graph", "drop_profiler_nodes", "remove_aliases", "prune_unchanged_outputs",
+             "eliminate_dead_code")
+    manager = PassManager([e for e in PIPELINE if e.name in names])
+    return manager.run(graph, PassOptions())[-1].graph
+
+
+def test_mlp_pair_is_found_and_split():
+    graph, model, opt, batch = captured_mlp()
+    planned = plan_tensor_parallel(_clean(graph), OPTIONS).graph
+    plan = planned.signature.extra[TP_PLAN_KEY]
+    kinds = {p.name: (p.kind, p.split_dim) for p in plan.placements}
+    assert kinds == {"net.0.weight": ("column", 0), "net.0.bias": ("column", 0), "net.2.weight": ("row", 1),
+                     "net.2.bias": ("replicated", None)}
+
+    result = shard_tensor_parallel(planned, OPTIONS)
+    g = result.graph.gm.graph
+    reduces = [n for n in g.nodes if n.target is torch.ops._c10d_functional.all_reduce.default]
+    # the row-parallel product is all-reduced once in the forward; the input takes no gradient
+    assert [n.meta["phase"] for n in reduces] == [Phase.FORWARD]
+    assert reduces[0].args[1:] == ("sum", "tp")
+    slots = {(s.role, s.name, s.key): s for s in result.graph.signature.inputs}
+    w = slots[(Role.PARAM, "net.0.weight", None)]
+    assert w.storage is Storage.RANK and w.split == TensorSplit(0, 1, 1, 2)
+    assert slots[(Role.OPTIMIZER_STATE, "net.0.weight", "exp_avg")].split == w.split
+    assert slots[(Role.OPTIMIZER_STATE, "net.0.weight", "step")].storage is Storage.RANK  # held whole
+    assert slots[(Role.OPTIMIZER_STATE, "net.0.weight", "step")].split is None
+    assert slots[(Role.PARAM, "net.2.bias", None)].storage is Storage.USER
+    placeholder = next(n for n in g.nodes if n.op == "placeholder" and n.meta["slot"].name == "net.0.weight")
+    assert tuple(placeholder.meta["val"].shape) == (8, 8)  # [16, 8] split in two
+
+
+def test_a_split_takes_and_joins_shards():
+    whole = torch.arange(32.0).reshape(16, 2)
+    shards = [TensorSplit(0, 1, r, 2).take(whole) for r in range(2)]
+    assert torch.equal(shards[1], whole[8:])
+    assert torch.equal(TensorSplit(0, 1, 0, 2).join(shards), whole)
+    fused = torch.arange(12.0).reshape(6, 2)  # three fused parts (q, k, v) of two rows each
+    parts = [TensorSplit(0, 3, r, 2).take(fused) for r in range(2)]
+    assert parts[0][:, 0].tolist() == [0.0, 4.0, 8.0]  # the first half of each part
+    assert torch.equal(TensorSplit(0, 3, 0, 2).join(parts), fused)
+
+
+def test_nothing_to_split_is_noted():
+    from stepfx.capture import capture_step
+    from tests.steps import MLP, ce_step, mlp_batches
+
+    model = MLP((8, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    graph = capture_step(ce_step, model, opt, mlp_batches(1)[0], {})
+    planned = plan_tensor_parallel(_clean(graph), OPTIONS)
+    assert "nothing to split" in planned.summary
+    assert not shard_tensor_parallel(planned.graph, OPTIONS).changed

@@ -1,0 +1,40 @@
+"""Functions that run on each rank of the test pool for the tensor-parallel
+tests (module level, so the rank processes can import them)."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import stepfx
+from stepfx.graph.tp_layout import TP_PLAN_KEY
+
+
+def tp_run(step_fn, make_model, make_optimizer, batches_per_dp, config) -> dict:
+    """Train with ``config`` on this rank; the ranks of a tensor-parallel
+    group read the batches of their data-parallel rank. Returns the losses,
+    the whole model state and optimizer state after the last step, the
+    placements and the collectives of the final graph by phase."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tp = config["tensor_parallel"]["autotp_size"]
+    torch.manual_seed(0)
+    model = make_model()
+    opt = make_optimizer(model)
+    step = stepfx.parallelize(config)(step_fn)
+    losses = [step(model, opt, *batch).item() for batch in batches_per_dp[rank // tp]]
+    graph = step.plan.graph
+    counts: dict[str, int] = {}
+    for node in graph.gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops._c10d_functional.all_reduce.default:
+            tp_group = node.name.startswith("tp_")
+            key = f"{'tp' if tp_group else 'dp'} {node.meta['phase']}"
+            counts[key] = counts.get(key, 0) + 1
+    plan = graph.signature.extra.get(TP_PLAN_KEY)
+    stale = any(p.numel() == 0 for p in model.parameters())
+    state = {k: v.clone() for k, v in step.model_state_dict().items()}
+    opt_state = step.optimizer_state()
+    step.sync_model()
+    synced = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {"losses": losses, "state": state, "optimizer": opt_state, "counts": counts, "world": world,
+            "placements": plan.describe() if plan else [], "notes": list(plan.notes) if plan else [],
+            "module_emptied": stale, "synced": synced, "captures": len({id(p) for p in step.plans}),
+            "explain": step.explain()}
