@@ -93,3 +93,17 @@ def test_nothing_to_split_runs_replicated_with_a_note(rank_pool):
     assert results[0]["counts"] == {}
     assert "nothing to split" in results[0]["notes"][0]
     assert "nothing to split" in results[0]["explain"]
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("tensor_parallel")
+def test_gpt_tp2_dp2_equals_the_data_parallel_reference(rank_pool):
+    """The 2D mesh on 4 ranks: TP groups {0, 1} and {2, 3}, data
+    parallelism across them at ZeRO stage 0 (gradients of the shards
+    averaged over the DP group only). Each TP group reads its DP rank's
+    batches; the reference averages the two DP ranks' gradients."""
+    batches = [token_batches(2, seed=0), token_batches(2, seed=1)]
+    results = rank_pool(4).run(tp_run, lm_step, one_block_gpt, sgd_plain, batches, TP2, timeout=500)
+    _check(results, lm_step, one_block_gpt, sgd_plain, batches, tp=2)
+    assert all(r["counts"] == {"tp forward": 2, "tp backward": 2} for r in results)
+    assert results[0]["losses"] != results[2]["losses"]  # the DP ranks saw different batches
