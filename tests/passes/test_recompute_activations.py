@@ -14,7 +14,7 @@ from stepfx.graph.ops import is_random
 from stepfx.graph.step_graph import META_PHASE, Phase
 from stepfx.passes.memory.recompute_activations import META_RECOMPUTED
 from stepfx.testing.equivalence import assert_step_equivalent
-from tests.steps import adamw, lm_step, tiny_gpt, token_batches
+from tests.steps import adamw, ce_step, lm_step, tiny_gpt, token_batches
 
 
 def _gpt():
@@ -99,14 +99,6 @@ class _DropoutMLP(nn.Module):
         return self.c(x)
 
 
-def _ce_step(model, opt, x, y):
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss
-
-
 def _xy(n=2):
     g = torch.Generator().manual_seed(3)
     return [(torch.randn(6, 8, generator=g), torch.randint(0, 3, (6,), generator=g)) for _ in range(n)]
@@ -116,9 +108,9 @@ def _xy(n=2):
 def test_random_ops_are_never_recomputed_and_user_checkpoints_are_honoured(checkpointed):
     config = {"gradient_clipping": 0, "stepfx": {"activation_memory_budget": 0.0}}
     make = lambda: _DropoutMLP(checkpointed)
-    step = _run(config, make=make, step_fn=_ce_step, batches=_xy(1))
+    step = _run(config, make=make, step_fn=ce_step, batches=_xy(1))
     assert _copies(step) and not any(is_random(n) for n in _copies(step))
-    report = assert_step_equivalent(_ce_step, make, adamw, _xy(), exact=True, config=config)
+    report = assert_step_equivalent(ce_step, make, adamw, _xy(), exact=True, config=config)
     assert report.bitwise
 
 
@@ -179,7 +171,7 @@ def test_measured_peak_falls_as_predicted():
         step(model, opt, *batch)
         held = [*model.parameters(), *batch] + [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
         gc.collect()
-        memory = measure_memory(lambda: step(model, opt, *batch), held)
+        memory = measure_memory(lambda s=step, m=model, o=opt: s(m, o, *batch), held)
         est = estimate_memory(step.plan.graph)
         predicted = est.peak - est.resident
         assert abs(predicted - memory.peak) <= 0.1 * memory.peak, (budget, predicted, memory.peak)
