@@ -17,6 +17,7 @@ __all__ = [
     "PROFILER_OPS",
     "ASSERT_OPS",
     "ALIAS_OPS",
+    "ATTENTION_OPS",
     "SAME_DTYPE_OPS",
     "is_op",
     "mutated_arg_indices",
@@ -267,6 +268,25 @@ def dtype_cast(node: fx.Node) -> "tuple[torch.Tensor, torch.Tensor] | None":
         return None
     return src, out
 
+
+
+def _attention_kernels() -> frozenset:
+    """SDPA's kernel ops, forward and backward, that this torch has (by identity)."""
+    names = ("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+             "_scaled_dot_product_fused_attention_overrideable", "_scaled_dot_product_attention_math",
+             "_flash_attention_forward", "_efficient_attention_forward")
+    ops = set()
+    for name in names:
+        for suffix in ("", "_backward"):
+            op = getattr(getattr(aten, name + suffix, None), "default", None)
+            if op is not None:
+                ops.add(op)
+    return frozenset(ops)
+
+
+# attention kernels (what recompute_activations keeps saved below its "all" level)
+ATTENTION_OPS = _attention_kernels()
 
 # what fuse_generic_regions hands to inductor besides pointwise ops and casts: row reductions, and the data
 # movement inductor fuses into the pointwise code around it (rotary embeddings' rotate_half and its backward)

@@ -24,8 +24,7 @@ from dataclasses import dataclass
 from ...config.errors import ConfigError
 from ...graph.accounting import estimate_memory
 from ..manager import PassOptions, PassRecord
-from .recompute_activations import LEVELS, RECOMPUTE_LEVEL_KEY
-from .recompute_activations import _mib as _bytes
+from .recompute_activations import LEVELS, RECOMPUTE_LEVEL_KEY, format_bytes
 
 __all__ = ["CANDIDATES", "Tried", "memory_budget_bytes", "plan_memory"]
 
@@ -61,13 +60,13 @@ def plan_memory(run: Callable[[PassOptions], list[PassRecord]], options: PassOpt
         if peak <= budget:
             break
     asked = getattr(options.config.stepfx, "memory_budget_gib", budget / GIB)
-    lines = [f"{t.level}: predicted peak {_bytes(t.peak)}" + ("" if t.fits else " (over the budget)") for t in tried]
+    lines = [f"{t.level}: predicted peak {format_bytes(t.peak)}" + ("" if t.fits else " (over the budget)") for t in tried]
     if not tried[-1].fits:
         best = min(tried, key=lambda t: t.peak)
         raise ConfigError(config_path, f"{asked:g} GiB cannot be met on rank {options.rank}: the smallest "
-                          f"predicted peak is {_bytes(best.peak)} (recompute {best.level!r}); tried "
+                          f"predicted peak is {format_bytes(best.peak)} (recompute {best.level!r}); tried "
                           + "; ".join(lines), value=asked, expected=f">= {best.peak / GIB:.6g}")
-    summary = (f"budget {asked:g} GiB: recompute {tried[-1].level!r} (predicted peak {_bytes(tried[-1].peak)}); "
+    summary = (f"budget {asked:g} GiB: recompute {tried[-1].level!r} (predicted peak {format_bytes(tried[-1].peak)}); "
                f"tried " + "; ".join(lines))
     record = PassRecord(len(records), "plan_memory", records[-1].graph, False, time.perf_counter() - start, summary)
     return [*records, record]

@@ -62,12 +62,18 @@ from ...errors import PassError
 from ...graph import StepGraph
 from ...graph.accounting import Sizes, size_values
 from ...graph.build import clone_step_graph_mapped, copy_node_meta
-from ...graph.ops import allocates_nothing, has_side_effect, is_collective, is_random
+from ...graph.ops import (
+    ATTENTION_OPS,
+    allocates_nothing,
+    has_side_effect,
+    is_collective,
+    is_random,
+)
 from ...graph.signature import Role
 from ...graph.step_graph import META_PHASE, Phase
 from ..manager import PassOptions, PassResult
 
-__all__ = ["LEVELS", "RECOMPUTE_LEVEL_KEY", "activation_memory_budget", "recompute_activations"]
+__all__ = ["LEVELS", "RECOMPUTE_LEVEL_KEY", "activation_memory_budget", "format_bytes", "recompute_activations"]
 
 aten = torch.ops.aten
 LEVELS = ("cheap", "matmuls", "all")
@@ -82,19 +88,13 @@ _MATMULS = frozenset({
 _INF = float("inf")
 
 
-def _is_attention(target) -> bool:
-    name = getattr(target, "__name__", str(target))
-    return "scaled_dot_product" in name or "flash_attention" in name or "efficient_attention" in name \
-        or "cudnn_attention" in name
-
-
 def _level_of(node: fx.Node) -> int | None:
     """The first level (index in LEVELS) at which ``node`` may be recomputed; None: never."""
     if is_random(node) or is_collective(node) or has_side_effect(node):
         return None
     if not isinstance(node.target, torch._ops.OpOverload) and node.target is not operator.getitem:
         return None
-    if _is_attention(node.target):
+    if node.target in ATTENTION_OPS:
         return 2
     if node.target in _MATMULS:
         return 1
@@ -243,7 +243,7 @@ def _rewrite(graph: StepGraph, recompute: set) -> StepGraph:
     return graph
 
 
-def _mib(n: float) -> str:
+def format_bytes(n: float) -> str:
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= scale:
             return f"{n / scale:,.1f} {unit}"
@@ -261,7 +261,7 @@ def recompute_activations(graph: StepGraph, options: PassOptions) -> PassResult:
     if imposed is not None:  # the memory planner chose the level
         choice = analysis.choose(LEVELS.index(imposed))
         head = (f"level {choice.level!r} (stepfx.memory_budget_gib's plan): {len(choice.recompute)} ops recomputed, "
-                f"saves {_mib(choice.saved_bytes)} of {_mib(analysis.baseline_bytes())}")
+                f"saves {format_bytes(choice.saved_bytes)} of {format_bytes(analysis.baseline_bytes())}")
         if not choice.recompute:
             return PassResult(graph, False, head)
         return PassResult(_rewrite(graph, choice.recompute), True, head)
@@ -270,19 +270,19 @@ def recompute_activations(graph: StepGraph, options: PassOptions) -> PassResult:
         return PassResult(graph, False, "no forward value is read by the backward")
     limit = budget * base
     if base <= limit:
-        return PassResult(graph, False, f"budget {budget:g}: nothing recomputed ({_mib(base)} saved for the backward)")
+        return PassResult(graph, False, f"budget {budget:g}: nothing recomputed ({format_bytes(base)} saved for the backward)")
     lines, chosen = [], None
     for level in range(len(LEVELS)):
         choice = analysis.choose(level)
-        lines.append(f"{choice.level}: saves {_mib(choice.saved_bytes)}, recomputes {len(choice.recompute)} ops")
+        lines.append(f"{choice.level}: saves {format_bytes(choice.saved_bytes)}, recomputes {len(choice.recompute)} ops")
         if chosen is None and choice.saved_bytes <= limit:
             chosen = choice
     met = chosen is not None
     if chosen is None:  # the budget cannot be met: the least the levels reach
         chosen = min((analysis.choose(level) for level in range(len(LEVELS))), key=lambda c: c.saved_bytes)
-    head = (f"budget {budget:g} x {_mib(base)} saved without recomputation: level {chosen.level!r}, "
-            f"{len(chosen.recompute)} ops recomputed, saves {_mib(chosen.saved_bytes)}"
-            + ("" if met else f" (over the budget's {_mib(int(limit))}: no level saves less)"))
+    head = (f"budget {budget:g} x {format_bytes(base)} saved without recomputation: level {chosen.level!r}, "
+            f"{len(chosen.recompute)} ops recomputed, saves {format_bytes(chosen.saved_bytes)}"
+            + ("" if met else f" (over the budget's {format_bytes(int(limit))}: no level saves less)"))
     if not chosen.recompute:
         return PassResult(graph, False, head + " [" + "; ".join(lines) + "]")
     out = _rewrite(graph, chosen.recompute)
