@@ -188,7 +188,8 @@ class ParallelStep:
         if self._dp is None:
             device_type = _device_type(list(model.parameters()) + list(model.buffers()))
             self.config = _resolve_cuda_graphs(_resolve_codegen(self.config, device_type), device_type)
-            self._dp = data_parallel(device_type, tp_size=_tensor_parallel_degree(self.config, model))
+            self._dp = data_parallel(device_type, tp_size=_tensor_parallel_degree(self.config, model),
+                                     pp_size=_pipeline_degree(self.config))
             self.config = _resolve_batch_sizes(self.config, self._dp.dp_size)
             # after the batch sizes (the monitor's x axis is samples), before any capture: a missing
             # tensorboard/wandb package fails here, on every rank, before any state changes
@@ -516,6 +517,8 @@ class ParallelStep:
         options = self.config.stepfx
         dp = self._dp
         start = time.perf_counter()
+        if dp.pp_size > 1:  # the pipeline runs the captured step once per micro-batch
+            args, kwargs = _first_micro_batch(args, kwargs, _micro_batches(self.config))
         inputs = collect_inputs(model, optimizer, args, kwargs, held=self._store.held, options=capture)
         # the model's own device (under ZeRO-3 its tensors are empty but keep
         # their device); the learning rate and step counters are CPU scalars
@@ -539,7 +542,8 @@ class ParallelStep:
             config=self.config, world_size=dp.dp_size, rank=dp.dp_rank, device_type=device_type,
             group_name=dp.dp_group_name, tp_size=dp.tp_size, tp_rank=dp.tp_rank, tp_group_name=dp.tp_group_name,
             extra={GQA_OPS_KEY: compat.attention_ops_taking_grouped_kv(_device_of(model, device_type)),
-                   FLASH_CHECK_KEY: compat.flash_attention_takes(_device_of(model, device_type))},
+                   FLASH_CHECK_KEY: compat.flash_attention_takes(_device_of(model, device_type)),
+                   **_pipeline_extra(self.config, dp, model)},
         )
         self._progress("captured in %.1f s (%s ops); running %d passes...", capture_seconds,
                        f"{captured.count_ops():,}", manager.count_running(pass_options))
@@ -551,9 +555,7 @@ class ParallelStep:
             records = plan_memory(lambda opts: manager.run(captured, opts, first=first), pass_options, budget)
         passes_seconds = time.perf_counter() - start
         final = records[-1].graph
-        executor = LocalExecutor(final, ModuleBinding(final.signature, model, optimizer, self._store), dp,
-                                 cuda_graphs=bool(options.cuda_graphs), device_type=device_type,
-                                 graph_pool=self._graph_pool, time_phases=self.config.wall_clock_breakdown)
+        executor = self._executor(final, model, optimizer, device_type)
         plan = Plan(key, records, executor, capture_seconds, passes_seconds, self._calls, device_type)
         plan.held = _held_specs(captured, final)
         plan.stepped = stepped_params(captured)
@@ -580,6 +582,27 @@ class ParallelStep:
                        plan.cache_note)
         return plan
 
+    def _executor(self, final: StepGraph, model, optimizer, device_type: str):
+        """What runs the final graph on this rank: the graph itself, or under
+        pipeline parallelism this rank's stage programs in the schedule's order."""
+        binding = ModuleBinding(final.signature, model, optimizer, self._store)
+        if self._dp.pp_size > 1:
+            from .passes.pipeline.stage_programs import split_programs
+            from .runtime.pipeline import PipelineExecutor
+            from .runtime.pipeline_schedule import build as build_schedule, validate
+
+            pipe = self.config.stepfx.pipeline
+            name = pipe.schedule if pipe is not None else "1f1b"
+            virtual = pipe.virtual_stages if pipe is not None else 1
+            micro = _micro_batches(self.config)
+            schedule = build_schedule(name, self._dp.pp_size, micro, virtual=virtual)
+            validate(schedule)
+            programs = split_programs(final, split_backward=schedule.split_backward)
+            return PipelineExecutor(final, binding, self._dp, programs, schedule, micro)
+        return LocalExecutor(final, binding, self._dp, cuda_graphs=bool(self.config.stepfx.cuda_graphs),
+                             device_type=device_type, graph_pool=self._graph_pool,
+                             time_phases=self.config.wall_clock_breakdown)
+
     def _plan_from_cache(self, lookup, key, model, optimizer, device_type: str, start: float) -> Plan:
         """The plan of a cache entry: its final graph bound to this call's
         model, optimizer and rank store; its regions registered again."""
@@ -588,9 +611,7 @@ class ParallelStep:
         entry = lookup.entry
         restore_regions(entry.regions)
         final = entry.graph
-        executor = LocalExecutor(final, ModuleBinding(final.signature, model, optimizer, self._store), self._dp,
-                                 cuda_graphs=bool(self.config.stepfx.cuda_graphs), device_type=device_type,
-                                 graph_pool=self._graph_pool, time_phases=self.config.wall_clock_breakdown)
+        executor = self._executor(final, model, optimizer, device_type)
         last = len(entry.records) - 1
         records = [PassRecord(i, name, final if n == last else None, changed, seconds, summary, skipped)
                    for n, (i, name, changed, seconds, summary, skipped) in enumerate(entry.records)]
@@ -627,6 +648,7 @@ class ParallelStep:
         fp16 = cfg.fp16.enabled is True
         compute = torch.float16 if fp16 else torch.bfloat16 if cfg.bf16.enabled is True else None
         k = cfg.gradient_accumulation_steps if isinstance(cfg.gradient_accumulation_steps, int) else 1
+        pipelined = self._dp is not None and self._dp.pp_size > 1  # one call runs every micro-batch
         # floating batch tensors in the compute dtype, as the Hugging Face Trainer feeds DeepSpeed
         # (stepfx.cast_inputs; None: whenever bf16/fp16 is on, fp16's own auto_cast included)
         cast = cfg.stepfx.cast_inputs
@@ -635,7 +657,7 @@ class ParallelStep:
             cast_inputs=compute is not None and (cast if cast is not None else True),
             loss_scale=fp16,
             grad_accumulation=k,
-            accumulate_only=k > 1 and self._micro_steps % k != k - 1,
+            accumulate_only=k > 1 and not pipelined and self._micro_steps % k != k - 1,
         )
 
     # -- fp16 loss scaling: observed without a host sync per step -----------------
@@ -831,6 +853,8 @@ class ParallelStep:
         """Optimizer updates so far (DeepSpeed's ``global_steps``)."""
         cfg = self.config
         k = cfg.gradient_accumulation_steps if isinstance(cfg.gradient_accumulation_steps, int) else 1
+        if self._dp is not None and self._dp.pp_size > 1:
+            return self._micro_steps  # one call runs every micro-batch
         return self._micro_steps // k
 
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None, *,
@@ -969,6 +993,69 @@ def _tensor_parallel_degree(config: Config, model: torch.nn.Module) -> int:
             raise ConfigError(path, f"tensor parallelism (autotp_size {tp}) does not compose with {what} yet "
                               "(issue 19: ZeRO 0 and fp32 first)", value=True, expected="ZeRO stage 0, no clipping, fp32")
     return tp
+
+
+def _pipeline_degree(config: Config) -> int:
+    """The number of pipeline ranks (1: off), checked against the world;
+    what the first version does not compose with is refused by name."""
+    import torch.distributed as dist
+
+    from .config.pipeline import pipeline_degree
+
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    pp = pipeline_degree(config.pipeline, config.stepfx.pipeline, world, config.tensor_parallel.degree)
+    if pp <= 1:
+        return 1
+    zero = config.zero_optimization.stage
+    for bad, path, what in ((isinstance(zero, int) and zero > 0, "zero_optimization.stage", f"ZeRO stage {zero}"),
+                            (config.tensor_parallel.degree > 1, "tensor_parallel.autotp_size", "tensor parallelism"),
+                            (bool(config.gradient_clipping), "gradient_clipping", "gradient clipping (its global norm)"),
+                            (config.bf16.enabled is True or config.fp16.enabled is True, "bf16.enabled", "bf16/fp16")):
+        if bad:
+            raise ConfigError(path, f"pipeline parallelism ({pp} stages) does not compose with {what} yet "
+                              "(issue 20: ZeRO 0 and fp32 first)", value=True,
+                              expected="ZeRO stage 0, no tensor parallelism, no clipping, fp32")
+    return pp
+
+
+def _micro_batches(config: Config) -> int:
+    """Micro-batches per call under pipeline parallelism: DeepSpeed's gradient accumulation steps."""
+    k = config.gradient_accumulation_steps
+    return k if isinstance(k, int) and k > 0 else 1
+
+
+def _first_micro_batch(args: tuple, kwargs: dict, micro: int) -> tuple[tuple, dict]:
+    """The call's arguments with every batch tensor cut to its first
+    micro-batch (the rows along dim 0, which must split evenly)."""
+    def cut(x):
+        if isinstance(x, torch.Tensor) and x.dim() > 0:
+            if x.shape[0] % micro:
+                raise ConfigError("gradient_accumulation_steps", f"a batch tensor of shape {tuple(x.shape)} does not split "
+                                  f"into {micro} micro-batches along dim 0", value=micro,
+                                  expected=f"a divisor of {x.shape[0]}")
+            return x[: x.shape[0] // micro]
+        return x
+    return pytree.tree_map(cut, (tuple(args), dict(kwargs)))
+
+
+def _pipeline_extra(config: Config, dp, model: torch.nn.Module) -> dict:
+    """PassOptions.extra for partition_stages: the number of stages and the
+    module classes above each parameter (``type:<regex>`` partitions)."""
+    if dp.pp_size <= 1:
+        return {}
+    from .passes.pipeline.partition_stages import MODULE_CLASSES_KEY, STAGES_KEY
+
+    pipe = config.stepfx.pipeline
+    virtual = pipe.virtual_stages if pipe is not None else 1
+    classes = {}
+    for name, _ in model.named_parameters():
+        parts = name.split(".")
+        chain, module = [type(model).__name__], model
+        for part in parts[:-1]:
+            module = getattr(module, part)
+            chain.append(type(module).__name__)
+        classes[name] = tuple(chain)
+    return {STAGES_KEY: dp.pp_size * virtual, MODULE_CLASSES_KEY: classes}
 
 
 def _resolve_precision(config: Config) -> Config:

@@ -98,6 +98,37 @@ def _tensor_parallel_section(graph) -> list[str]:
     return lines
 
 
+def _pipeline_section(plan) -> list[str]:
+    """The stages, this rank's programs, the schedule as a timeline and its predicted bubble."""
+    executor = plan.executor
+    programs = getattr(executor, "programs", None)
+    if programs is None:
+        return []
+    from .runtime.pipeline_schedule import StageCosts, predicted_bubble, timeline
+
+    stage_plan, schedule = programs.plan, executor.schedule
+    lines = [f"pipeline parallelism: schedule {schedule.name}, {schedule.ranks} ranks, {schedule.stages} stages, "
+             f"{executor.micro_batches} micro-batch(es) per step; this rank runs stage(s) "
+             f"{', '.join(map(str, executor.my_stages))}"]
+    lines += [f"  {line}" for line in stage_plan.describe()]
+    for (kind, stage), prog in sorted(programs.programs.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        if stage in executor.my_stages or stage < 0:
+            lines.append(f"  program {prog.describe()}")
+    sends = [f"{s}->{s + 1}: {', '.join(v)}" for s, v in enumerate(programs.send_forward) if v]
+    sends += [f"{s}->{s - 1}: {', '.join(v)}" for s, v in enumerate(programs.send_backward) if v]
+    lines.append("  sent per micro-batch: " + ("; ".join(sends) or "nothing"))
+    if programs.step_sends or programs.param_sends:
+        lines.append(f"  shared parameters: {len(programs.step_sends)} gradient part(s) to the owner, "
+                     f"{len(programs.param_sends)} updated value(s) back, once a step")
+    costs = StageCosts(forward=tuple(stage_plan.costs), backward_input=tuple(stage_plan.costs),
+                       backward_weight=tuple(stage_plan.costs))
+    lines.append(f"  predicted bubble (cost model: backward = 2 x forward): "
+                 f"{100 * predicted_bubble(schedule, costs):.1f}% of rank time")
+    lines += [f"  {line}" for line in timeline(schedule, costs, width=96).splitlines()]
+    lines.append("")
+    return lines
+
+
 def _dynamic_section(plan, values: dict) -> list[str]:
     """Symbolic batch sizes: what is symbolic, what the graph assumed of it
     (guards), and the sizes the numbers below are evaluated at."""
@@ -217,6 +248,7 @@ def explain_plan(step, plan) -> str:
     lines.extend(_dynamic_section(plan, values))
     lines.extend(_tracing_checks_section(plan))
     lines.extend(_tensor_parallel_section(graph))
+    lines.extend(_pipeline_section(plan))
     lines.extend(_zero_section(graph, world, values))
     lines.extend(_training_section(step))
     lines.extend(_kernels_section(step, graph))

@@ -30,6 +30,10 @@ APPLIED: frozenset[str] = frozenset({
     # tensor parallelism: Megatron pairs found on the graph (passes/tensor_parallel); partition_config,
     # preset_model, vocab_parallel_lm_head and tp_overlap_comm are not honoured yet
     "tensor_parallel.autotp_size",
+    # pipeline parallelism (passes/pipeline, runtime/pipeline.py): stages and how they are cut;
+    # activation_checkpoint_interval, seed_layers, pipe_partitioned and grad_partitioned are not honoured yet
+    "pipeline.stages",
+    "pipeline.partition",
     # precision, accumulation, clipping (capture options and the passes
     # hold_accumulated_gradients, unscale_clip_gradients, skip_step_on_overflow)
     "bf16.enabled",

@@ -28,6 +28,7 @@ from typing import Any
 
 from .errors import ConfigError, bad_value, closest, join
 from .rules import Notes, Rule, auto_not_allowed, handle_unknown, is_auto, parse_fields, spec, validate_fields
+from .pipeline import PipelineOptionsCheck
 from .values import AUTO, Bool, Choice, Float, FrozenMap, Int, ListOf, OneOf, Optional, Str, StrList, freeze
 
 DEEPSPEED_OPTIMIZERS = ("adagrad", "adam", "adamw", "lamb", "onebitadam", "onebitlamb", "zerooneadam", "muadam",
@@ -206,6 +207,9 @@ class StepfxOptions:
     memory_budget_gib: the memory planner (passes/memory/planner.py): the
         least recomputation whose predicted per-rank peak fits this many GiB
         (overrides activation_memory_budget); None = no planning.
+    pipeline: pipeline parallelism's schedule, virtual stages and split
+        points (config/pipeline.py: PipelineOptions); given, it turns
+        pipeline parallelism on with DeepSpeed's ``pipeline.stages`` "auto".
     """
 
     codegen: bool | None = spec(None, Optional(Bool()))
@@ -221,6 +225,7 @@ class StepfxOptions:
     cast_inputs: bool | None = spec(None, Optional(Bool()))
     activation_memory_budget: float | None = spec(None, Optional(Float(ge=0.0, le=1.0)))
     memory_budget_gib: float | None = spec(None, Optional(Float(gt=0.0)))
+    pipeline: Any = spec(None, Optional(PipelineOptionsCheck()))
 
     def __post_init__(self):
         validate_fields(self, "stepfx")

@@ -24,6 +24,7 @@ from .blocks import OptimizerConfig, SchedulerConfig, StepfxOptions
 from .errors import ConfigError, bad_value, join
 from .precision import BF16Config, FP16Config
 from .rules import checked_fields, default_of, spec, validate_fields
+from .pipeline import PipelineConfig
 from .tensor_parallel import TensorParallelConfig
 from .values import AUTO, Bool, Choice, Float, FrozenMap, Int, Optional, freeze
 from .zero import ZeroConfig
@@ -67,6 +68,7 @@ class Config:
     fp16: FP16Config = field(default_factory=FP16Config)
     bf16: BF16Config = field(default_factory=BF16Config)
     tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None
     communication_data_type: str | None = spec(None, Optional(Choice(COMM_DTYPES, lower=True)))
@@ -90,7 +92,7 @@ class Config:
         validate_fields(self, "")
         for name, cls in (("zero_optimization", ZeroConfig), ("fp16", FP16Config), ("bf16", BF16Config),
                           ("stepfx", StepfxOptions), ("optimizer", OptimizerConfig),
-                          ("tensor_parallel", TensorParallelConfig),
+                          ("tensor_parallel", TensorParallelConfig), ("pipeline", PipelineConfig),
                           ("scheduler", SchedulerConfig)):
             value = getattr(self, name)
             if not isinstance(value, cls) and not (value is None and name in ("optimizer", "scheduler")):
@@ -143,6 +145,7 @@ def _python_not_applied(c: Config) -> list[str]:
             continue  # a disabled block contributes nothing
         paths += _changed(block, type(block)(), name)
     paths += _changed(c.tensor_parallel, TensorParallelConfig(), "tensor_parallel")
+    paths += _changed(c.pipeline, PipelineConfig(), "pipeline")
     zero = c.zero_optimization
     if zero.stage is not AUTO and zero.overlap_comm == (zero.stage == 3):  # DeepSpeed's dynamic default
         paths = [p for p in paths if p != "zero_optimization.overlap_comm"]

@@ -31,6 +31,7 @@ from .config import Config
 from .errors import ConfigError, bad_value, closest
 from .precision import parse_bf16, parse_fp16
 from .rules import Notes, Rule, auto_not_allowed, checked_fields, is_auto, parse_fields
+from .pipeline import parse_pipeline
 from .tensor_parallel import parse_tensor_parallel
 from .schema import BLOCKS, SCALARS, block_enabled, check_block_keys
 from .zero import legacy_zero, parse_zero
@@ -44,6 +45,7 @@ _BLOCK_PARSERS = MappingProxyType({
     "scheduler": parse_scheduler,
     "stepfx": parse_stepfx,
     "tensor_parallel": parse_tensor_parallel,
+    "pipeline": parse_pipeline,
 })
 _CANONICAL = MappingProxyType({"bfloat16": "bf16"})
 

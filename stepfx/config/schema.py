@@ -129,7 +129,6 @@ BLOCKS: Mapping[str, Block] = MappingProxyType({
     "curriculum_learning": Block(Rule.OPAQUE, "runtime/data_pipeline/config.py (legacy)", {}, False),
     "sparse_attention": Block(Rule.OPAQUE, "runtime/config.py: get_sparse_attention"),
     "autotuning": Block(Rule.OPAQUE, "autotuning/config.py", {}, False),
-    "pipeline": Block(Rule.OPAQUE, "runtime/config.py: get_pipeline_config"),
     "expert_parallel": Block(Rule.OPAQUE, "module_inject/auto_ep_config.py", {}, False),
     "nebula": Block(Rule.OPAQUE, "nebula/config.py", {}, False),
     "datastates_ckpt": Block(Rule.OPAQUE, "datastates/config.py"),

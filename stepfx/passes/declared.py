@@ -41,6 +41,7 @@ from .precision.carry_parameter_copies import carry_parameter_copies
 from .precision.fold_gradient_casts import fold_gradient_casts
 from .precision.skip_step_on_overflow import skip_step_on_overflow
 from .precision.unscale_clip_gradients import precision_settings, unscale_clip_gradients
+from .pipeline.partition_stages import partition_stages, pipeline_settings
 from .tensor_parallel.plan_tensor_parallel import plan_tensor_parallel
 from .tensor_parallel.shard_tensor_parallel import shard_tensor_parallel
 
@@ -48,7 +49,8 @@ __all__ = ["PIPELINE", "pass_names", "codegen_enabled"]
 
 
 def _data_parallel(options) -> bool:
-    return options.world_size > 1 or zero_settings(options)[0] > 0
+    # under pipeline parallelism the runtime averages each stage's accumulated gradients itself
+    return (options.world_size > 1 or zero_settings(options)[0] > 0) and pipeline_settings(options) <= 1
 
 
 def _overlap(options) -> bool:
@@ -59,6 +61,8 @@ def _overlap(options) -> bool:
 def codegen_enabled(options) -> bool:
     """``stepfx.codegen`` as the step resolved it (None: on for CUDA, off for CPU)."""
     value = getattr(getattr(options.config, "stepfx", None), "codegen", None)
+    if pipeline_settings(options) > 1:
+        return False  # the fusions batch across parameters of every stage: not cut into stages yet
     return options.device_type == "cuda" if value is None else bool(value)
 
 
@@ -144,7 +148,7 @@ PIPELINE: tuple[PipelineEntry, ...] = (
         "hold_accumulated_gradients",
         hold_accumulated_gradients,
         "before ZeRO: accumulators held by the rank are state ZeRO may keep even where it shards gradients",
-        applies=lambda options: accumulation_steps(options) > 1,
+        applies=lambda options: accumulation_steps(options) > 1 and pipeline_settings(options) <= 1,
     ),
     PipelineEntry(
         "place_gradients_early",
@@ -286,6 +290,13 @@ PIPELINE: tuple[PipelineEntry, ...] = (
         fuse_generic_regions,
         "last: what stepfx's own kernels did not take is generic, and goes to inductor",
         applies=regions_apply,
+    ),
+    PipelineEntry(
+        "partition_stages",
+        partition_stages,
+        "last, once the graph is final: it marks every op with its pipeline stage, and the stage programs are cut "
+        "from exactly the graph that the other passes left",
+        applies=lambda options: pipeline_settings(options) > 1,
     ),
 )
 

@@ -7,6 +7,10 @@ and failing together.
   parallelism spans all ranks; with a TP degree t the mesh is 2D: TP groups
   of t consecutive ranks (inside a node, where the fast links are), data
   parallelism across them (ranks with the same place in their TP group).
+  With pipeline parallelism (p stages) the stage is the outermost axis:
+  rank = stage x (world / p) + place in the stage; the ranks of one stage
+  form its data-parallel group, and the ranks with the same place in every
+  stage form a pipeline group (P2P between neighbouring stages).
 - stepfx's collectives run on a group of their own (all ranks), created
   with a bounded timeout, so that a failed step can abort it without
   touching the user's default group.
@@ -63,14 +67,21 @@ class DataParallel:
     tp_group_name: str | None = None
     dp_group: Any = None
     dp_group_name: str | None = None
+    # pipeline parallelism: the number of stages, this rank's stage, its pipeline group (one rank per
+    # stage) and that group's global ranks by stage (the P2P peers)
+    pp_size: int = 1
+    pp_rank: int = 0
+    pp_group: Any = None
+    pp_group_name: str | None = None
+    pp_ranks: tuple[int, ...] = ()
 
     @property
     def dp_size(self) -> int:
-        return self.world_size // self.tp_size
+        return self.world_size // (self.tp_size * self.pp_size)
 
     @property
     def dp_rank(self) -> int:
-        return self.rank // self.tp_size
+        return (self.rank % (self.world_size // self.pp_size)) // self.tp_size
 
     @property
     def active(self) -> bool:
@@ -81,8 +92,9 @@ class DataParallel:
         collectives fails now instead of at the timeout."""
         if self.group is None:
             return
-        groups = [self.group] + [g for g in (self.tp_group, self.dp_group) if g is not None and g is not self.group]
-        self.group = self.tp_group = self.dp_group = None
+        groups = [self.group] + [g for g in (self.tp_group, self.dp_group, self.pp_group)
+                                 if g is not None and g is not self.group]
+        self.group = self.tp_group = self.dp_group = self.pp_group = None
         for key, value in list(_GROUPS.items()):
             if any(value is g or (isinstance(value, tuple) and g in value) for g in groups):
                 del _GROUPS[key]
@@ -96,7 +108,8 @@ class DataParallel:
                 pass
 
 
-def data_parallel(device_type: str, timeout_s: float = DEFAULT_TIMEOUT_S, *, tp_size: int = 1) -> DataParallel:
+def data_parallel(device_type: str, timeout_s: float = DEFAULT_TIMEOUT_S, *, tp_size: int = 1,
+                  pp_size: int = 1) -> DataParallel:
     """Join (or start, from torchrun's environment) torch.distributed and
     make stepfx's groups: one over all ranks and, with ``tp_size`` > 1, the
     tensor- and data-parallel groups of the 2D mesh. A single process
@@ -121,6 +134,15 @@ def data_parallel(device_type: str, timeout_s: float = DEFAULT_TIMEOUT_S, *, tp_
         group = dist.new_group(ranks=list(range(world)), backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
         _GROUPS[key] = group
     rank = dist.get_rank()
+    if pp_size > 1:
+        if tp_size > 1:
+            raise StepfxError("pipeline x tensor parallelism is not supported yet (issue 20)")
+        dp_group, pp_group, pp_ranks = _pipeline_groups(backend, world, pp_size, timeout_s, rank)
+        per_stage = world // pp_size
+        return DataParallel(world, rank, group, group.group_name, backend, dp_group=dp_group,
+                            dp_group_name=dp_group.group_name if dp_group is not None else None,
+                            pp_size=pp_size, pp_rank=rank // per_stage, pp_group=pp_group,
+                            pp_group_name=pp_group.group_name, pp_ranks=pp_ranks)
     if tp_size <= 1:
         return DataParallel(world, rank, group, group.group_name, backend, dp_group=group, dp_group_name=group.group_name)
     tp_group, dp_group = _mesh_groups(backend, world, tp_size, timeout_s, rank)
@@ -145,6 +167,31 @@ def _mesh_groups(backend: str, world: int, tp: int, timeout_s: float, rank: int)
             if rank % tp == offset:
                 mine_dp = g
         _GROUPS[key] = (mine_tp, mine_dp)
+    return _GROUPS[key]
+
+
+def _pipeline_groups(backend: str, world: int, pp: int, timeout_s: float, rank: int) -> tuple[Any, Any, tuple[int, ...]]:
+    """This rank's data-parallel group (the ranks of its stage; None when a
+    stage is one rank), its pipeline group and that group's ranks by stage.
+    Every rank creates every group, in the same order."""
+    key = ("pipeline", backend, world, pp, timeout_s, id(dist.group.WORLD))
+    if key not in _GROUPS:
+        timeout = datetime.timedelta(seconds=timeout_s)
+        per_stage = world // pp
+        mine_dp = mine_pp = None
+        mine_ranks: tuple[int, ...] = ()
+        if per_stage > 1:
+            for stage in range(pp):
+                g = dist.new_group(ranks=list(range(stage * per_stage, (stage + 1) * per_stage)), backend=backend,
+                                   timeout=timeout)
+                if rank // per_stage == stage:
+                    mine_dp = g
+        for place in range(per_stage):
+            ranks = tuple(place + stage * per_stage for stage in range(pp))
+            g = dist.new_group(ranks=list(ranks), backend=backend, timeout=timeout)
+            if rank % per_stage == place:
+                mine_pp, mine_ranks = g, ranks
+        _GROUPS[key] = (mine_dp, mine_pp, mine_ranks)
     return _GROUPS[key]
 
 

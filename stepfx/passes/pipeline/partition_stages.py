@@ -1,0 +1,448 @@
+"""partition_stages: cut the step into pipeline stages.
+
+Why: pipeline parallelism runs each stage of the model on its own rank and
+moves only the values between stages (the residual stream) from one rank
+to the next. stepfx has the whole step in one graph, so it cuts an
+unchanged model itself: no ``PipelineModule`` rewrite, no split markers.
+
+How:
+
+- **Cut points.** The forward ops, in program order; a cut before op i
+  crosses every forward value made before i and read at or after i by the
+  forward. Cut candidates are the points where the fewest bytes cross
+  (between transformer blocks, and between attention and MLP inside one:
+  only the residual stream). Values computed from the batch and buffers
+  alone (masks, position ids, rotary tables) never cross: every stage
+  that needs them computes them ("replicated"), as every rank has the batch.
+- **Balance** by ``pipeline.partition``: ``best``/``auto`` (the default):
+  the forward cost per op estimated from FLOPs and bytes (the backward
+  costs about twice the forward everywhere, so balancing the forward
+  balances both); ``parameters``: equal parameter counts; ``uniform``:
+  equal numbers of layers (parameters under a numbered module,
+  ``h.3.``/``layers.3.``); ``type:<regex>``: equal numbers of the modules
+  whose class name matches. A linear partition (dynamic programming over
+  the candidates) minimises the largest stage. ``stepfx.pipeline.split_points``
+  names modules before which a stage starts, instead.
+- **The backward** follows: a backward op goes to the lowest stage among the
+  stages of the backward values it reads, and not above the highest stage
+  of the forward values and parameters it reads: the gradient flows back
+  through the stages in reverse, each stage differentiating its own ops
+  with the activations it saved.
+- **The optimizer** update of each parameter goes to the stage owning the
+  parameter (the stage of its first forward reader).
+
+Requires: a functional graph with phases (capture), static batch shapes;
+run last (every later pass would have to keep the annotations).
+
+Ensures: ``meta["pp_stage"]`` on every call_function node (None on
+replicated ones) and ``meta["pp_task"]`` ("F", "B" or "O"); the
+signature's ``extra["pipeline"]`` holds the :class:`StagePlan`. Values are
+unchanged (annotations only). Stage programs are cut from this graph by
+``stage_programs.split_programs``.
+"""
+from __future__ import annotations
+
+import math
+import operator
+import re
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.fx as fx
+
+from ...config.errors import ConfigError
+from ...graph import StepGraph
+from ...graph.ops import has_side_effect, is_collective, is_random
+from ...graph.signature import Role
+from ...graph.step_graph import META_PARAM, META_PHASE, Phase
+from ..manager import PassOptions, PassResult
+
+__all__ = ["META_STAGE", "META_TASK", "StagePlan", "partition_stages", "PIPELINE_KEY", "MODULE_CLASSES_KEY",
+           "pipeline_settings"]
+
+aten = torch.ops.aten
+META_STAGE = "pp_stage"
+META_TASK = "pp_task"
+PIPELINE_KEY = "pipeline"  # StepSignature.extra: the StagePlan
+# options.extra: {parameter name: (class names of the modules above it, outermost first)} (api)
+MODULE_CLASSES_KEY = "module_classes"
+# options.extra: the number of stages (pipeline ranks x virtual stages) and of micro-batches (api)
+STAGES_KEY = "pipeline_stages"
+
+# assumed device rates for the cost model (H200 bf16 dense, HBM): only their ratio matters for balance
+_FLOPS = 800e12
+_BYTES = 4.0e12
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    stages: int
+    method: str
+    cuts: tuple[str, ...]  # per cut: the first forward op of the next stage
+    crossing: tuple[tuple[str, ...], ...]  # per cut: the forward values that cross it
+    crossing_bytes: tuple[int, ...]
+    costs: tuple[float, ...]  # per stage: the forward cost (seconds by the cost model)
+    params: tuple[int, ...]  # per stage: parameter elements owned
+    owner: dict = field(default_factory=dict)  # parameter name -> stage
+
+    def describe(self) -> list[str]:
+        total = sum(self.costs) or 1.0
+        lines = [f"{self.stages} stages ({self.method}); forward cost share / parameters per stage:"]
+        for s in range(self.stages):
+            lines.append(f"  stage {s}: {100 * self.costs[s] / total:5.1f}% of the forward, {self.params[s]:,} parameters")
+        for i, (names, nbytes) in enumerate(zip(self.crossing, self.crossing_bytes)):
+            lines.append(f"  cut {i} -> {i + 1} before {self.cuts[i]}: {', '.join(names)} ({nbytes:,} bytes per micro-batch)")
+        return lines
+
+
+def pipeline_settings(options: PassOptions) -> int:
+    """The number of pipeline stages the step is cut into (1: none)."""
+    return int(options.extra.get(STAGES_KEY, 1) or 1)
+
+
+def _nbytes(node) -> int:
+    """Bytes of a node's value (all its tensors, for an op with several results)."""
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    total = 0
+    for t in (val if isinstance(val, (tuple, list)) else (val,)):
+        if isinstance(t, torch.Tensor):
+            n = t.numel() * t.element_size()
+            if not isinstance(n, int):
+                raise ConfigError("stepfx.dynamic", f"{node.name} has a symbolic size; pipeline parallelism needs "
+                                  "static batch shapes (stepfx.dynamic: false)")
+            total += n
+    return total
+
+
+def _shape(node) -> tuple:
+    val = node.meta.get("val")
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else ()
+
+
+_MATMULS = {aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default}
+
+
+def forward_cost(node: fx.Node) -> float:
+    """Seconds by the cost model: matmul FLOPs at the assumed rate, other ops' bytes moved."""
+    out = _nbytes(node)
+    if node.target in _MATMULS:
+        a, b = (node.args[1], node.args[2]) if node.target in (aten.addmm.default, aten.baddbmm.default) else node.args[:2]
+        sa, sb = _shape(a), _shape(b)
+        if sa and sb:
+            flops = 2 * math.prod(sa) * sb[-1]
+            return flops / _FLOPS + out / _BYTES
+    name = getattr(node.target, "__name__", str(node.target))
+    if "attention" in name:
+        q, k = node.args[0], node.args[1]
+        sq, sk = _shape(q), _shape(k)
+        if sq and sk:
+            return 4 * math.prod(sq) * sk[-2] / _FLOPS + out / _BYTES
+    ins = sum(_nbytes(a) for a in node.all_input_nodes)
+    return (ins + out) / _BYTES
+
+
+def _replicated(g: fx.Graph) -> set[fx.Node]:
+    """Forward/backward ops computed from the batch, buffers, hyperparameters
+    and constants alone: every stage that needs one computes it."""
+    free_roles = {Role.BATCH, Role.BUFFER, Role.HYPERPARAM}
+    out: set[fx.Node] = set()
+    free: set[fx.Node] = set()
+    for node in g.nodes:
+        if node.op == "placeholder":
+            if node.meta["slot"].role in free_roles:
+                free.add(node)
+        elif node.op == "get_attr":
+            free.add(node)
+        elif node.op == "call_function":
+            if node.meta.get(META_PHASE) not in (Phase.FORWARD, Phase.BACKWARD):
+                continue
+            if is_random(node) or has_side_effect(node) or is_collective(node):
+                continue
+            if all(a in free for a in node.all_input_nodes):
+                free.add(node)
+                out.add(node)
+    return out
+
+
+def _param_nodes(g: fx.Graph) -> dict[fx.Node, str]:
+    return {n: n.meta["slot"].name for n in g.nodes if n.op == "placeholder" and n.meta["slot"].role is Role.PARAM}
+
+
+def _linear_partition(weights: list[float], candidates: list[int], stages: int) -> list[int]:
+    """Cut positions (a subset of ``candidates``, ascending, ``stages``-1 of
+    them) minimising the largest stage weight; ``weights[i]`` is op i's."""
+    prefix = [0.0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    n = len(weights)
+    points = [0] + sorted(set(candidates)) + [n]
+    k = len(points)
+    if k - 1 < stages:
+        raise ConfigError("pipeline.stages", f"the forward has {k - 1} segments between cut candidates, fewer than the "
+                        f"{stages} stages asked for")
+    inf = float("inf")
+    # best[j][c]: the least max-stage weight covering ops [0, points[c]) with j stages ending at points[c]
+    best = [[inf] * k for _ in range(stages + 1)]
+    back = [[-1] * k for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for j in range(1, stages + 1):
+        for c in range(1, k):
+            for b in range(c):
+                if best[j - 1][b] == inf:
+                    continue
+                w = max(best[j - 1][b], prefix[points[c]] - prefix[points[b]])
+                if w < best[j][c] - 1e-18:
+                    best[j][c], back[j][c] = w, b
+    if best[stages][k - 1] == inf:
+        raise ConfigError("pipeline.stages", f"no way to cut the forward into {stages} non-empty stages")
+    cuts, c = [], k - 1
+    for j in range(stages, 0, -1):
+        c = back[j][c]
+        cuts.append(points[c])
+    return sorted(cuts)[1:]  # drop the leading 0
+
+
+def _layer_of(name: str) -> str | None:
+    """The numbered module a parameter belongs to (``transformer.h.3``), or None."""
+    parts = name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part.isdigit():
+            return ".".join(parts[:i + 1])
+    return None
+
+
+def partition_stages(graph: StepGraph, options: PassOptions) -> PassResult:
+    stages = pipeline_settings(options)
+    if stages <= 1:
+        return PassResult(graph, False)
+    g = graph.gm.graph
+    cfg = options.config
+    pipe_cfg = getattr(cfg, "pipeline", None)
+    method = getattr(pipe_cfg, "partition", "best") if pipe_cfg is not None else "best"
+    pipe_opts = getattr(getattr(cfg, "stepfx", None), "pipeline", None)
+    split_points = tuple(getattr(pipe_opts, "split_points", ()) or ())
+
+    replicated = _replicated(g)
+    params = _param_nodes(g)
+    forward = [n for n in g.nodes if n.op == "call_function" and n.meta.get(META_PHASE) is Phase.FORWARD
+               and n not in replicated]
+    if len(forward) < stages:
+        raise ConfigError("pipeline.stages", f"the forward has {len(forward)} ops, fewer than {stages} stages")
+    index = {n: i for i, n in enumerate(forward)}
+
+    # bytes crossing each point: forward values made before and read by the forward at or after it
+    last_fwd_reader = {}
+    for n in forward:
+        for a in n.all_input_nodes:
+            if a in index:
+                last_fwd_reader[a] = max(last_fwd_reader.get(a, -1), index[n])
+    crossing_bytes = [0] * (len(forward) + 1)
+    delta = [0] * (len(forward) + 2)
+    for v, last in last_fwd_reader.items():
+        i = index[v]
+        if last > i:  # alive across points i+1 .. last
+            b = _nbytes(v)
+            delta[i + 1] += b
+            delta[last + 1] -= b
+    # points where an op with several results (a tuple) would cross are never cut: only tensors travel
+    tuple_delta = [0] * (len(forward) + 2)
+    for v, last in last_fwd_reader.items():
+        i = index[v]
+        if last > i and not isinstance(v.meta.get("val"), torch.Tensor):
+            tuple_delta[i + 1] += 1
+            tuple_delta[last + 1] -= 1
+    running = tuples = 0
+    no_cut = set()
+    for i in range(len(forward) + 1):
+        running += delta[i]
+        tuples += tuple_delta[i]
+        crossing_bytes[i] = running
+        if tuples:
+            no_cut.add(i)
+    interior = [i for i in range(1, len(forward)) if crossing_bytes[i] > 0 and i not in no_cut]
+    if not interior:
+        raise ConfigError("pipeline.stages", "no forward value flows between any two forward ops: nothing to cut")
+    # the threshold: the fewest bytes crossing a point in the body of the model (away from the ends, where
+    # only the loss or only the batch's embedding crosses); every point at or under it is a candidate
+    costs_all = [forward_cost(n) for n in forward]
+    total_cost = sum(costs_all) or 1.0
+    prefix_cost, acc = [], 0.0
+    for c in costs_all:
+        prefix_cost.append(acc)
+        acc += c
+    lo, hi = total_cost / (2 * stages), total_cost * (1 - 1 / (2 * stages))
+    body = [i for i in interior if lo <= prefix_cost[i] <= hi] or interior
+    least = min(crossing_bytes[i] for i in body)
+    candidates = [i for i in interior if crossing_bytes[i] <= least]
+
+    # parameter owners: the stage of a parameter's first forward reader (through its casts and views)
+    first_reader: dict[str, int] = {}
+    for n in forward:
+        for a in n.all_input_nodes:
+            name = params.get(a) or (a.meta.get(META_PARAM) if a in replicated else None)
+            if name is not None and name not in first_reader:
+                first_reader[name] = index[n]
+        name = n.meta.get(META_PARAM)
+        if name is not None and name not in first_reader:
+            first_reader[name] = index[n]
+    numel = {name: (p.meta["val"].numel() if isinstance(p.meta.get("val"), torch.Tensor) else 0) for p, name in params.items()}
+
+    if split_points:
+        cuts = _cuts_at_modules(split_points, first_reader, candidates, forward, stages)
+        method = "split_points"
+    else:
+        weights = [0.0] * len(forward)
+        if method in ("best", "auto"):
+            weights = costs_all
+        elif method == "parameters":
+            for name, i in first_reader.items():
+                weights[i] += numel.get(name, 0)
+        elif method == "uniform" or method.startswith("type:"):
+            classes = options.extra.get(MODULE_CLASSES_KEY, {})
+            pattern = re.compile(method[len("type:"):], re.IGNORECASE) if method.startswith("type:") else None
+            seen = set()
+            for name, i in sorted(first_reader.items(), key=lambda kv: kv[1]):
+                layer = _layer_of(name) if pattern is None else _matching_module(name, classes.get(name, ()), pattern)
+                if layer is not None and layer not in seen:
+                    seen.add(layer)
+                    weights[i] += 1.0
+            if len(seen) < stages:
+                raise ConfigError("pipeline.stages", f"partition {method!r} found {len(seen)} layers, fewer than the "
+                                f"{stages} stages (pipeline.partition)")
+        cuts = _linear_partition(weights, candidates, stages)
+
+    bounds = [0] + list(cuts) + [len(forward)]
+    stage_of: dict[fx.Node, int] = {}
+    for s in range(stages):
+        for n in forward[bounds[s]:bounds[s + 1]]:
+            stage_of[n] = s
+    owner = {name: _stage_at(bounds, i) for name, i in first_reader.items()}
+    for p, name in params.items():
+        if name in owner:
+            stage_of[p] = owner[name]
+
+    # the backward: an op that reads forward values or parameters differentiates the highest stage among
+    # them, but runs no higher than the gradients it reads (they flow from the last stage to the first);
+    # an op that reads only gradients (views, sums, transposes of an incoming gradient) runs as low as
+    # its readers let it: the stage of its highest reader, so an incoming gradient crosses once
+    backward = [n for n in g.nodes if n.op == "call_function" and n.meta.get(META_PHASE) is Phase.BACKWARD
+                and n not in replicated]
+    is_bwd = set(backward)
+    bound: dict[fx.Node, int] = {}
+    deferred: list[fx.Node] = []
+    for n in backward:
+        grads = [bound[a] for a in n.all_input_nodes if a in is_bwd]
+        fwd = [stage_of[a] for a in n.all_input_nodes if a in stage_of and a not in is_bwd]
+        ceiling = min(grads) if grads else stages - 1
+        if n.target is operator.getitem and n.args[0] in stage_of:  # a result of a multi-result op: with it
+            stage_of[n] = bound[n] = stage_of[n.args[0]]
+        elif fwd:
+            stage_of[n] = bound[n] = min(ceiling, max(fwd))
+        else:
+            bound[n] = ceiling
+            deferred.append(n)
+    optimizer_stage = {}
+    for n in g.nodes:
+        if n.op == "call_function" and n.meta.get(META_PHASE) is Phase.OPTIMIZER:
+            name = n.meta.get(META_PARAM)
+            if name is not None and name in owner:
+                optimizer_stage[n] = owner[name]
+    # a shared (tied) parameter's gradient is the sum of its stages' parts: the sum runs with the owner's
+    # optimizer, after each stage summed its own part over the micro-batches (one transfer a step)
+    grad_sums: set[fx.Node] = set()
+    for n in reversed(deferred):
+        if (n.target is aten.add.Tensor and not n.kwargs and len(n.all_input_nodes) == 2
+                and len({bound[a] for a in n.all_input_nodes if a in bound}) > 1
+                and n.users and all(u in optimizer_stage or u in grad_sums for u in n.users)):
+            grad_sums.add(n)
+            stage_of[n] = max(optimizer_stage.get(u, stage_of.get(u, 0)) for u in n.users)
+    for n in reversed(deferred):
+        if n in grad_sums:
+            continue
+        readers = [stage_of.get(u) if u in is_bwd else optimizer_stage.get(u) for u in n.users]
+        unary = len([a for a in n.all_input_nodes if a in is_bwd]) == 1
+        if unary and readers and all(r is not None for r in readers) and not any(u in grad_sums for u in n.users):
+            stage_of[n] = min(bound[n], max(readers))
+        else:
+            stage_of[n] = bound[n]
+    # the optimizer: by the parameter an op updates; ops shared by several parameters are refused below
+    for n in g.nodes:
+        if n.op != "call_function" or n.meta.get(META_PHASE) is not Phase.OPTIMIZER:
+            continue
+        name = n.meta.get(META_PARAM)
+        if name is not None and name in owner:
+            stage_of[n] = owner[name]
+            continue
+        ins = {stage_of[a] for a in n.all_input_nodes if a in stage_of and a.op == "call_function"}
+        ins |= {owner[params[a]] for a in n.all_input_nodes if a in params and params[a] in owner}
+        if len(ins) > 1:
+            raise ConfigError("gradient_clipping", f"optimizer op {n.name} ({n.target}) combines values of stages "
+                            f"{sorted(ins)}; a step-wide optimizer computation (gradient clipping's global norm, "
+                            "a batched update) is not supported with pipeline parallelism yet")
+        stage_of[n] = ins.pop() if ins else 0
+
+    gm = graph.gm
+    for n in g.nodes:
+        if n.op != "call_function":
+            continue
+        if n in replicated:
+            n.meta[META_STAGE], n.meta[META_TASK] = None, None
+            continue
+        n.meta[META_STAGE] = stage_of[n]
+        phase = n.meta.get(META_PHASE)
+        n.meta[META_TASK] = "O" if n in grad_sums else {Phase.FORWARD: "F", Phase.BACKWARD: "B", Phase.OPTIMIZER: "O"}[phase]
+
+    crossing = []
+    crossing_sizes = []
+    for c in cuts:
+        names = [v.name for v, last in last_fwd_reader.items() if index[v] < c <= last]
+        crossing.append(tuple(names))
+        crossing_sizes.append(crossing_bytes[c])
+    costs = [0.0] * stages
+    for n in forward:
+        costs[stage_of[n]] += forward_cost(n)
+    owned = [0] * stages
+    for name, s in owner.items():
+        owned[s] += numel.get(name, 0)
+    plan = StagePlan(stages, method, tuple(forward[c].name for c in cuts), tuple(crossing), tuple(crossing_sizes),
+                     tuple(costs), tuple(owned), owner)
+    signature = replace(graph.signature, extra={**graph.signature.extra, PIPELINE_KEY: plan})
+    return PassResult(graph.replace(gm=gm, signature=signature), True, "\n".join(plan.describe()))
+
+
+def _stage_at(bounds: list[int], i: int) -> int:
+    for s in range(len(bounds) - 1):
+        if bounds[s] <= i < bounds[s + 1]:
+            return s
+    return len(bounds) - 2
+
+
+def _matching_module(name: str, classes: tuple, pattern: re.Pattern) -> str | None:
+    """The prefix of ``name`` naming the outermost module above it whose
+    class name matches ``pattern`` (``classes``: class names, outermost first)."""
+    parts = name.split(".")
+    for depth, cls in enumerate(classes):
+        if pattern.search(cls):
+            return ".".join(parts[:depth]) or "<root>"
+    return None
+
+
+def _cuts_at_modules(points: tuple[str, ...], first_reader: dict[str, int], candidates: list[int],
+                     forward: list[fx.Node], stages: int) -> list[int]:
+    if len(points) != stages - 1:
+        raise ConfigError("stepfx.pipeline.split_points", f"names {len(points)} modules; "
+                        f"{stages} stages need {stages - 1}")
+    cuts = []
+    for point in points:
+        readers = [i for name, i in first_reader.items() if name == point or name.startswith(point + ".")]
+        if not readers:
+            raise ConfigError("stepfx.pipeline.split_points", f"no parameter is under module {point!r}")
+        at = min(readers)
+        before = [c for c in candidates if c <= at]
+        if not before:
+            raise ConfigError("stepfx.pipeline.split_points", f"no cut point before module {point!r}")
+        cuts.append(max(before))
+    if cuts != sorted(set(cuts)):
+        raise ConfigError("stepfx.pipeline.split_points", f"{list(points)} are not in forward order "
+                        "or fall on the same cut")
+    return cuts

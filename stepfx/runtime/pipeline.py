@@ -1,0 +1,266 @@
+"""Run a pipeline-parallel step: this rank's stage programs in its schedule's order.
+
+One call of the decorated step takes the whole batch (``gradient_accumulation_steps``
+micro-batches of ``train_micro_batch_size_per_gpu`` rows on this data-parallel
+rank) and:
+
+1. cuts every batch tensor into micro-batches along dim 0;
+2. walks this rank's items of the schedule (runtime/pipeline_schedule.py):
+   a compute item runs its stage program (passes/pipeline/stage_programs.py)
+   on one micro-batch, a communication batch posts its sends and receives
+   together (``torch.distributed.batch_isend_irecv`` on the pipeline group)
+   and waits for them;
+3. sums the gradients each stage's optimizer reads over the micro-batches
+   (the captured backward already divides by their number, as DeepSpeed's
+   gradient accumulation does), averages them over the stage's
+   data-parallel group, and runs each stage's optimizer program;
+4. returns the mean over micro-batches of what the step returns (the loss),
+   made on the last stage and broadcast to every stage.
+
+Values live per (stage, micro-batch) in a dict by name and are dropped after
+the last item of this rank that reads them, so a schedule's activation
+memory is what it keeps in flight. Nothing is written to the user's objects
+until every program ran; a failure aborts stepfx's groups so every rank
+raises instead of waiting (runtime/distributed.py: failed_together).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..graph import Role, StepGraph
+from ..passes.pipeline.stage_programs import StagePrograms
+from .binding import ModuleBinding
+from .distributed import DataParallel, failed_together
+from .pipeline_schedule import Action, CommBatch, Schedule
+
+__all__ = ["PipelineExecutor"]
+
+_KIND_CODE = {"SEND_F": 0, "RECV_F": 0, "SEND_B": 1, "RECV_B": 1}
+
+
+class PipelineExecutor:
+    def __init__(self, graph: StepGraph, binding: ModuleBinding, dp: DataParallel, programs: StagePrograms,
+                 schedule: Schedule, micro_batches: int):
+        self.graph = graph
+        self.gm = graph.gm
+        self.binding = binding
+        self.dp = dp
+        self.programs = programs
+        self.schedule = schedule
+        self.micro_batches = micro_batches
+        self.runs = 0
+        self.timer = None
+        self.phase_seconds = None
+        self.graphs_note = "not used with pipeline parallelism"
+        rank = dp.pp_rank
+        self.rank = rank
+        self.items = schedule.program[rank]
+        self.my_stages = schedule.stages_of(rank)
+        self._nodes: dict[str, Any] = {}
+        self._dev = torch.device("cpu")
+        self._batch_positions = [i for i, s in enumerate(graph.signature.inputs) if s.role is Role.BATCH]
+        # the last item of this rank that touches (stage, micro): its values go after it
+        self._last_use: dict[tuple[int, int], int] = {}
+        for i, item in enumerate(self.items):
+            for a in (item.actions if isinstance(item, CommBatch) else (item,)):
+                self._last_use[(a.stage, a.micro)] = i
+
+    # -- helpers ----------------------------------------------------------------
+    def _peer(self, stage: int) -> int:
+        return self.dp.pp_ranks[self.schedule.stage_rank[stage]]
+
+    def _tag(self, action: Action, index: int) -> int:
+        """The same number for a send and its receive: the direction, the sending stage, the micro-batch,
+        the value's place in the message (gloo matches by tag; NCCL by order, which validate() checked)."""
+        sender = {"SEND_F": action.stage, "SEND_B": action.stage, "RECV_F": action.stage - 1,
+                  "RECV_B": action.stage + 1}[action.kind]
+        return ((_KIND_CODE[action.kind] * 256 + sender) * 4096 + action.micro) * 64 + index
+
+    def _micro_inputs(self, inputs: list[Any]) -> list[list[Any]]:
+        m = self.micro_batches
+        per_micro = [list(inputs) for _ in range(m)]
+        for pos in self._batch_positions:
+            t = inputs[pos]
+            if not isinstance(t, torch.Tensor) or t.dim() == 0:
+                continue
+            rows = t.shape[0]
+            if rows % m:
+                raise ValueError(f"batch tensor {self.graph.signature.inputs[pos].name}: {rows} rows do not split into "
+                                 f"{m} micro-batches (gradient_accumulation_steps)")
+            for i, piece in enumerate(t.split(rows // m)):
+                per_micro[i][pos] = piece
+        return per_micro
+
+    def _call(self, kind: str, stage: int, graph_inputs: list[Any], values: dict[str, Any]) -> None:
+        prog = self.programs.programs.get((kind, stage))
+        if prog is None:
+            return
+        args = [graph_inputs[i] if src == "graph" else values[i] for src, i in prog.inputs]
+        outs = prog.gm(*args)
+        for name, v in zip(prog.outputs, outs):
+            values[name] = v
+
+    # -- a step -------------------------------------------------------------------
+    def run(self, batch_tensors: list[torch.Tensor]) -> Any:
+        try:
+            inputs = self.binding.inputs(batch_tensors)
+            with torch.no_grad():
+                outputs = self._run(inputs)
+        except Exception as exc:
+            self.binding.failed()
+            raise failed_together(self.dp, exc, self.runs) from exc
+        self.runs += 1
+        return self.binding.write(outputs)
+
+    def _run(self, inputs: list[Any]) -> list[Any]:
+        progs = self.programs
+        self._dev = next((v.device for v in inputs if isinstance(v, torch.Tensor)), torch.device("cpu"))
+        micro_inputs = self._micro_inputs(inputs)
+        store: dict[tuple[int, int], dict[str, Any]] = {}
+        acc: dict[str, torch.Tensor] = {}
+        forward_results: list[dict[str, Any]] = [dict() for _ in range(self.micro_batches)]
+        accumulated = {name for s in self.my_stages for name in progs.accumulated.get(s, ())}
+        user_names = {progs.outputs[i][1] for i in progs.user_outputs}
+        for index, item in enumerate(self.items):
+            if isinstance(item, CommBatch):
+                self._communicate(item, store)
+            else:
+                values = store.setdefault((item.stage, item.micro), {})
+                self._call(item.kind, item.stage, micro_inputs[item.micro], values)
+                for name in accumulated.intersection(values):
+                    g = values.pop(name)
+                    acc[name] = g.clone() if name not in acc else acc[name].add_(g)
+                if item.kind == "F":
+                    for name in user_names.intersection(values):
+                        forward_results[item.micro][name] = values[name]
+            for key in [k for k, last in self._last_use.items() if last == index]:
+                store.pop(key, None)
+        if self.dp.dp_group is not None and self.dp.dp_size > 1:
+            for name in sorted(acc):
+                dist.all_reduce(acc[name], group=self.dp.dp_group)
+                acc[name].div_(self.dp.dp_size)
+        # shared (tied) parameters: each stage's summed part to the owner's optimizer
+        self._exchange([(name, src, dst, acc) for name, src, dst in progs.step_sends], 2, acc)
+        values: dict[str, Any] = dict(acc)
+        for stage in self.my_stages:
+            self._call("O", stage, inputs, values)
+        self._call("R", -1, inputs, values)
+        # ... and the owner's new value to the other stages that read them
+        shared: dict[str, Any] = {}
+        self._exchange([(name, src, dst, values) for _, name, src, dst in progs.param_sends], 3, shared)
+        shared_at = {pos: shared[name] for pos, name, _, _ in progs.param_sends if name in shared}
+        outputs: list[Any] = []
+        for i, ((src, ref), task) in enumerate(zip(progs.outputs, progs.output_task)):
+            if src == "const":
+                outputs.append(ref)
+            elif src == "graph":
+                outputs.append(inputs[ref])
+            elif task == "F":
+                outputs.append(self._user_output(ref, forward_results))
+            elif ref in values:
+                outputs.append(values[ref])
+            elif i in shared_at:
+                outputs.append(shared_at[i])
+            else:  # an update of a parameter another stage owns: this rank keeps its (unused) copy
+                slot = self.graph.signature.outputs[i]
+                at = self._input_position(slot)
+                if at is not None:
+                    outputs.append(inputs[at])
+                else:  # state the step creates (a momentum buffer): zeros where another stage owns it
+                    val = self._node(ref).meta["val"]
+                    outputs.append(torch.zeros(tuple(val.shape), dtype=val.dtype, device=self._dev))
+        return outputs
+
+    def _input_position(self, slot) -> int:
+        positions = getattr(self, "_positions", None)
+        if positions is None:
+            positions = self._positions = {s.ident: i for i, s in enumerate(self.graph.signature.inputs)}
+        return positions.get(slot.ident)
+
+    def _user_output(self, name: str, forward_results: list[dict[str, Any]]) -> torch.Tensor:
+        """The mean over micro-batches of a forward value the step returns,
+        from the last stage, on every rank of the pipeline."""
+        node = self._node(name)
+        val = node.meta["val"]
+        last = self.schedule.stage_rank[node.meta["pp_stage"]]
+        if not val.is_floating_point():
+            raise ValueError(f"the step returns {name}, a {val.dtype} tensor: with pipeline parallelism a step "
+                             "returns floating-point values (averaged over the micro-batches)")
+        if self.rank == last:
+            parts = [r[name] for r in forward_results]
+            out = torch.stack(parts).mean(0) if len(parts) > 1 else parts[0].clone()
+        else:
+            out = torch.empty(tuple(val.shape), dtype=val.dtype, device=self._device())
+        if self.dp.pp_size > 1:
+            dist.broadcast(out, src=self.dp.pp_ranks[last], group=self.dp.pp_group)
+        return out
+
+    def _node(self, name: str):
+        if not self._nodes:
+            self._nodes.update((n.name, n) for n in self.gm.graph.nodes)
+        return self._nodes[name]
+
+    def _device(self) -> torch.device:
+        return self._dev
+
+    def _exchange(self, sends: list[tuple[str, int, int, dict]], code: int, into: dict) -> None:
+        """Once-a-step transfers between stages, all posted together and
+        waited (every rank walks the same list, so the order agrees):
+        (value name, from stage, to stage, where the sender has it)."""
+        mine = set(self.my_stages)
+        ops, received = [], []
+        for index, (name, src, dst, have) in enumerate(sends):
+            if src in mine and dst in mine:
+                into[name] = have[name]
+                continue
+            tag = ((code * 256 + src) * 4096 + dst) * 64 + index % 64
+            if src in mine:
+                ops.append(dist.P2POp(dist.isend, have[name].contiguous(), self._peer(dst), self.dp.pp_group, tag))
+            elif dst in mine:
+                shape, dtype = self.programs.specs[name]
+                t = torch.empty(shape, dtype=dtype, device=self._dev)
+                received.append((name, t))
+                ops.append(dist.P2POp(dist.irecv, t, self._peer(src), self.dp.pp_group, tag))
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        for name, t in received:
+            into[name] = t
+
+    def _communicate(self, batch: CommBatch, store: dict) -> None:
+        progs = self.programs
+        ops = []
+        received: list[tuple[dict, str, torch.Tensor]] = []
+        device = None
+        for action in batch.actions:
+            values = store.setdefault((action.stage, action.micro), {})
+            if action.kind == "SEND_F":
+                names, peer = progs.send_forward[action.stage], self._peer(action.stage + 1)
+            elif action.kind == "SEND_B":
+                names, peer = progs.send_backward[action.stage], self._peer(action.stage - 1)
+            elif action.kind == "RECV_F":
+                names, peer = progs.send_forward[action.stage - 1], self._peer(action.stage - 1)
+            else:
+                names, peer = progs.send_backward[action.stage + 1], self._peer(action.stage + 1)
+            for i, name in enumerate(names):
+                tag = self._tag(action, i)
+                if action.kind.startswith("SEND"):
+                    src = values if name in values else store.get((action.stage, action.micro), {})
+                    t = src[name].contiguous()
+                    device = t.device
+                    ops.append(dist.P2POp(dist.isend, t, peer, self.dp.pp_group, tag))
+                else:
+                    shape, dtype = progs.specs[name]
+                    if device is None:
+                        device = self._device()
+                    t = torch.empty(shape, dtype=dtype, device=device)
+                    received.append((values, name, t))
+                    ops.append(dist.P2POp(dist.irecv, t, peer, self.dp.pp_group, tag))
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        for values, name, t in received:
+            values[name] = t

@@ -1,0 +1,49 @@
+"""Functions that run on each rank of the test pool for the pipeline tests
+(module level, so the rank processes can import them)."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import stepfx
+from stepfx.passes.pipeline.partition_stages import PIPELINE_KEY
+
+
+def pp_run(step_fn, make_model, make_optimizer, batches_per_dp, config) -> dict:
+    """Train with ``config`` on this rank (its data-parallel rank's batches).
+    Returns the losses, this rank's stages' parameters and optimizer state,
+    and what the plan says of the stages."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = make_model()
+    opt = make_optimizer(model)
+    step = stepfx.parallelize(config)(step_fn)
+    dp_rank = rank % (world // _stages(config, world))
+    losses = [step(model, opt, *batch).item() for batch in batches_per_dp[dp_rank]]
+    plan = step.plan.graph.signature.extra[PIPELINE_KEY]
+    mine = set(step.plan.executor.my_stages)
+    names = {id(p): n for n, p in model.named_parameters()}
+    state = {n: p.detach().clone() for n, p in model.named_parameters() if plan.owner.get(n) in mine}
+    optim = {names[id(p)]: {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()
+             if plan.owner.get(names[id(p)]) in mine}
+    return {"losses": losses, "state": state, "optimizer": optim, "owner": dict(plan.owner),
+            "describe": plan.describe(), "stages": list(mine), "explain": step.explain(),
+            "captures": len({id(p) for p in step.plans})}
+
+
+def _stages(config: dict, world: int) -> int:
+    stages = config.get("pipeline", {}).get("stages", "auto")
+    if stages == "auto":
+        dp = config.get("stepfx", {}).get("pipeline", {}).get("data_parallel", 1)
+        return world // dp
+    return stages
+
+
+def hf_gpt2_no_dropout():
+    """tests.steps.hf_gpt2 without dropout: each pipeline rank draws its own
+    random numbers, so dropout masks cannot equal the single-process run's."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(cfg)

@@ -1,0 +1,112 @@
+"""Pipeline parallelism end to end on the rank pool (CPU, gloo): the step cut
+into stages, run by every schedule, equals the single-process reference
+with DeepSpeed's gradient accumulation (each micro-batch's loss divided by
+their number, the gradients summed, one update; over data-parallel ranks
+the mean), and the step returns the mean of the micro-batches' losses.
+
+Fp32: the stages compute the captured ops unchanged; the micro-batches'
+gradients are summed in another order than the reference's (and a tied
+embedding's two parts are summed once per step, not per micro-batch), so
+equality is within 1e-5 relative (normwise per tensor), losses within 1e-6.
+The optimizer is SGD with momentum: Adam divides by the gradient's
+magnitude, and the key bias's gradient is rounding noise (attention is
+invariant to it), which Adam turns into a full-size update of arbitrary sign
+(the same reason as the tensor-parallel tests)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stepfx.testing.equivalence import data_parallel_reference
+from tests.pp_workers import hf_gpt2_no_dropout, pp_run
+from tests.steps import hf_llama, hf_step, lm_step, tiny_gpt, token_batches
+
+
+def sgd_momentum(model):
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def _config(stages, micro, schedule, virtual=1, **extra):
+    pipe = {"schedule": schedule}
+    if virtual > 1:
+        pipe["virtual_stages"] = virtual
+    return {"pipeline": {"stages": stages}, "gradient_accumulation_steps": micro, "gradient_clipping": 0,
+            "stepfx": {"pipeline": pipe}, **extra}
+
+
+def _batches(dp, steps=2, rows=12, seed=3, vocab=64):
+    return [[(b,) for (b,) in token_batches(steps, batch=rows, seed=seed + d, vocab=vocab)] for d in range(dp)]
+
+
+def _check(results, step_fn, make_model, make_optimizer, batches_per_dp, micro):
+    """Every rank's losses and every parameter (from the rank whose stage owns it) against the reference."""
+    virtual = [[tuple(t.split(t.shape[0] // micro)[m] for t in batch) for batch in batches]
+               for batches in batches_per_dp for m in range(micro)]
+    outputs, model, opt = data_parallel_reference(step_fn, make_model, make_optimizer, virtual)
+    per_stage = len(batches_per_dp)
+    for rank, got in enumerate(results):
+        d = rank % per_stage
+        expected = [torch.stack([outputs[i][d * micro + m] for m in range(micro)]).mean().item()
+                    for i in range(len(outputs))]
+        assert got["losses"] == pytest.approx(expected, rel=1e-6, abs=0), (rank, got["losses"], expected)
+    names = {id(p): n for n, p in model.named_parameters()}
+    reference_state = {n: p.detach() for n, p in model.named_parameters()}
+    reference_opt = {names[id(p)]: s for p, s in opt.state.items()}
+    covered = set()
+    for rank, got in enumerate(results):
+        for name, value in got["state"].items():
+            ref = reference_state[name]
+            diff = (value - ref).abs().max() / ref.abs().max().clamp_min(1e-30)
+            assert diff <= 1e-5, (rank, name, diff.item())
+            covered.add(name)
+            for key, v in got["optimizer"].get(name, {}).items():
+                r = reference_opt[name][key]
+                d = (v - r).abs().max() / r.abs().max().clamp_min(1e-30) if r.dim() else (v - r).abs()
+                assert d <= 1e-5, (rank, name, key, d.item())
+    assert covered == set(reference_state), set(reference_state) - covered
+
+
+@pytest.fixture(scope="module")
+def two_ranks(rank_pool):
+    return rank_pool(2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule,micro,virtual", [("gpipe", 1, 1), ("1f1b", 3, 1), ("zero_bubble", 4, 1),
+                                                    ("interleaved_1f1b", 2, 2)])
+def test_two_stages_every_schedule_equals_the_reference(rank_pool, schedule, micro, virtual):
+    batches = _batches(1)
+    config = _config(2, micro, schedule, virtual)
+    results = rank_pool(2).run(pp_run, lm_step, tiny_gpt, sgd_momentum, batches, config, timeout=300)
+    _check(results, lm_step, tiny_gpt, sgd_momentum, batches, micro)
+    assert results[0]["captures"] == 2  # SGD makes its momentum buffers at the first update: captured again once
+    assert results[0]["stages"] == ([0, 2] if virtual == 2 else [0])
+    explain = results[0]["explain"]
+    assert f"pipeline parallelism: schedule {schedule}, 2 ranks, {2 * virtual} stages" in explain
+    assert "predicted bubble" in explain and "rank 1 |" in explain
+    # the standard GPT ties its head to the token embedding: one part of the gradient from each end
+    assert "shared parameters: 1 gradient part(s) to the owner, 1 updated value(s) back" in explain
+
+
+@pytest.mark.slow
+def test_four_stages_and_two_stages_times_two_data_parallel(rank_pool):
+    pool = rank_pool(4)
+    batches = _batches(1)
+    results = pool.run(pp_run, lm_step, tiny_gpt, sgd_momentum, batches, _config(4, 4, "1f1b"), timeout=400)
+    _check(results, lm_step, tiny_gpt, sgd_momentum, batches, 4)
+    assert sorted(s for r in results for s in r["stages"]) == [0, 1, 2, 3]
+    batches = _batches(2)
+    results = pool.run(pp_run, lm_step, tiny_gpt, sgd_momentum, batches, _config(2, 2, "gpipe"), timeout=400)
+    _check(results, lm_step, tiny_gpt, sgd_momentum, batches, 2)
+    assert [r["stages"] for r in results] == [[0], [0], [1], [1]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("make_model,schedule", [(hf_gpt2_no_dropout, "1f1b"), (hf_llama, "zero_bubble")])
+def test_hugging_face_models(rank_pool, make_model, schedule):
+    """GPT-2 (its head tied to the token embedding) and Llama (rotary tables
+    from a buffer: every stage computes them), unchanged."""
+    batches = _batches(1, rows=4)
+    results = rank_pool(2).run(pp_run, hf_step, make_model, sgd_momentum, batches, _config(2, 2, schedule),
+                               timeout=300)
+    _check(results, hf_step, make_model, sgd_momentum, batches, 2)
