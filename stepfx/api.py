@@ -972,8 +972,8 @@ def _serves_after_tensor_parallel_move(plan: Plan, held: dict, model, optimizer)
 
 def _tensor_parallel_degree(config: Config, model: torch.nn.Module) -> int:
     """``tensor_parallel.autotp_size`` checked against torchrun's world and
-    the model's head counts; what the first version does not compose with
-    yet is refused by name."""
+    the model's head counts; what it does not compose with yet is refused
+    by name. It composes with gradient clipping and bf16/fp16."""
     import torch.distributed as dist
 
     tp_config = config.tensor_parallel
@@ -986,12 +986,9 @@ def _tensor_parallel_degree(config: Config, model: torch.nn.Module) -> int:
         ("num_attention_heads", "n_heads"), ("num_attention_heads", "n_head")) if getattr(cfg, attr, None)}
     tp = check_tensor_parallel(tp_config, world, heads)
     zero = config.zero_optimization.stage
-    for bad, path, what in ((isinstance(zero, int) and zero > 0, "zero_optimization.stage", f"ZeRO stage {zero}"),
-                            (bool(config.gradient_clipping), "gradient_clipping", "gradient clipping (its global norm)"),
-                            (config.bf16.enabled is True or config.fp16.enabled is True, "bf16.enabled", "bf16/fp16")):
-        if bad:
-            raise ConfigError(path, f"tensor parallelism (autotp_size {tp}) does not compose with {what} yet "
-                              "(issue 19: ZeRO 0 and fp32 first)", value=True, expected="ZeRO stage 0, no clipping, fp32")
+    if isinstance(zero, int) and zero > 0:
+        raise ConfigError("zero_optimization.stage", f"tensor parallelism (autotp_size {tp}) does not compose with "
+                          f"ZeRO stage {zero} yet (issue 19)", value=zero, expected="0 with tensor_parallel.autotp_size > 1")
     return tp
 
 

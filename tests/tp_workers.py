@@ -7,6 +7,7 @@ import torch.distributed as dist
 
 import stepfx
 from stepfx.graph.tp_layout import TP_PLAN_KEY
+from stepfx.passes.data_parallel.collectives import COLLECTIVE_OPS
 
 
 def tp_run(step_fn, make_model, make_optimizer, batches_per_dp, config) -> dict:
@@ -28,6 +29,10 @@ def tp_run(step_fn, make_model, make_optimizer, batches_per_dp, config) -> dict:
             tp_group = node.name.startswith("tp_")
             key = f"{'tp' if tp_group else 'dp'} {node.meta['phase']}"
             counts[key] = counts.get(key, 0) + 1
+    # each kind of collective in the final graph: (op, "tp" or "dp" group, phase, the dtype it moves)
+    collectives = sorted({(node.target.__name__.split(".")[0], "tp" if node.name.startswith("tp_") else "dp",
+                           str(node.meta["phase"]), str(node.args[0].meta["val"].dtype))
+                          for node in graph.gm.graph.nodes if node.op == "call_function" and node.target in COLLECTIVE_OPS})
     plan = graph.signature.extra.get(TP_PLAN_KEY)
     stale = any(p.numel() == 0 for p in model.parameters())
     state = {k: v.clone() for k, v in step.model_state_dict().items()}
@@ -37,4 +42,5 @@ def tp_run(step_fn, make_model, make_optimizer, batches_per_dp, config) -> dict:
     return {"losses": losses, "state": state, "optimizer": opt_state, "counts": counts, "world": world,
             "placements": plan.describe() if plan else [], "notes": list(plan.notes) if plan else [],
             "module_emptied": stale, "synced": synced, "captures": len({id(p) for p in step.plans}),
-            "explain": step.explain()}
+            "explain": step.explain(), "skipped": step.skipped_steps, "loss_scale": step.loss_scale,
+            "collectives": collectives}

@@ -69,3 +69,47 @@ def test_nothing_to_split_is_noted():
     planned = plan_tensor_parallel(_clean(graph), OPTIONS)
     assert "nothing to split" in planned.summary
     assert not shard_tensor_parallel(planned.graph, OPTIONS).changed
+
+
+def test_under_bf16_the_pair_is_found_through_the_parameters_casts():
+    """The matmuls read bf16 copies of the fp32 masters (``_to_copy``): the
+    search looks through the cast, and the copy splits with its parameter."""
+    from stepfx.capture import capture_step
+    from stepfx.capture.trace import CaptureOptions
+    from tests.steps import MLP, ce_step, mlp_batches
+
+    torch.manual_seed(0)
+    model = MLP((8, 16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    options = CaptureOptions(compute_dtype=torch.bfloat16, cast_inputs=True)
+    graph = capture_step(ce_step, model, opt, mlp_batches(1)[0], {}, options=options)
+    planned = plan_tensor_parallel(_clean(graph), OPTIONS).graph
+    kinds = {p.name: (p.kind, p.split_dim) for p in planned.signature.extra[TP_PLAN_KEY].placements}
+    assert kinds == {"net.0.weight": ("column", 0), "net.0.bias": ("column", 0), "net.2.weight": ("row", 1),
+                     "net.2.bias": ("replicated", None)}
+    g = shard_tensor_parallel(planned, OPTIONS).graph.gm.graph
+    reduces = [n for n in g.nodes if n.target is torch.ops._c10d_functional.all_reduce.default]
+    assert [n.meta["val"].dtype for n in reduces] == [torch.bfloat16]  # the row-parallel partial product
+
+
+def _clipped_graph(tp_rank):
+    from stepfx.config import load_config
+
+    graph, *_ = captured_mlp()
+    config = load_config({"gradient_clipping": 1.0, "stepfx": {"codegen": False}})
+    options = PassOptions(config=config, tp_size=2, tp_rank=tp_rank, tp_group_name="tp")
+    return PassManager(PIPELINE).run(graph, options)[-1].graph.gm.graph
+
+
+def test_clipping_sums_shards_over_the_tp_group_and_counts_replicas_once():
+    """The norm's sum of squares is all-reduced over the TP group once; the
+    replicated net.2.bias's squares count on TP rank 0, times 0 elsewhere."""
+    for tp_rank in (0, 1):
+        g = _clipped_graph(tp_rank)
+        reduces = [n for n in g.nodes if n.target is torch.ops._c10d_functional.all_reduce.default
+                   and n.meta["phase"] is Phase.OPTIMIZER]
+        assert len(reduces) == 1 and reduces[0].args[1:] == ("sum", "tp")
+        norm = next(n for n in g.nodes if n.target is torch.ops.aten.sqrt.default)
+        assert norm.args[0].args[0] is reduces[0]  # sqrt(wait(all_reduce(sum of squares)))
+        zeroed = [n for n in g.nodes if n.target is torch.ops.aten.mul.Tensor and n.args[1] == 0.0]
+        assert len(zeroed) == (0 if tp_rank == 0 else 1)

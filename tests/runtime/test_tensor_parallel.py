@@ -1,21 +1,30 @@
 """Tensor parallelism end to end on the rank pool (CPU, gloo): the step
-split over a TP group (and TP x DP) equals the single-process reference.
+split over a TP group (and TP x DP) equals the single-process reference,
+alone and composed with gradient clipping and bf16/fp16.
 
 Fp32 on CPU: the split matmuls sum over features in another order than the
 whole ones, so equality is within 1e-5 relative, not bitwise. The optimizer
 is SGD with momentum: Adam divides by the gradient's magnitude, and the
 key bias's gradient is rounding noise (attention is invariant to it), which
-Adam turns into a full-size update of arbitrary sign."""
+Adam turns into a full-size update of arbitrary sign.
+
+16-bit: bf16 losses within 2e-2 relative of the fp32 reference per step,
+as the precision tests hold bf16 (8 mantissa bits)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+import stepfx
 from stepfx.testing.equivalence import data_parallel_reference
 from tests.steps import MLP, ce_step, hf_llama, hf_step, lm_step, mlp_batches, one_block_gpt, token_batches
 from tests.tp_workers import tp_run
 
 TP2 = {"gradient_clipping": 0, "tensor_parallel": {"autotp_size": 2}}
+CLIP = 0.5  # below the first step's gradient norm of both models (checked where used): the clip bites
+# Megatron without sequence parallelism, per model (see the tests below for the why of Llama's)
+GPT_COUNTS = {"tp forward": 2, "tp backward": 2}
+LLAMA_COUNTS = {"tp forward": 4, "tp backward": 8}
 
 
 def sgd_momentum(model):
@@ -31,8 +40,8 @@ def linear_only():
     return MLP((8, 4))
 
 
-def _check(results, step_fn, make_model, make_optimizer, batches_per_dp, tp):
-    outputs, model, opt = data_parallel_reference(step_fn, make_model, make_optimizer, batches_per_dp)
+def _check(results, step_fn, make_model, make_optimizer, batches_per_dp, tp, clip=None):
+    outputs, model, opt = data_parallel_reference(step_fn, make_model, make_optimizer, batches_per_dp, clip_norm=clip)
     state = model.state_dict()
     names = {id(p): n for n, p in model.named_parameters()}
     opt_state = {names[id(p)]: s for p, s in opt.state.items()}
@@ -107,3 +116,111 @@ def test_gpt_tp2_dp2_equals_the_data_parallel_reference(rank_pool):
     _check(results, lm_step, one_block_gpt, sgd_plain, batches, tp=2)
     assert all(r["counts"] == {"tp forward": 2, "tp backward": 2} for r in results)
     assert results[0]["losses"] != results[2]["losses"]  # the DP ranks saw different batches
+
+
+# -- composed with clipping and 16-bit precision --------------------------------------
+
+
+class _KeepGradients:
+    """An optimizer that does nothing: the eager step leaves its gradients in ``.grad``."""
+
+    def step(self):
+        pass
+
+    def zero_grad(self):
+        pass
+
+
+def _first_grad_norm(step_fn, make_model, batch) -> float:
+    """The global gradient norm of the reference's first step (the model as tp_run makes it)."""
+    torch.manual_seed(0)
+    model = make_model()
+    step_fn(model, _KeepGradients(), *batch)
+    return torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None])).item()
+
+
+MODELS = [(one_block_gpt, lm_step, 0, GPT_COUNTS), (hf_llama, hf_step, 1, LLAMA_COUNTS)]
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("tensor_parallel")
+@pytest.mark.parametrize("make_model, step_fn, seed, counts", MODELS, ids=["gpt", "llama"])
+def test_tp2_clips_the_global_norm_over_shards_and_replicas(rank_pool, make_model, step_fn, seed, counts):
+    """The norm sums the split gradients' squares over the TP group and
+    counts replicated ones once: one scalar all-reduce over the TP group."""
+    batches = [token_batches(2, seed=seed)]
+    assert _first_grad_norm(step_fn, make_model, batches[0][0]) > 2 * CLIP
+    config = {**TP2, "gradient_clipping": CLIP}
+    results = rank_pool(2).run(tp_run, step_fn, make_model, sgd_plain, batches, config, timeout=300)
+    _check(results, step_fn, make_model, sgd_plain, batches, tp=2, clip=CLIP)
+    assert results[0]["counts"] == {**counts, "tp optimizer": 1}
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("tensor_parallel")
+@pytest.mark.parametrize("make_model, step_fn, seed, counts", MODELS, ids=["gpt", "llama"])
+def test_tp2_bf16_tracks_fp32(rank_pool, make_model, step_fn, seed, counts):
+    """The matmuls read the parameters' bf16 copies: the split is found
+    through the cast, and the partial products travel in bf16."""
+    batches = [token_batches(12, seed=seed)]
+    config = {**TP2, "bf16": {"enabled": True}}
+    results = rank_pool(2).run(tp_run, step_fn, make_model, sgd_plain, batches, config, timeout=300)
+    outputs, _, _ = data_parallel_reference(step_fn, make_model, sgd_plain, batches)
+    reference = [out[0].item() for out in outputs]
+    for got in results:
+        worst = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], reference))
+        assert worst < 2e-2, worst
+    assert results[0]["losses"] == results[1]["losses"]
+    assert results[0]["counts"] == counts
+    assert ("all_reduce", "tp", "forward", "torch.bfloat16") in results[0]["collectives"]
+
+
+def lopsided_mlp():
+    """An MLP whose row-parallel weight reads TP rank 1's half of the hidden
+    features 1000 times more strongly: in fp16 at loss scale 1024 the
+    gradient of rank 1's shard of the first weight overflows, rank 0's does
+    not (checked where used), and no backward all-reduce carries it over
+    (the first layer's input takes no gradient)."""
+    model = MLP((8, 16, 4))
+    with torch.no_grad():
+        model.net[2].weight[:, 8:] *= 1000
+    return model
+
+
+def sgd_small(model):
+    return torch.optim.SGD(model.parameters(), lr=1e-3)
+
+
+def _fp16_first_weight_grad(batch, scale: float) -> torch.Tensor:
+    """The eager fp16 gradient of the first weight, loss scaled by ``scale``."""
+    torch.manual_seed(0)
+    model = lopsided_mlp()
+    x, y = batch
+    halves = {n: p.half() for n, p in model.named_parameters()}
+    loss = torch.nn.functional.cross_entropy(torch.func.functional_call(model, halves, (x.half(),)), y)
+    (loss.float() * scale).backward()
+    return model.net[0].weight.grad
+
+
+@pytest.mark.xdist_group("tensor_parallel")
+def test_fp16_overflow_on_one_tp_rank_skips_the_step_on_every_rank(rank_pool):
+    """The overflow flag is read off the norm's sum after its all-reduce over
+    the TP group: every rank skips the steps the unsplit fp16 step skips."""
+    batches = [mlp_batches(3)]
+    grad = _fp16_first_weight_grad(batches[0][0], 2.0**10)
+    assert grad[:8].isfinite().all() and not grad[8:].isfinite().all()  # rank 0's shard finite, rank 1's not
+    config = {**TP2, "fp16": {"enabled": True, "initial_scale_power": 10, "hysteresis": 1}}
+    torch.manual_seed(0)
+    model = lopsided_mlp()
+    single = stepfx.parallelize({**config, "tensor_parallel": {"autotp_size": 1}})(ce_step)
+    opt = sgd_small(model)
+    expected = [single(model, opt, *batch).item() for batch in batches[0]]
+    assert single.skipped_steps == 2 and single.loss_scale == 256  # 1024 and 512 overflow, 256 does not
+    results = rank_pool(2).run(tp_run, ce_step, lopsided_mlp, sgd_small, batches, config, timeout=300)
+    # split (net.0 by columns, net.2 by rows); the sum of squares the flag reads is all-reduced over the TP group
+    assert results[0]["counts"] == {"tp forward": 1, "tp optimizer": 1}
+    for got in results:
+        assert got["skipped"] == 2 and got["loss_scale"] == 256
+        assert got["losses"] == pytest.approx(expected, rel=1e-3)
+        for name, value in model.state_dict().items():
+            assert torch.allclose(got["state"][name], value, rtol=1e-3, atol=1e-6), name

@@ -204,8 +204,8 @@ def getitem(g: fx.Graph, node: fx.Node, i: int, **meta) -> fx.Node:
     return make_node(g, operator.getitem, (node, i), val=node.meta["val"][i], **meta)
 
 
-def all_reduce_sum(g: fx.Graph, value: fx.Node, group_name: str, **meta) -> fx.Node:
+def all_reduce_sum(g: fx.Graph, value: fx.Node, group_name: str, *, name: str = "all_reduce", **meta) -> fx.Node:
     """The sum over ranks of a (small) tensor."""
     val = value.meta["val"]
-    issued = make_node(g, c10d.all_reduce.default, (value, "sum", group_name), val=fake_like(val, val.shape), name="all_reduce", **meta)
+    issued = make_node(g, c10d.all_reduce.default, (value, "sum", group_name), val=fake_like(val, val.shape), name=name, **meta)
     return _wait(g, issued, **meta)

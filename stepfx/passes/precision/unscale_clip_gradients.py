@@ -17,18 +17,28 @@ Ensures, when fp16 loss scaling or ``gradient_clipping`` is on:
     gradients in parameter order (its foreach path on CPU and CUDA; one
     device and one dtype make one group), then ``linalg_vector_norm`` of
     their stack;
-  * otherwise (ZeRO pieces on several ranks, 16-bit gradients) from sums
-    of squares: pieces are squared and summed locally (in fp32) and
-    all-reduced (one scalar collective), whole gradients (identical on
-    every rank) are summed locally, ``norm = sqrt(sumsq)``. (For 16-bit
-    gradients eager takes 16-bit norms; fp32 sums are the more accurate.)
+  * otherwise (ZeRO pieces on several ranks, tensor-parallel shards,
+    16-bit gradients) from sums of squares: pieces are squared and summed
+    locally (in fp32) and all-reduced over the data-parallel group (one
+    scalar collective), whole gradients (identical on every rank) are
+    summed locally, ``norm = sqrt(sumsq)``. (For 16-bit gradients eager
+    takes 16-bit norms; fp32 sums are the more accurate.)
+  * under tensor parallelism (``options.tp_size`` > 1) each rank's sum is
+    then all-reduced over its tensor-parallel group (one more scalar
+    collective): a split parameter's gradient is a different shard on
+    each rank, so its squares add up; a replicated parameter's gradient is
+    the same on every rank of the group, so it is counted on TP rank 0
+    only, as Megatron does (the other ranks add it times 0: 0 when it is
+    finite, nan when it is not, so an overflow anywhere still reaches the
+    flag). The sum is then the same on every rank of both groups.
 - ``factor = (1 / scale) * min(1, max_norm / (norm + 1e-6))`` and every
   gradient the optimizer reads is multiplied by it: unscaling and clipping
   folded into one multiply;
 - the node ``found_inf = not isfinite(total)`` (marked ``overflow_flag``;
   ``total`` is the scaled norm or the sum of squares): an inf or nan
-  anywhere on any rank makes it non-finite everywhere, so no separate flag
-  collective is needed.
+  anywhere on any rank, of either group, makes it non-finite everywhere, so
+  no separate flag collective is needed and every rank skips the same
+  steps.
 
 Nothing here reads a value on the host: the scale, the norm and the flag
 stay on the device.
@@ -42,7 +52,16 @@ Before / after (clipping, one rank, two gradients)::
                                                    lerp = aten.lerp(s_w_exp_avg, g_w_1, 0.1)
 
 With ZeRO pieces on several ranks the first two lines are
-``sumsq = aten.sum(aten.mul(piece, piece)) ...``, an all-reduce and a sqrt.
+``sumsq = aten.sum(aten.mul(piece, piece)) ...``, an all-reduce and a sqrt;
+under tensor parallelism (TP rank 1 of 2, one split and one replicated
+gradient)::
+
+    sumsq = aten.sum(aten.mul(g_fc, g_fc))            # this rank's shard
+    sumsq_1 = aten.sum(aten.mul(g_ln, g_ln))          # replicated
+    once = aten.mul.Tensor(sumsq_1, 0.0)              # counted on TP rank 0
+    sumsq_2 = aten.add.Tensor(sumsq, once)
+    tp_all_reduce = _c10d_functional.all_reduce(sumsq_2, 'sum', tp_group)
+    grad_norm = aten.sqrt(wait(tp_all_reduce))
 """
 from __future__ import annotations
 
@@ -88,6 +107,8 @@ def unscale_clip_gradients(graph: StepGraph, options: PassOptions) -> PassResult
     example = next(iter(grads.values())).meta["val"]
     meta = dict(like=anchor, phase=Phase.OPTIMIZER)
     scalar = fake_like(example, (), torch.float32)
+    tp = options.tp_size > 1
+    split = {s.name for _, s in graph.signature.inputs_with(Role.PARAM) if s.split is not None}  # Megatron shards
 
     def sumsq(nodes):
         parts = []
@@ -102,6 +123,20 @@ def unscale_clip_gradients(graph: StepGraph, options: PassOptions) -> PassResult
             return None
         stacked = make_node(g, aten.stack.default, (parts,), val=fake_like(example, (len(parts),), torch.float32), name="sumsqs", **meta)
         return make_node(g, aten.sum.default, (stacked,), val=scalar, name="sumsq", **meta)
+
+    def add(a, b):
+        return a if b is None else b if a is None else make_node(g, aten.add.Tensor, (a, b), val=scalar, name="sumsq", **meta)
+
+    def tp_sum(nodes):
+        # this tensor-parallel rank's share: its shards of split gradients,
+        # replicated gradients on TP rank 0 only (times 0 elsewhere: nan
+        # stays nan, so every rank's flag sees an overflow)
+        if not tp:
+            return sumsq(nodes)
+        replicated = sumsq([n for n in nodes if n.meta[META_GRAD_OF] not in split])
+        if replicated is not None and options.tp_rank != 0:
+            replicated = make_node(g, aten.mul.Tensor, (replicated, 0.0), val=scalar, name="counted_on_tp_rank_0", **meta)
+        return add(sumsq([n for n in nodes if n.meta[META_GRAD_OF] in split]), replicated)
 
     def torch_norm(nodes):
         # torch.nn.utils.clip_grad_norm_ (norm_type 2.0): _foreach_norm per
@@ -118,17 +153,18 @@ def unscale_clip_gradients(graph: StepGraph, options: PassOptions) -> PassResult
     # torch's order where the norm needs no collective (one rank: pieces are
     # whole parameters; several: whole gradients are the same on every rank)
     # and eager's norms are fp32; in parameter order, as clip_grad_norm_(model.parameters())
-    as_torch = (options.world_size == 1 or not pieces) and all(n.meta["val"].dtype == torch.float32 for n in grads.values())
+    as_torch = (options.world_size == 1 or not pieces) and not tp and all(n.meta["val"].dtype == torch.float32 for n in grads.values())
     position = {s.name: i for i, (_, s) in enumerate(graph.signature.inputs_with(Role.PARAM))}
     with g.inserting_before(anchor):
         if as_torch:
             total = norm = torch_norm(sorted(grads.values(), key=lambda n: position.get(n.meta[META_GRAD_OF], len(position))))
         else:
-            local = sumsq(pieces)
+            local = tp_sum(pieces)
             if local is not None and options.world_size > 1:
                 local = all_reduce_sum(g, local, options.group_name, **meta)
-            rest = sumsq(whole)
-            total = local if rest is None else rest if local is None else make_node(g, aten.add.Tensor, (local, rest), val=scalar, name="sumsq", **meta)
+            total = add(local, tp_sum(whole))
+            if tp:
+                total = all_reduce_sum(g, total, options.tp_group_name, name="tp_all_reduce", **meta)
             norm = make_node(g, aten.sqrt.default, (total,), val=scalar, name="grad_norm", **meta)
         factor = None
         if scaling and scale_in is not None:
@@ -156,6 +192,8 @@ def unscale_clip_gradients(graph: StepGraph, options: PassOptions) -> PassResult
             if node.meta.get(META_GRAD_PIECE):
                 scaled.meta[META_GRAD_PIECE] = True
     what = [w for w, on in (("unscaled", scaling), (f"clipped to norm {max_norm:g}", max_norm > 0)) if on]
+    reduced = [w for w, on in (("one all-reduce over ZeRO pieces", pieces and options.world_size > 1),
+                               ("one over the tensor-parallel group", tp)) if on]
     order = ("norm as torch.nn.utils.clip_grad_norm_ (per-tensor norms, then their norm)" if as_torch
-             else "norm from sums of squares" + (" (one all-reduce over ZeRO pieces)" if pieces and options.world_size > 1 else ""))
+             else "norm from sums of squares" + (f" ({', '.join(reduced)})" if reduced else ""))
     return PassResult(graph, True, f"{len(grads)} gradients {' and '.join(what)}; {order}" + (", overflow flag" if scaling else ""))

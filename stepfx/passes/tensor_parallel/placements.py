@@ -135,8 +135,17 @@ class LinearUse:
 
 
 def linear_uses(g: fx.Graph) -> dict[str, list[LinearUse]]:
-    """Parameter name -> its forward matmul uses."""
+    """Parameter name -> its forward matmul uses. Under bf16/fp16 the
+    matmul reads the parameter's compute copy (a dtype cast of it): the
+    cast is looked through, and splits with the parameter (pointwise)."""
     params = {n: n.meta["slot"].name for n in g.nodes if n.op == "placeholder" and n.meta["slot"].role is Role.PARAM}
+
+    def param_of(value) -> str | None:
+        if isinstance(value, fx.Node) and value.op == "call_function" and value.target is aten._to_copy.default \
+                and set(value.kwargs) <= {"dtype"}:
+            value = value.args[0]
+        return params.get(value) if isinstance(value, fx.Node) else None
+
     uses: dict[str, list[LinearUse]] = {}
     for node in g.nodes:
         if node.op != "call_function" or node.target not in (aten.mm.default, aten.addmm.default):
@@ -144,11 +153,12 @@ def linear_uses(g: fx.Graph) -> dict[str, list[LinearUse]]:
         if node.meta.get(META_PHASE) is not Phase.FORWARD:
             continue
         x, w = (node.args[0], node.args[1]) if node.target is aten.mm.default else (node.args[1], node.args[2])
-        bias = params.get(node.args[0]) if node.target is aten.addmm.default else None
-        if isinstance(w, fx.Node) and w.target is aten.t.default and w.args[0] in params:
-            uses.setdefault(params[w.args[0]], []).append(LinearUse(params[w.args[0]], node, x, 0, 1, bias))
-        elif w in params:
-            uses.setdefault(params[w], []).append(LinearUse(params[w], node, x, 1, 0, bias))
+        bias = param_of(node.args[0]) if node.target is aten.addmm.default else None
+        if isinstance(w, fx.Node) and w.target is aten.t.default and param_of(w.args[0]):
+            name = param_of(w.args[0])
+            uses.setdefault(name, []).append(LinearUse(name, node, x, 0, 1, bias))
+        elif param_of(w):
+            uses.setdefault(param_of(w), []).append(LinearUse(param_of(w), node, x, 1, 0, bias))
     return uses
 
 
