@@ -1006,12 +1006,10 @@ def _pipeline_degree(config: Config) -> int:
     zero = config.zero_optimization.stage
     for bad, path, what in ((isinstance(zero, int) and zero > 0, "zero_optimization.stage", f"ZeRO stage {zero}"),
                             (config.tensor_parallel.degree > 1, "tensor_parallel.autotp_size", "tensor parallelism"),
-                            (bool(config.gradient_clipping), "gradient_clipping", "gradient clipping (its global norm)"),
-                            (config.bf16.enabled is True or config.fp16.enabled is True, "bf16.enabled", "bf16/fp16")):
+                            (config.fp16.enabled is True, "fp16.enabled", "fp16 loss scaling")):
         if bad:
             raise ConfigError(path, f"pipeline parallelism ({pp} stages) does not compose with {what} yet "
-                              "(issue 20: ZeRO 0 and fp32 first)", value=True,
-                              expected="ZeRO stage 0, no tensor parallelism, no clipping, fp32")
+                              "(issue 20)", value=True, expected="ZeRO stage 0, no tensor parallelism, fp32 or bf16")
     return pp
 
 

@@ -28,7 +28,14 @@ def pp_run(step_fn, make_model, make_optimizer, batches_per_dp, config) -> dict:
              if plan.owner.get(names[id(p)]) in mine}
     return {"losses": losses, "state": state, "optimizer": optim, "owner": dict(plan.owner),
             "describe": plan.describe(), "stages": list(mine), "explain": step.explain(),
-            "captures": len({id(p) for p in step.plans})}
+            "captures": len({id(p) for p in step.plans}),
+            "sent_dtypes": _sent_dtypes(step.plan.executor.programs)}
+
+
+def _sent_dtypes(programs) -> list[str]:
+    """The dtypes of what the stages send each other per micro-batch."""
+    names = {n for sends in programs.send_forward + programs.send_backward for n in sends}
+    return sorted({str(programs.specs[n][1]) for n in names})
 
 
 def _stages(config: dict, world: int) -> int:

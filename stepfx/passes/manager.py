@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from ..config.errors import ConfigError
 from ..errors import PassError, StepfxError
 from ..graph import StepGraph, format_graph, verify_step_graph
 
@@ -134,7 +135,7 @@ class PassManager:
             start = time.perf_counter()
             try:
                 result = entry.fn(current, options)
-            except StepfxError:
+            except (StepfxError, ConfigError):  # stepfx's own errors and the user's config: as they are
                 raise
             except Exception as exc:
                 raise PassError(

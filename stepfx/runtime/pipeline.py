@@ -13,7 +13,9 @@ rank) and:
 3. sums the gradients each stage's optimizer reads over the micro-batches
    (the captured backward already divides by their number, as DeepSpeed's
    gradient accumulation does), averages them over the stage's
-   data-parallel group, and runs each stage's optimizer program;
+   data-parallel group, and runs each stage's optimizer program (in two
+   parts around a sum over the stages, such as gradient clipping's
+   squared norm, which the pipeline group all-reduces);
 4. returns the mean over micro-batches of what the step returns (the loss),
    made on the last stage and broadcast to every stage.
 
@@ -147,6 +149,15 @@ class PipelineExecutor:
         values: dict[str, Any] = dict(acc)
         for stage in self.my_stages:
             self._call("O", stage, inputs, values)
+        for name, parts in progs.cross_sums:  # sums over the stages (clipping's squared norm)
+            mine = [values[p] for p in parts if p in values]
+            spec = self._node(name).meta["val"]
+            local = torch.stack(mine).sum() if mine else torch.zeros((), dtype=spec.dtype, device=self._dev)
+            if self.dp.pp_size > 1:
+                dist.all_reduce(local, group=self.dp.pp_group)
+            values[name] = local
+        for stage in self.my_stages:
+            self._call("O2", stage, inputs, values)
         self._call("R", -1, inputs, values)
         # ... and the owner's new value to the other stages that read them
         shared: dict[str, Any] = {}

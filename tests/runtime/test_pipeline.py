@@ -19,18 +19,18 @@ import torch
 
 from stepfx.testing.equivalence import data_parallel_reference
 from tests.pp_workers import hf_gpt2_no_dropout, pp_run
-from tests.steps import hf_llama, hf_step, lm_step, tiny_gpt, token_batches
+from tests.steps import hf_llama, hf_step, lm_loss, lm_step, tiny_gpt, token_batches
 
 
 def sgd_momentum(model):
     return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
 
-def _config(stages, micro, schedule, virtual=1, **extra):
+def _config(stages, micro, schedule, virtual=1, clip=0, **extra):
     pipe = {"schedule": schedule}
     if virtual > 1:
         pipe["virtual_stages"] = virtual
-    return {"pipeline": {"stages": stages}, "gradient_accumulation_steps": micro, "gradient_clipping": 0,
+    return {"pipeline": {"stages": stages}, "gradient_accumulation_steps": micro, "gradient_clipping": clip,
             "stepfx": {"pipeline": pipe}, **extra}
 
 
@@ -38,11 +38,16 @@ def _batches(dp, steps=2, rows=12, seed=3, vocab=64):
     return [[(b,) for (b,) in token_batches(steps, batch=rows, seed=seed + d, vocab=vocab)] for d in range(dp)]
 
 
-def _check(results, step_fn, make_model, make_optimizer, batches_per_dp, micro):
+def _micro(batches_per_dp, micro):
+    """The reference's ranks: one per (data-parallel rank, micro-batch), as DeepSpeed averages them."""
+    return [[tuple(t.split(t.shape[0] // micro)[m] for t in batch) for batch in batches]
+            for batches in batches_per_dp for m in range(micro)]
+
+
+def _check(results, step_fn, make_model, make_optimizer, batches_per_dp, micro, clip=None):
     """Every rank's losses and every parameter (from the rank whose stage owns it) against the reference."""
-    virtual = [[tuple(t.split(t.shape[0] // micro)[m] for t in batch) for batch in batches]
-               for batches in batches_per_dp for m in range(micro)]
-    outputs, model, opt = data_parallel_reference(step_fn, make_model, make_optimizer, virtual)
+    virtual = _micro(batches_per_dp, micro)
+    outputs, model, opt = data_parallel_reference(step_fn, make_model, make_optimizer, virtual, clip_norm=clip)
     per_stage = len(batches_per_dp)
     for rank, got in enumerate(results):
         d = rank % per_stage
@@ -110,3 +115,37 @@ def test_hugging_face_models(rank_pool, make_model, schedule):
     results = rank_pool(2).run(pp_run, hf_step, make_model, sgd_momentum, batches, _config(2, 2, schedule),
                                timeout=300)
     _check(results, hf_step, make_model, sgd_momentum, batches, 2)
+
+
+@pytest.mark.slow
+def test_gradient_clipping_takes_the_norm_over_every_stage(rank_pool):
+    """The squared norm's parts are summed on each stage and all-reduced over
+    the pipeline: every stage scales by the same factor, as one process would."""
+    batches = _batches(1)
+    clip = 0.05
+    torch.manual_seed(0)
+    model = tiny_gpt()
+    for (idx,) in [b[0] for b in _micro(batches, 2)]:  # the first step's gradient
+        (lm_loss(model(idx[:, :-1]), idx[:, 1:]) / 2).backward()
+    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
+    assert norm > 4 * clip  # the clip bites
+    results = rank_pool(2).run(pp_run, lm_step, tiny_gpt, sgd_momentum, batches, _config(2, 2, "1f1b", clip=clip),
+                               timeout=300)
+    _check(results, lm_step, tiny_gpt, sgd_momentum, batches, 2, clip=clip)
+
+
+@pytest.mark.slow
+def test_bf16_tracks_fp32(rank_pool):
+    """bf16 compute copies of the fp32 masters on each stage, the activations
+    and their gradients sent in bf16: losses within 2e-2 relative of the
+    fp32 reference per step (8 mantissa bits), as the precision tests hold bf16."""
+    batches = _batches(1, steps=4)
+    config = _config(2, 2, "1f1b", clip=1.0, bf16={"enabled": True})
+    results = rank_pool(2).run(pp_run, lm_step, tiny_gpt, sgd_momentum, batches, config, timeout=300)
+    outputs, _, _ = data_parallel_reference(lm_step, tiny_gpt, sgd_momentum, _micro(batches, 2), clip_norm=1.0)
+    reference = [torch.stack([o for o in out]).mean().item() for out in outputs]
+    for got in results:
+        worst = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], reference))
+        assert worst < 2e-2, worst
+    assert results[0]["losses"] == results[1]["losses"]
+    assert set(results[0]["sent_dtypes"]) == {"torch.bfloat16"}  # the residual stream and its gradient

@@ -29,13 +29,19 @@ How:
   through the stages in reverse, each stage differentiating its own ops
   with the activations it saved.
 - **The optimizer** update of each parameter goes to the stage owning the
-  parameter (the stage of its first forward reader).
+  parameter (the stage of its first forward reader). A sum over all
+  parameters (gradient clipping's squared norm, ``sum(stack(parts))``) is
+  a sum over the stages: each adds its own parts, the pipeline group
+  all-reduces (the runtime); what depends on it alone (the norm, the clip
+  factor, fp16's overflow flag) every stage computes.
 
 Requires: a functional graph with phases (capture), static batch shapes;
 run last (every later pass would have to keep the annotations).
 
 Ensures: ``meta["pp_stage"]`` on every call_function node (None on
-replicated ones) and ``meta["pp_task"]`` ("F", "B" or "O"); the
+replicated ones) and ``meta["pp_task"]`` ("F", "B" or "O"; "X" on a sum
+over the stages (a ``stack`` and its ``sum``), "G" on optimizer ops made
+from such sums alone, both without a stage); the
 signature's ``extra["pipeline"]`` holds the :class:`StagePlan`. Values are
 unchanged (annotations only). Stage programs are cut from this graph by
 ``stage_programs.split_programs``.
@@ -309,6 +315,9 @@ def partition_stages(graph: StepGraph, options: PassOptions) -> PassResult:
             if len(seen) < stages:
                 raise ConfigError("pipeline.stages", f"partition {method!r} found {len(seen)} layers, fewer than the "
                                 f"{stages} stages (pipeline.partition)")
+            # counting layers, a stage starts right before one: the last cut point before each layer's first op
+            starts = [i for i, w in enumerate(weights) if w]
+            candidates = sorted({max(c for c in candidates if c <= i) for i in starts if any(c <= i for c in candidates)})
         cuts = _linear_partition(weights, candidates, stages)
 
     bounds = [0] + list(cuts) + [len(forward)]
@@ -365,9 +374,14 @@ def partition_stages(graph: StepGraph, options: PassOptions) -> PassResult:
             stage_of[n] = min(bound[n], max(readers))
         else:
             stage_of[n] = bound[n]
-    # the optimizer: by the parameter an op updates; ops shared by several parameters are refused below
+    # the optimizer: by the parameter an op updates. A sum over the stages' parts (gradient clipping's
+    # squared norm: ``sum(stack(parts))``) is a cross-stage sum ("X": each rank adds its stages' parts,
+    # the pipeline group all-reduces them); what is computed from such sums alone (the norm, the clip
+    # factor, the overflow flag) is global ("G": every stage computes it)
+    cross: set[fx.Node] = set()
+    global_ops: set[fx.Node] = set()
     for n in g.nodes:
-        if n.op != "call_function" or n.meta.get(META_PHASE) is not Phase.OPTIMIZER:
+        if n.op != "call_function" or n.meta.get(META_PHASE) is not Phase.OPTIMIZER or n in cross:
             continue
         name = n.meta.get(META_PARAM)
         if name is not None and name in owner:
@@ -376,17 +390,27 @@ def partition_stages(graph: StepGraph, options: PassOptions) -> PassResult:
         ins = {stage_of[a] for a in n.all_input_nodes if a in stage_of and a.op == "call_function"}
         ins |= {owner[params[a]] for a in n.all_input_nodes if a in params and params[a] in owner}
         if len(ins) > 1:
-            raise ConfigError("gradient_clipping", f"optimizer op {n.name} ({n.target}) combines values of stages "
-                            f"{sorted(ins)}; a step-wide optimizer computation (gradient clipping's global norm, "
-                            "a batched update) is not supported with pipeline parallelism yet")
+            users = list(n.users)
+            if n.target is aten.stack.default and len(users) == 1 and users[0].target is aten.sum.default \
+                    and len(users[0].args) == 1:
+                cross.update((n, users[0]))
+                continue
+            where = n.meta.get("source") or "the update"
+            raise ConfigError("pipeline.stages", f"optimizer op {n.name} ({n.target}, {where}) combines values of "
+                              f"stages {sorted(ins)}; only sums over the stages (as gradient clipping's norm) are "
+                              "supported with pipeline parallelism")
+        if not ins and any(a in cross or a in global_ops for a in n.all_input_nodes):
+            global_ops.add(n)
+            continue
         stage_of[n] = ins.pop() if ins else 0
 
     gm = graph.gm
     for n in g.nodes:
         if n.op != "call_function":
             continue
-        if n in replicated:
-            n.meta[META_STAGE], n.meta[META_TASK] = None, None
+        if n in replicated or n in cross or n in global_ops:
+            n.meta[META_STAGE] = None
+            n.meta[META_TASK] = "X" if n in cross else "G" if n in global_ops else None
             continue
         n.meta[META_STAGE] = stage_of[n]
         phase = n.meta.get(META_PHASE)

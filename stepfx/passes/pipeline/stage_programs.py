@@ -80,6 +80,10 @@ class StagePrograms:
     # parameter sent to the other stages that read it, (graph output position, value name, from stage, to stage)
     step_sends: list[tuple[str, int, int]] = field(default_factory=list)
     param_sends: list[tuple[int, str, int, int]] = field(default_factory=list)
+    # sums over the stages (gradient clipping's squared norm): (the sum's name, its parts' names); each rank
+    # adds the parts its stages' "O" programs made, the pipeline group all-reduces, "O2" programs read the sum
+    cross_sums: list[tuple[str, list[str]]] = field(default_factory=list)
+    replicated: frozenset = frozenset()  # names of the ops copied into every program that reads them
 
 
 def _free_inputs(graph: StepGraph) -> set[fx.Node]:
@@ -110,13 +114,15 @@ def split_programs(graph: StepGraph, *, split_backward: bool = False) -> StagePr
     for n in g.nodes:
         if n.op != "call_function":
             continue
+        if n.meta.get(META_TASK) == "X":
+            continue
         if n.meta.get(META_STAGE) is None or (n.meta.get(META_PHASE) is Phase.OPTIMIZER and n.target is not None
                                               and all(a in free or a in replicated for a in n.all_input_nodes)
                                               and not _impure(n)):
             replicated.add(n)
 
     def task_of(n: fx.Node) -> tuple[str, int] | None:
-        if n.op != "call_function" or n in replicated:
+        if n.op != "call_function" or n in replicated or n.meta.get(META_TASK) == "X":
             return None
         return n.meta[META_TASK], n.meta[META_STAGE]
 
@@ -131,6 +137,24 @@ def split_programs(graph: StepGraph, *, split_backward: bool = False) -> StagePr
             if len(owners) == 1:
                 n.meta[META_TASK], n.meta[META_STAGE] = "O", owners.pop()
 
+    # sums over the stages: what reads one (the clip factor and what it scales) runs after the all-reduce
+    cross_sums = []
+    cross_parts: list[fx.Node] = []
+    after_cross: set[fx.Node] = set()
+    for n in g.nodes:
+        if n.meta.get(META_TASK) == "X" and n.target is torch.ops.aten.sum.default:
+            (stack,) = n.all_input_nodes
+            parts = list(stack.args[0])
+            cross_sums.append((n.name, [p.name for p in parts]))
+            cross_parts += parts
+        if n.op == "call_function" and (n.meta.get(META_TASK) == "X" or any(a in after_cross for a in n.all_input_nodes)):
+            after_cross.add(n)
+            if n.meta.get(META_TASK) == "O":
+                n.meta[META_TASK] = "O2"
+    for p in cross_parts:
+        if task_of(p) is None:
+            raise ConfigError("pipeline.stages", f"{p.name}, a part of a sum over the stages, has no stage")
+
     # -- the zero-bubble split of each stage's backward ---------------------------------
     step_sends: set[tuple[str, int, int]] = set()
     send_forward: list[set[str]] = [set() for _ in range(stages)]
@@ -141,8 +165,10 @@ def split_programs(graph: StepGraph, *, split_backward: bool = False) -> StagePr
     def route(v: fx.Node, consumer: tuple[str, int]) -> None:
         kp, sp = task_of(v)
         kc, sc = consumer
-        if kc == "O" and kp == "O" and sp == sc:
+        if kc in ("O", "O2") and kp in ("O", "O2") and sp == sc:
             return
+        if kc == "O2":
+            kc = "O"
         if kc == "O" and kp == "B" and sp != sc:  # a shared parameter's gradient part
             accumulated[sp].add(v.name)
             step_sends.add((v.name, sp, sc))
@@ -187,7 +213,8 @@ def split_programs(graph: StepGraph, *, split_backward: bool = False) -> StagePr
         t = task_of(n)
         if t is None:
             continue
-        if n.name in wanted or n in output_nodes or any(task_of(u) not in (None, t) for u in n.users):
+        if n.name in wanted or n in output_nodes or n in cross_parts or any(
+                task_of(u) not in (None, t) for u in n.users):
             needed_out.setdefault(t, []).append(n)
 
     tasks: dict[tuple[str, int], list[fx.Node]] = {}
@@ -247,7 +274,7 @@ def split_programs(graph: StepGraph, *, split_backward: bool = False) -> StagePr
             output_task.append(kind)
             if kind == "F":
                 user_outputs.append(i)
-            elif kind not in ("O",):
+            elif kind not in ("O", "O2"):
                 raise ConfigError("pipeline.stages", f"the step returns {a.name} ({_where(a)}), made by the backward; "
                                   "with pipeline parallelism a step returns forward values (the loss) and updates state")
     if rep_out:
@@ -286,7 +313,8 @@ def split_programs(graph: StepGraph, *, split_backward: bool = False) -> StagePr
         send_backward=[sorted(x, key=order.get) for x in send_backward],
         specs=specs, accumulated={s: sorted(v, key=order.get) for s, v in accumulated.items()},
         outputs=outputs, output_task=output_task, split_backward=split_backward, user_outputs=user_outputs,
-        step_sends=sorted(step_sends, key=lambda t: (order[t[0]], t[1], t[2])), param_sends=param_sends)
+        step_sends=sorted(step_sends, key=lambda t: (order[t[0]], t[1], t[2])), param_sends=param_sends,
+        cross_sums=cross_sums, replicated=frozenset(n.name for n in replicated))
 
 
 def _impure(n: fx.Node) -> bool:

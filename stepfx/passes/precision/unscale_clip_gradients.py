@@ -72,6 +72,7 @@ from ...graph.build import clone_step_graph
 from ..data_parallel.collectives import all_reduce_sum, fake_like, getitem, make_node
 from ..data_parallel.reduce_gradients import final_gradients
 from ..manager import PassOptions, PassResult
+from ..pipeline.partition_stages import pipeline_settings
 
 __all__ = ["unscale_clip_gradients", "precision_settings"]
 
@@ -153,7 +154,9 @@ def unscale_clip_gradients(graph: StepGraph, options: PassOptions) -> PassResult
     # torch's order where the norm needs no collective (one rank: pieces are
     # whole parameters; several: whole gradients are the same on every rank)
     # and eager's norms are fp32; in parameter order, as clip_grad_norm_(model.parameters())
-    as_torch = (options.world_size == 1 or not pieces) and not tp and all(n.meta["val"].dtype == torch.float32 for n in grads.values())
+    # (under pipeline parallelism the squared norm's parts are summed over the stages: partition_stages)
+    as_torch = ((options.world_size == 1 or not pieces) and not tp and pipeline_settings(options) <= 1
+                and all(n.meta["val"].dtype == torch.float32 for n in grads.values()))
     position = {s.name: i for i, (_, s) in enumerate(graph.signature.inputs_with(Role.PARAM))}
     with g.inserting_before(anchor):
         if as_torch:

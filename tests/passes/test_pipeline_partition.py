@@ -1,0 +1,273 @@
+"""partition_stages and the stage programs, in one process (no ranks): where
+the forward is cut, how each partition method balances, what the programs
+cover, and the config that asks for it. The programs are also run here in
+a pipeline's order, all stages in this process, against the captured step:
+the cut changes no value (bitwise)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.fx as fx
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from stepfx.capture import CaptureOptions, capture_step, collect_inputs
+from stepfx.capture.initial_state import create_initial_state
+from stepfx.config import ConfigError, load_config
+from stepfx.config.pipeline import pipeline_degree
+from stepfx.graph.signature import Role
+from stepfx.passes import PIPELINE, PassManager, PassOptions
+from stepfx.passes.pipeline.partition_stages import (
+    META_STAGE,
+    META_TASK,
+    MODULE_CLASSES_KEY,
+    PIPELINE_KEY,
+    STAGES_KEY,
+)
+from stepfx.passes.pipeline.stage_programs import split_programs
+from stepfx.runtime.binding import ModuleBinding, RankStore
+from stepfx.testing.models import GPT, gpt_config
+from tests.steps import lm_step, token_batches
+
+
+def _classes(model):
+    out = {}
+    for name, _ in model.named_parameters():
+        chain, module = [type(model).__name__], model
+        for part in name.split(".")[:-1]:
+            module = getattr(module, part)
+            chain.append(type(module).__name__)
+        out[name] = tuple(chain)
+    return out
+
+
+def _partitioned(stages, micro=2, config=None, layers=2, d_model=32, heads=4, rows=4, with_optimizer=False):
+    """The final graph of lm_step on a GPT, cut into ``stages``, and the
+    model, optimizer and first micro-batch it was captured with."""
+    torch.manual_seed(0)
+    model = GPT(gpt_config("tiny", n_layers=layers, d_model=d_model, n_heads=heads))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    create_initial_state(opt, None)
+    (batch,) = token_batches(1, batch=rows, seed=5)[0]
+    first = batch[: rows // micro]
+    options = CaptureOptions(grad_accumulation=micro)
+    inputs = collect_inputs(model, opt, (first,), {}, held={}, options=options)
+    captured = capture_step(lm_step, model, opt, (first,), {}, inputs=inputs, options=options)
+    cfg = load_config({"gradient_clipping": 0, "gradient_accumulation_steps": micro, **(config or {})})
+    records = PassManager(PIPELINE).run(captured, PassOptions(config=cfg, extra={
+        STAGES_KEY: stages, MODULE_CLASSES_KEY: _classes(model)}))
+    if with_optimizer:
+        return records[-1].graph, model, batch, opt
+    return records[-1].graph, model, batch
+
+
+def _forward_stages(graph):
+    return [n.meta[META_STAGE] for n in graph.gm.graph.nodes
+            if n.op == "call_function" and n.meta.get(META_TASK) == "F"]
+
+
+def _check_cover(graph, programs):
+    """Every op of the step is in exactly one program, or copied (replicated)
+    into those that read it, or a sum over the stages the runtime makes."""
+    counts = {}
+    for prog in programs.programs.values():
+        for n in prog.gm.graph.nodes:
+            if n.op == "call_function":
+                counts[n.name] = counts.get(n.name, 0) + 1
+    for n in graph.gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        task = n.meta.get(META_TASK)
+        if task == "X":
+            assert n.name not in counts, n.name
+        elif n.name in programs.replicated:
+            assert n.meta.get(META_STAGE) is None or n.meta.get(META_TASK) == "O", n.name
+        else:
+            assert counts.get(n.name) == 1, (n.name, task, counts.get(n.name))
+
+
+def test_the_forward_is_cut_between_blocks_where_only_the_residual_stream_crosses():
+    graph, _, _ = _partitioned(2)
+    plan = graph.signature.extra[PIPELINE_KEY]
+    assert plan.stages == 2 and len(plan.crossing) == 1
+    assert len(plan.crossing[0]) == 1  # one tensor: the residual stream, (2 rows, 8 positions, 32 features) fp32
+    assert plan.crossing_bytes == (2 * 8 * 32 * 4,)
+    stages = _forward_stages(graph)
+    assert stages == sorted(stages) and set(stages) == {0, 1}
+    # the embedding and first block on stage 0, the second block, the head and the loss on stage 1
+    assert plan.owner["tok.weight"] == 0 and plan.owner["blocks.0.fc_out.weight"] == 0
+    assert plan.owner["blocks.1.qkv.weight"] == 1 and plan.owner["ln_f.weight"] == 1
+
+
+def test_programs_cover_every_op_and_send_one_tensor_each_way():
+    graph, _, _ = _partitioned(2)
+    programs = split_programs(graph)
+    _check_cover(graph, programs)
+    assert [len(s) for s in programs.send_forward] == [1, 0]
+    assert [len(s) for s in programs.send_backward] == [0, 1]
+    # the tied head: its gradient part once a step to the embedding's stage, the new weight back
+    assert [(src, dst) for _, src, dst in programs.step_sends] == [(1, 0)]
+    assert [(src, dst) for _, _, src, dst in programs.param_sends] == [(0, 1)]
+
+
+def test_the_programs_run_in_pipeline_order_equal_the_captured_step_bitwise():
+    """All stages in this process: F0 F1 per micro-batch, then B1 B0, the
+    gradients summed over the micro-batches, O0 O1 — the same updated state
+    and loss as the whole graph run on the same micro-batches one after the
+    other with the gradients summed (every op the same, bitwise)."""
+    micro = 2
+    graph, model, batch, opt = _partitioned(2, micro=micro, with_optimizer=True)
+    programs = split_programs(graph)
+    sig = graph.signature
+    values_in = ModuleBinding(sig, model, opt, RankStore()).inputs([batch])
+    pieces = batch.split(batch.shape[0] // micro)
+    batch_at = [i for i, s in enumerate(sig.inputs) if s.role is Role.BATCH]
+    acc, losses = {}, []
+    for m in range(micro):
+        inputs = list(values_in)
+        for i in batch_at:
+            inputs[i] = pieces[m]
+        store = {}
+        for kind, stage in (("F", 0), ("F", 1), ("B", 1), ("B", 0)):
+            prog = programs.programs.get((kind, stage))
+            if prog is None:
+                continue
+            args = [inputs[i] if src == "graph" else store[i] for src, i in prog.inputs]
+            store.update(zip(prog.outputs, prog.gm(*args)))
+        for s in range(2):
+            for name in programs.accumulated[s]:
+                acc[name] = store[name].clone() if name not in acc else acc[name] + store[name]
+        losses.append(store[programs.outputs[programs.user_outputs[0]][1]])
+    values = dict(acc)
+    for kind in ("O", "O2"):
+        for s in range(2):
+            prog = programs.programs.get((kind, s))
+            if prog is not None:
+                args = [values_in[i] if src == "graph" else values[i] for src, i in prog.inputs]
+                values.update(zip(prog.outputs, prog.gm(*args)))
+    # the whole graph: the same micro-batches, the optimizer reading the summed gradients
+    gm = graph.gm
+    assert all(n.meta.get(META_TASK) != "X" for n in gm.graph.nodes)
+    whole_acc = {}
+    for m in range(micro):
+        inputs = list(values_in)
+        for i in batch_at:
+            inputs[i] = pieces[m]
+        env = _run_until_optimizer(gm, inputs)
+        for s in range(2):
+            for name in programs.accumulated[s]:
+                whole_acc[name] = env[name].clone() if name not in whole_acc else whole_acc[name] + env[name]
+        assert torch.equal(env[programs.outputs[programs.user_outputs[0]][1]], losses[m])
+    for name in whole_acc:
+        assert torch.equal(whole_acc[name], acc[name]), name
+
+
+def _run_until_optimizer(gm: fx.GraphModule, inputs: list) -> dict:
+    """The forward and backward of the whole graph, node by node (fx's Interpreter)."""
+    env = {}
+
+    class Stop(fx.Interpreter):
+        def run_node(self, n):
+            if n.op == "call_function" and n.meta.get(META_TASK) in ("O", "O2", "X", "G"):
+                return None
+            if n.op == "output":
+                return None
+            value = super().run_node(n)
+            env[n.name] = value
+            return value
+
+    Stop(gm).run(*inputs)
+    return env
+
+
+@pytest.mark.parametrize("method", ["parameters", "uniform", "type:Block", "best"])
+def test_partition_methods_balance_what_they_say(method):
+    graph, model, _ = _partitioned(2, config={"pipeline": {"partition": method}}, layers=4)
+    plan = graph.signature.extra[PIPELINE_KEY]
+    assert plan.method == method
+    blocks = {s: sorted({int(n.split(".")[1]) for n, o in plan.owner.items() if n.startswith("blocks.") and o == s})
+              for s in range(2)}
+    if method in ("uniform", "type:Block"):
+        assert blocks == {0: [0, 1], 1: [2, 3]}  # two blocks each
+    if method == "parameters":
+        assert abs(plan.params[0] - plan.params[1]) <= 0.2 * sum(plan.params)
+    if method == "best":
+        assert max(plan.costs) <= 0.6 * sum(plan.costs)
+
+
+def test_split_points_name_where_stages_start():
+    graph, _, _ = _partitioned(3, config={"stepfx": {"pipeline": {"split_points": ["blocks.1", "blocks.3"]}}},
+                               layers=4)
+    plan = graph.signature.extra[PIPELINE_KEY]
+    assert plan.method == "split_points"
+    assert plan.owner["blocks.0.qkv.weight"] == 0 and plan.owner["blocks.1.qkv.weight"] == 1
+    assert plan.owner["blocks.2.fc.weight"] == 1 and plan.owner["blocks.3.ln1.weight"] == 2
+    with pytest.raises(ConfigError, match="stepfx.pipeline.split_points: no parameter is under module 'blocks.9'"):
+        _partitioned(2, config={"stepfx": {"pipeline": {"split_points": ["blocks.9"]}}})
+    with pytest.raises(ConfigError, match="stepfx.pipeline.split_points: names 2 modules; 2 stages need 1"):
+        _partitioned(2, config={"stepfx": {"pipeline": {"split_points": ["blocks.1", "blocks.0"]}}})
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow],
+          phases=[Phase.explicit, Phase.reuse, Phase.generate])  # a capture a second: no shrinking
+@given(layers=st.integers(1, 3), width=st.sampled_from([(16, 2), (32, 4)]), stages=st.integers(2, 4),
+       method=st.sampled_from(["best", "parameters", "uniform"]), clip=st.booleans())
+def test_property_every_op_has_one_place_and_stages_are_contiguous(layers, width, stages, method, clip):
+    """Over generated GPTs, stage counts and methods: forward stages are
+    contiguous and non-empty, every op is in exactly one program (or copied
+    where read), and each stage sends its successor only what crosses."""
+    d_model, heads = width
+    config = {"pipeline": {"partition": method}, "gradient_clipping": 0.5 if clip else 0}
+    try:
+        graph, _, _ = _partitioned(stages, config=config, layers=layers, d_model=d_model, heads=heads)
+    except ConfigError as exc:  # more stages than the model has layers (uniform) or cut points
+        assert "fewer than" in str(exc)
+        return
+    fwd = _forward_stages(graph)
+    assert fwd == sorted(fwd) and set(fwd) == set(range(stages))
+    programs = split_programs(graph, split_backward=True)
+    _check_cover(graph, programs)
+    assert bool(programs.cross_sums) == clip
+    for s in range(stages - 1):
+        assert programs.send_forward[s], s  # something crosses every cut
+    assert programs.send_forward[stages - 1] == [] and programs.send_backward[0] == []
+
+
+def test_config_reads_the_pipeline_block_as_deepspeed_does():
+    cfg = load_config({"pipeline": {"stages": 2, "partition_method": "type:Block", "pipe_partitioned": False}})
+    assert (cfg.pipeline.stages, cfg.pipeline.partition, cfg.pipeline.pipe_partitioned) == (2, "type:Block", False)
+    assert cfg.pipeline.activation_checkpoint_interval == 0 and cfg.pipeline.grad_partitioned is True
+    assert "pipeline.pipe_partitioned" in cfg.not_applied and "pipeline.stages" not in cfg.not_applied
+    with pytest.raises(ConfigError, match="pipeline.partition: got 'type:\\('"):
+        load_config({"pipeline": {"partition": "type:("}})
+    with pytest.raises(ConfigError, match="two spellings of the same key"):
+        load_config({"pipeline": {"partition": "uniform", "partition_method": "uniform"}})
+    with pytest.raises(ConfigError, match="did you mean '1f1b'"):
+        load_config({"stepfx": {"pipeline": {"schedule": "1fb1"}}})
+    with pytest.raises(ConfigError, match="stepfx.pipeline.virtual_stages: virtual stages are for the interleaved"):
+        load_config({"stepfx": {"pipeline": {"schedule": "1f1b", "virtual_stages": 2}}})
+    with pytest.warns(UserWarning, match="pipeline.stage: unknown key"):
+        load_config({"pipeline": {"stage": 2}})
+
+
+def test_pipeline_degree_against_the_world():
+    cfg = load_config({"pipeline": {"stages": 3}})
+    with pytest.raises(ConfigError, match="pipeline.stages: 3 pipeline stages x tensor-parallel 1 do not divide the world size 4"):
+        pipeline_degree(cfg.pipeline, cfg.stepfx.pipeline, 4)
+    assert pipeline_degree(cfg.pipeline, cfg.stepfx.pipeline, 6) == 3
+    auto = load_config({})
+    assert pipeline_degree(auto.pipeline, auto.stepfx.pipeline, 8) == 1  # DeepSpeed's "auto" alone: off
+    asked = load_config({"stepfx": {"pipeline": {"data_parallel": 2}}})
+    assert pipeline_degree(asked.pipeline, asked.stepfx.pipeline, 8) == 4
+
+
+@pytest.mark.parametrize("extra,key", [({"zero_optimization": {"stage": 1}}, "zero_optimization.stage"),
+                                       ({"fp16": {"enabled": True}}, "fp16.enabled")])
+def test_what_does_not_compose_yet_is_refused_by_key(monkeypatch, extra, key):
+    from stepfx.api import _pipeline_degree
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=f"^{key}: pipeline parallelism \\(2 stages\\) does not compose"):
+        _pipeline_degree(load_config({"pipeline": {"stages": 2}, **extra}))
