@@ -128,23 +128,23 @@ def _shape(node) -> tuple:
 _MATMULS = {aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default}
 
 
-def forward_cost(node: fx.Node) -> float:
-    """Seconds by the cost model: matmul FLOPs at the assumed rate, other ops' bytes moved."""
+def forward_cost(node: fx.Node, *, flops: float = _FLOPS, bandwidth: float = _BYTES) -> float:
+    """Seconds by the cost model: matmul and attention FLOPs at ``flops`` per second, other ops' bytes
+    moved at ``bandwidth`` (benchmarks/pipeline_balance.py measures both on the GPU)."""
     out = _nbytes(node)
     if node.target in _MATMULS:
         a, b = (node.args[1], node.args[2]) if node.target in (aten.addmm.default, aten.baddbmm.default) else node.args[:2]
         sa, sb = _shape(a), _shape(b)
         if sa and sb:
-            flops = 2 * math.prod(sa) * sb[-1]
-            return flops / _FLOPS + out / _BYTES
+            return 2 * math.prod(sa) * sb[-1] / flops + out / bandwidth
     name = getattr(node.target, "__name__", str(node.target))
     if "attention" in name:
         q, k = node.args[0], node.args[1]
         sq, sk = _shape(q), _shape(k)
         if sq and sk:
-            return 4 * math.prod(sq) * sk[-2] / _FLOPS + out / _BYTES
+            return 4 * math.prod(sq) * sk[-2] / flops + out / bandwidth
     ins = sum(_nbytes(a) for a in node.all_input_nodes)
-    return (ins + out) / _BYTES
+    return (ins + out) / bandwidth
 
 
 def _replicated(g: fx.Graph) -> set[fx.Node]:
