@@ -810,13 +810,12 @@ class ParallelStep:
                 if tensors and id(p) in names:
                     out[names[id(p)]] = tensors
         layout = self.plan.graph.signature.extra.get(LAYOUT_KEY)
-        if layout is not None:
-            for name, state in gather_sharded_state(layout, self._store, self._dp).items():
-                out.setdefault(name, {}).update(state)
-        if self._dp.tp_size > 1:
-            split = gather_tensor_parallel(self.plan.graph.signature, self._store, self._dp, Role.OPTIMIZER_STATE)
-            for name, state in split.items():
-                out.setdefault(name, {}).update(state)
+        held = gather_sharded_state(layout, self._store, self._dp) if layout is not None else {}
+        if self._dp.tp_size > 1:  # whole tensors from the Megatron shards (ZeRO's pieces gathered first)
+            held.update(gather_tensor_parallel(self.plan.graph.signature, self._store, self._dp,
+                                               Role.OPTIMIZER_STATE, local=held))
+        for name, state in held.items():
+            out.setdefault(name, {}).update(state)
         return out
 
     def _feed_monitor(self, result, args, kwargs, options: CaptureOptions, optimizer, plan: Plan) -> None:
@@ -958,12 +957,14 @@ def _serves_after_tensor_parallel_move(plan: Plan, held: dict, model, optimizer)
     """Whether a plan that split parameters over a tensor-parallel group
     also serves the next call, whose inputs the rank's store now describes:
     the same optimizer state exists as at its capture (not so when the run
-    created state lazily, e.g. SGD's momentum buffers)."""
-    inputs = plan.graph.signature.inputs
-    if not any(s.split is not None for s in inputs):
+    created state lazily, e.g. SGD's momentum buffers). The state is read
+    off the captured step: under ZeRO the final one lacks the state of
+    parameters whose piece is on other ranks."""
+    if not any(s.split is not None for s in plan.graph.signature.inputs):
         return False
     names = {id(p): n for n, p in model.named_parameters()}
-    before = {(s.name, s.key) for s in inputs if s.role is Role.OPTIMIZER_STATE}
+    read = (plan.captured or plan.graph).signature.inputs
+    before = {(s.name, s.key) for s in read if s.role is Role.OPTIMIZER_STATE}
     after = {(n, k) for (r, n, k) in held if r is Role.OPTIMIZER_STATE}
     if optimizer is not None:
         after |= {(names.get(id(p)), k) for p, state in optimizer.state.items() for k in state}
@@ -973,7 +974,8 @@ def _serves_after_tensor_parallel_move(plan: Plan, held: dict, model, optimizer)
 def _tensor_parallel_degree(config: Config, model: torch.nn.Module) -> int:
     """``tensor_parallel.autotp_size`` checked against torchrun's world and
     the model's head counts; what it does not compose with yet is refused
-    by name. It composes with gradient clipping and bf16/fp16."""
+    by name. It composes with gradient clipping, bf16/fp16 and ZeRO stages
+    0-2 over the data-parallel axis."""
     import torch.distributed as dist
 
     tp_config = config.tensor_parallel
@@ -986,9 +988,13 @@ def _tensor_parallel_degree(config: Config, model: torch.nn.Module) -> int:
         ("num_attention_heads", "n_heads"), ("num_attention_heads", "n_head")) if getattr(cfg, attr, None)}
     tp = check_tensor_parallel(tp_config, world, heads)
     zero = config.zero_optimization.stage
-    if isinstance(zero, int) and zero > 0:
+    if isinstance(zero, int) and zero > 2:
+        # shard_parameters would have to cut pieces of each rank's Megatron shard at rest and gather
+        # them over the data-parallel group only, before the tensor-parallel collectives read them
         raise ConfigError("zero_optimization.stage", f"tensor parallelism (autotp_size {tp}) does not compose with "
-                          f"ZeRO stage {zero} yet (issue 19)", value=zero, expected="0 with tensor_parallel.autotp_size > 1")
+                          f"ZeRO stage {zero} yet: it needs the parameters at rest as pieces of each rank's "
+                          "Megatron shard, gathered over the data-parallel group before use (DeepSpeed's AutoTP "
+                          "refuses ZeRO-3 too)", value=zero, expected="0, 1 or 2 with tensor_parallel.autotp_size > 1")
     return tp
 
 

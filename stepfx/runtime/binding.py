@@ -191,15 +191,13 @@ class ModuleBinding:
                 value = store.tensors.get(ident)
                 if value is None:
                     whole = source()
+                    # a tensor-parallel shard is cut first (``split``), then its ZeRO piece (``piece``)
                     if isinstance(whole, TensorSpec):  # zeros never made whole
-                        shape = (piece[1] - piece[0],) if piece is not None else whole.shape
-                        if split is not None:
-                            shape = split.local_shape(whole.shape)
+                        shape = (piece[1] - piece[0],) if piece is not None else \
+                            split.local_shape(whole.shape) if split is not None else whole.shape
                         value = torch.zeros(shape, dtype=whole.dtype, device=whole.device)
-                    elif split is not None:  # a tensor-parallel shard
-                        value = split.take(whole.detach())
                     else:
-                        whole = whole.detach()
+                        whole = split.take(whole.detach()) if split is not None else whole.detach()
                         value = whole.reshape(-1)[piece[0] : piece[1]].clone() if piece is not None else whole.clone()
                     store.tensors[ident] = value
                 return value

@@ -1,6 +1,8 @@
 """Whole tensors back from the pieces ranks hold (ZeRO).
 
-Collectives over stepfx's data-parallel group: every rank must call them.
+Collectives over stepfx's data-parallel group (the data-parallel axis of
+the mesh: under tensor parallelism the pieces are of this rank's Megatron
+shards, gathered over its DP group): every rank must call them.
 Each bucket's shard of a tensor family (the parameters, or one optimizer
 state key) is packed exactly as the compiled step packs it, then
 all-gathered; whole tensors are views into the gathered buffer, cloned out.
@@ -24,11 +26,11 @@ __all__ = ["gather_sharded_params", "gather_sharded_state"]
 
 def _gather_family(bucket: Bucket, store: RankStore, dp: DataParallel, role: Role, key: str | None, spec: TensorSpec) -> dict[str, torch.Tensor]:
     shard = torch.zeros(bucket.shard, dtype=spec.dtype, device=spec.device)
-    for p, a, b, at in bucket.shard_parts(dp.rank):
+    for p, a, b, at in bucket.shard_parts(dp.dp_rank):
         shard[at : at + b - a] = store.tensors[(role, p.name, key, None, Storage.RANK, (a, b))].reshape(-1)
-    if dp.active:
+    if dp.dp_size > 1:
         full = torch.empty(bucket.padded, dtype=shard.dtype, device=shard.device)
-        dist.all_gather_into_tensor(full, shard.contiguous(), group=dp.group)
+        dist.all_gather_into_tensor(full, shard.contiguous(), group=dp.dp_group)
     else:
         full = shard
     return {p.name: full[p.offset : p.offset + p.numel].view(p.shape).clone() for p in bucket.params}
@@ -65,9 +67,9 @@ def gather_sharded_state(layout: ZeroLayout, store: RankStore, dp: DataParallel)
                 continue
             for name, value in _gather_family(bucket, store, dp, Role.OPTIMIZER_STATE, key, spec).items():
                 out.setdefault(name, {})[key] = value
-    if dp.active:
-        everyone: list[Any] = [None] * dp.world_size
-        dist.all_gather_object(everyone, scalars, group=dp.group)
+    if dp.dp_size > 1:
+        everyone: list[Any] = [None] * dp.dp_size
+        dist.all_gather_object(everyone, scalars, group=dp.dp_group)
         for theirs in everyone:
             for k, v in theirs.items():
                 scalars.setdefault(k, v)

@@ -1,6 +1,6 @@
 """Tensor parallelism end to end on the rank pool (CPU, gloo): the step
 split over a TP group (and TP x DP) equals the single-process reference,
-alone and composed with gradient clipping and bf16/fp16.
+alone and composed with gradient clipping, bf16/fp16 and ZeRO stages 1-2.
 
 Fp32 on CPU: the split matmuls sum over features in another order than the
 whole ones, so equality is within 1e-5 relative, not bitwise. The optimizer
@@ -16,8 +16,9 @@ import pytest
 import torch
 
 import stepfx
+from stepfx.config import ConfigError
 from stepfx.testing.equivalence import data_parallel_reference
-from tests.steps import MLP, ce_step, hf_llama, hf_step, lm_step, mlp_batches, one_block_gpt, token_batches
+from tests.steps import MLP, adamw, ce_step, hf_llama, hf_step, lm_step, mlp_batches, one_block_gpt, token_batches
 from tests.tp_workers import tp_run
 
 TP2 = {"gradient_clipping": 0, "tensor_parallel": {"autotp_size": 2}}
@@ -118,7 +119,7 @@ def test_gpt_tp2_dp2_equals_the_data_parallel_reference(rank_pool):
     assert results[0]["losses"] != results[2]["losses"]  # the DP ranks saw different batches
 
 
-# -- composed with clipping and 16-bit precision --------------------------------------
+# -- composed with clipping, 16-bit precision and ZeRO --------------------------------
 
 
 class _KeepGradients:
@@ -224,3 +225,40 @@ def test_fp16_overflow_on_one_tp_rank_skips_the_step_on_every_rank(rank_pool):
         assert got["losses"] == pytest.approx(expected, rel=1e-3)
         for name, value in model.state_dict().items():
             assert torch.allclose(got["state"][name], value, rtol=1e-3, atol=1e-6), name
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("tensor_parallel")
+@pytest.mark.parametrize("stage, make_model, step_fn, make_optimizer, counts", [
+    (1, one_block_gpt, lm_step, sgd_momentum, GPT_COUNTS), (2, one_block_gpt, lm_step, sgd_momentum, GPT_COUNTS),
+    (2, hf_llama, hf_step, adamw, LLAMA_COUNTS),
+], ids=["zero1-gpt", "zero2-gpt", "zero2-llama-adamw"])
+def test_tp2_dp2_zero_shards_each_tp_ranks_state_over_its_dp_group(rank_pool, stage, make_model, step_fn,
+                                                                   make_optimizer, counts):
+    """TP groups {0, 1} and {2, 3}; ZeRO over the DP groups {0, 2} and
+    {1, 3}: each rank holds a piece of its Megatron shard's optimizer state,
+    with clipping (the norm all-reduced over the DP pieces, then the TP
+    group). SGD's momentum is made by the first step (a second capture
+    reads it); AdamW's state is made before the first capture, as zeros of
+    each piece (one capture). Llama has no biases: AdamW's division by the
+    gradient's magnitude finds no rounding-noise gradient there."""
+    batches = [token_batches(2, seed=0), token_batches(2, seed=1)]
+    config = {**TP2, "gradient_clipping": CLIP, "zero_optimization": {"stage": stage}}
+    results = rank_pool(4).run(tp_run, step_fn, make_model, make_optimizer, batches, config, timeout=500)
+    _check(results, step_fn, make_model, make_optimizer, batches, tp=2, clip=CLIP)  # the state gathered whole
+    assert results[0]["captures"] == (1 if make_optimizer is adamw else 2)
+    for got in results:
+        assert got["counts"] == {**counts, "dp optimizer": 1, "tp optimizer": 1}
+        kinds = {(op, group) for op, group, _, _ in got["collectives"]}
+        assert ("reduce_scatter_tensor" if stage == 2 else "all_reduce", "dp") in kinds
+        assert ("all_gather_into_tensor", "dp") in kinds  # the updated pieces
+
+
+def test_zero_3_with_tensor_parallelism_is_refused_naming_the_key(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    torch.manual_seed(0)
+    model = one_block_gpt()
+    step = stepfx.parallelize({**TP2, "zero_optimization": {"stage": 3}})(lm_step)
+    with pytest.raises(ConfigError, match=r"zero_optimization.stage: .*ZeRO stage 3") as error:
+        step(model, sgd_plain(model), *token_batches(1)[0])
+    assert error.value.path == "zero_optimization.stage"

@@ -15,6 +15,9 @@ Ensures, for every bucket that shards the optimizer (stages 1-3), on rank r:
   inputs become 1-D pieces (a slice of the whole parameter, a piece of the
   gradient shard, and optimizer-state slots that now hold just the piece on
   this rank), scalar state (Adam's step) stays whole;
+- under tensor parallelism the "whole" parameter is this rank's Megatron
+  shard (its slot's ``split``): pieces are cut from the shard, and state
+  slots keep the ``split`` beside their ``piece`` (shard first, then piece);
 - optimizer state is held by the rank (slots with storage "rank"); a
   parameter whose piece on this rank is empty has no state and no update
   here;
@@ -34,6 +37,8 @@ Before / after (AdamW, stage 2, one parameter, rank 0 of 2)::
                                                    lerp = aten.lerp(s_w_exp_avg_piece, piece, 0.1)
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.fx as fx
@@ -191,7 +196,8 @@ def _shard_update(
     length = b - a
     sig = graph.signature
     states = [s for s in sig.inputs if s.role is Role.OPTIMIZER_STATE and s.name == p.name]
-    param_out_i = out_index.get(Slot(Role.PARAM, p.name).ident)
+    # the parameter's own slot: a tensor-parallel shard is held by the rank (its ident says so)
+    param_out_i = out_index.get(param.meta["slot"].ident)
     chain = _update_chain(g, p)
 
     if length == 0:
@@ -220,7 +226,8 @@ def _shard_update(
                 node = flat_slice(g, grad_shard, in_shard, in_shard + length, like=grad_shard, phase=Phase.OPTIMIZER, param=p.name)
         elif value.op == "placeholder" and value.meta["slot"].role is Role.OPTIMIZER_STATE:
             old = value.meta["slot"]
-            slot = Slot(Role.OPTIMIZER_STATE, old.name, old.key, storage=Storage.RANK, piece=(a, b))
+            # a piece of the tensor-parallel shard when there is one (``split`` kept: the shard is cut first)
+            slot = dataclasses.replace(old, storage=Storage.RANK, piece=(a, b))
             with g.inserting_before(value.next):
                 node = g.placeholder(f"{value.name}_piece")
             node.meta.update(slot=slot, val=fake_like(value.meta["val"], (length,)))
@@ -279,7 +286,7 @@ def _shard_update(
             continue
         value = out_values[i]
         if slot.role is Role.OPTIMIZER_STATE and isinstance(value, fx.Node) and value in chain:
-            out_slots[i] = Slot(Role.OPTIMIZER_STATE, slot.name, slot.key, storage=Storage.RANK, piece=(a, b))
+            out_slots[i] = dataclasses.replace(slot, storage=Storage.RANK, piece=(a, b))
             out_values[i] = chain[value]
         elif slot.role is Role.PARAM and value in chain:
             new_piece = chain[value]
@@ -343,7 +350,7 @@ def _gather_updated(g, bucket: Bucket, new_pieces, param_ph, out_values, out_slo
         for p in bucket.params:
             view = unpack_view(g, full, p.offset, p.shape, **meta)
             view.meta[META_PARAM] = p.name
-            i = out_index.get(Slot(Role.PARAM, p.name).ident)
+            i = out_index.get(param_ph[p.name].meta["slot"].ident)
             if i is not None:
                 out_values[i] = view
 
