@@ -1011,11 +1011,10 @@ def _pipeline_degree(config: Config) -> int:
         return 1
     zero = config.zero_optimization.stage
     for bad, path, what in ((isinstance(zero, int) and zero > 0, "zero_optimization.stage", f"ZeRO stage {zero}"),
-                            (config.tensor_parallel.degree > 1, "tensor_parallel.autotp_size", "tensor parallelism"),
-                            (config.fp16.enabled is True, "fp16.enabled", "fp16 loss scaling")):
+                            (config.tensor_parallel.degree > 1, "tensor_parallel.autotp_size", "tensor parallelism")):
         if bad:
             raise ConfigError(path, f"pipeline parallelism ({pp} stages) does not compose with {what} yet "
-                              "(issue 20)", value=True, expected="ZeRO stage 0, no tensor parallelism, fp32 or bf16")
+                              "(issue 20)", value=True, expected="ZeRO stage 0, no tensor parallelism")
     return pp
 
 

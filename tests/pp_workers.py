@@ -54,3 +54,27 @@ def hf_gpt2_no_dropout():
     cfg = GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0,
                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     return GPT2LMHeadModel(cfg)
+
+
+def fp16_overflow_run(config) -> dict:
+    """Two steps at a loss scale of 2**40 (the fp16 gradients overflow), then
+    one at the halved scales: what each rank's stage holds after each."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    from tests.steps import lm_step, tiny_gpt, token_batches
+
+    model = tiny_gpt()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = stepfx.parallelize(config)(lm_step)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    out = {"rank": rank, "scales": [], "changed": []}
+    for (b,) in token_batches(3, batch=4, seed=1):
+        step(model, opt, b)
+        out["scales"].append(step.loss_scale)
+        plan = step.plan.graph.signature.extra[PIPELINE_KEY]
+        mine = set(step.plan.executor.my_stages)
+        out["changed"].append(sorted(n for n, p in model.named_parameters()
+                                     if plan.owner.get(n) in mine and not torch.equal(p, before[n])))
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    out["skipped"] = step.skipped_steps
+    return out

@@ -52,7 +52,9 @@ def _partitioned(stages, micro=2, config=None, layers=2, d_model=32, heads=4, ro
     create_initial_state(opt, None)
     (batch,) = token_batches(1, batch=rows, seed=5)[0]
     first = batch[: rows // micro]
-    options = CaptureOptions(grad_accumulation=micro)
+    fp16 = bool((config or {}).get("fp16", {}).get("enabled"))
+    options = CaptureOptions(grad_accumulation=micro, compute_dtype=torch.float16 if fp16 else None, cast_inputs=fp16,
+                             loss_scale=fp16)
     inputs = collect_inputs(model, opt, (first,), {}, held={}, options=options)
     captured = capture_step(lm_step, model, opt, (first,), {}, inputs=inputs, options=options)
     cfg = load_config({"gradient_clipping": 0, "gradient_accumulation_steps": micro, **(config or {})})
@@ -264,10 +266,10 @@ def test_pipeline_degree_against_the_world():
 
 
 @pytest.mark.parametrize("extra,key", [({"zero_optimization": {"stage": 1}}, "zero_optimization.stage"),
-                                       ({"fp16": {"enabled": True}}, "fp16.enabled")])
+                                       ({"tensor_parallel": {"autotp_size": 2}}, "tensor_parallel.autotp_size")])
 def test_what_does_not_compose_yet_is_refused_by_key(monkeypatch, extra, key):
     from stepfx.api import _pipeline_degree
 
-    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(ConfigError, match=f"^{key}: pipeline parallelism \\(2 stages\\) does not compose"):
         _pipeline_degree(load_config({"pipeline": {"stages": 2}, **extra}))

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from stepfx.testing.equivalence import data_parallel_reference
-from tests.pp_workers import hf_gpt2_no_dropout, pp_run
+from tests.pp_workers import fp16_overflow_run, hf_gpt2_no_dropout, pp_run
 from tests.steps import hf_llama, hf_step, lm_loss, lm_step, tiny_gpt, token_batches
 
 
@@ -149,3 +149,17 @@ def test_bf16_tracks_fp32(rank_pool):
         assert worst < 2e-2, worst
     assert results[0]["losses"] == results[1]["losses"]
     assert set(results[0]["sent_dtypes"]) == {"torch.bfloat16"}  # the residual stream and its gradient
+
+
+@pytest.mark.slow
+def test_fp16_overflow_skips_the_step_on_every_stage(rank_pool):
+    """The overflow flag comes from the squared norm summed over the stages:
+    when any stage's gradients overflow, every stage keeps its parameters and
+    every rank halves its loss scale, so the stages never disagree."""
+    config = _config(2, 2, "1f1b", fp16={"enabled": True, "initial_scale_power": 40, "hysteresis": 1})
+    results = rank_pool(2).run(fp16_overflow_run, config, timeout=300)
+    for got in results:
+        assert got["scales"][:2] == [2.0 ** 39, 2.0 ** 38], got["scales"]
+        assert got["changed"][0] == [] and got["changed"][1] == []  # skipped on both stages
+    assert results[0]["scales"] == results[1]["scales"]
+    assert results[0]["skipped"] == results[1]["skipped"] >= 2

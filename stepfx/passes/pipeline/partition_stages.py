@@ -60,7 +60,7 @@ from ...config.errors import ConfigError
 from ...graph import StepGraph
 from ...graph.ops import has_side_effect, is_collective, is_random
 from ...graph.signature import Role
-from ...graph.step_graph import META_PARAM, META_PHASE, Phase
+from ...graph.step_graph import META_GRAD_OF, META_PARAM, META_PHASE, Phase
 from ..manager import PassOptions, PassResult
 
 __all__ = ["META_STAGE", "META_TASK", "StagePlan", "partition_stages", "PIPELINE_KEY", "MODULE_CLASSES_KEY",
@@ -120,6 +120,13 @@ def _nbytes(node) -> int:
     return total
 
 
+def _is_scalar(node) -> bool:
+    """A one-element value (a loss, a scale factor): read by a gradient op it does not say which stage
+    the op differentiates, and it costs nothing to send along."""
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.numel() == 1
+
+
 def _shape(node) -> tuple:
     val = node.meta.get("val")
     return tuple(val.shape) if isinstance(val, torch.Tensor) else ()
@@ -149,23 +156,35 @@ def forward_cost(node: fx.Node, *, flops: float = _FLOPS, bandwidth: float = _BY
 
 def _replicated(g: fx.Graph) -> set[fx.Node]:
     """Forward/backward ops computed from the batch, buffers, hyperparameters
-    and constants alone: every stage that needs one computes it."""
-    free_roles = {Role.BATCH, Role.BUFFER, Role.HYPERPARAM}
+    and constants alone, and forward ops that read one parameter and nothing
+    else (its compute-dtype cast, its transpose: a capture with bf16/fp16
+    makes every cast before the forward starts): every stage that needs one
+    computes it (every rank binds every parameter)."""
+    free_roles = {Role.BATCH, Role.BUFFER, Role.HYPERPARAM, Role.RUNTIME_STATE}  # RUNTIME_STATE: fp16's loss scale
     out: set[fx.Node] = set()
     free: set[fx.Node] = set()
+    of_param: set[fx.Node] = set()
     for node in g.nodes:
         if node.op == "placeholder":
-            if node.meta["slot"].role in free_roles:
+            role = node.meta["slot"].role
+            if role in free_roles:
                 free.add(node)
+            elif role is Role.PARAM:
+                of_param.add(node)
         elif node.op == "get_attr":
             free.add(node)
         elif node.op == "call_function":
-            if node.meta.get(META_PHASE) not in (Phase.FORWARD, Phase.BACKWARD):
+            phase = node.meta.get(META_PHASE)
+            if phase not in (Phase.FORWARD, Phase.BACKWARD):
                 continue
             if is_random(node) or has_side_effect(node) or is_collective(node):
                 continue
-            if all(a in free for a in node.all_input_nodes):
+            ins = node.all_input_nodes
+            if all(a in free for a in ins):
                 free.add(node)
+                out.add(node)
+            elif phase is Phase.FORWARD and len(ins) == 1 and ins[0] in of_param:
+                of_param.add(node)
                 out.add(node)
     return out
 
@@ -329,6 +348,18 @@ def partition_stages(graph: StepGraph, options: PassOptions) -> PassResult:
     for p, name in params.items():
         if name in owner:
             stage_of[p] = owner[name]
+    # for the backward, a parameter (or its replicated cast or transpose) belongs to the highest stage
+    # whose forward reads it: a tied embedding's transpose is the head's, on the last stage
+    root_stage: dict[fx.Node, int] = {}
+    for n in reversed(list(g.nodes)):
+        is_param = n in params
+        if not is_param and not (n in replicated and n.meta.get(META_PHASE) is Phase.FORWARD):
+            continue
+        readers = [stage_of[u] for u in n.users if u in index] + [root_stage[u] for u in n.users if u in root_stage]
+        if readers:
+            root_stage[n] = max(readers)
+        elif is_param and params[n] in owner:
+            root_stage[n] = owner[params[n]]
 
     # the backward: an op that reads forward values or parameters differentiates the highest stage among
     # them, but runs no higher than the gradients it reads (they flow from the last stage to the first);
@@ -341,7 +372,8 @@ def partition_stages(graph: StepGraph, options: PassOptions) -> PassResult:
     deferred: list[fx.Node] = []
     for n in backward:
         grads = [bound[a] for a in n.all_input_nodes if a in is_bwd]
-        fwd = [stage_of[a] for a in n.all_input_nodes if a in stage_of and a not in is_bwd]
+        fwd = [root_stage[a] if a in root_stage else stage_of[a] for a in n.all_input_nodes
+               if (a in stage_of or a in root_stage) and a not in is_bwd and not (grads and _is_scalar(a))]
         ceiling = min(grads) if grads else stages - 1
         if n.target is operator.getitem and n.args[0] in stage_of:  # a result of a multi-result op: with it
             stage_of[n] = bound[n] = stage_of[n.args[0]]
@@ -358,17 +390,41 @@ def partition_stages(graph: StepGraph, options: PassOptions) -> PassResult:
                 optimizer_stage[n] = owner[name]
     # a shared (tied) parameter's gradient is the sum of its stages' parts: the sum runs with the owner's
     # optimizer, after each stage summed its own part over the micro-batches (one transfer a step)
+    # (with the unary ops between the sum and the update: the cast of a 16-bit gradient to fp32)
+    def is_update(u):
+        return u.op == "call_function" and u.meta.get(META_PHASE) is Phase.OPTIMIZER
+
+    feeds: set[fx.Node] = set()  # unary gradient ops whose readers are all the update or such ops
     grad_sums: set[fx.Node] = set()
     for n in reversed(deferred):
-        if (n.target is aten.add.Tensor and not n.kwargs and len(n.all_input_nodes) == 2
-                and len({bound[a] for a in n.all_input_nodes if a in bound}) > 1
-                and n.users and all(u in optimizer_stage or u in grad_sums for u in n.users)):
+        backward_ins = [a for a in n.all_input_nodes if a in is_bwd]
+        if not n.users or not all(is_update(u) or u in feeds or u in grad_sums for u in n.users):
+            continue
+        if len(backward_ins) == 1:
+            feeds.add(n)
+        elif (n.target is aten.add.Tensor and not n.kwargs and len(n.all_input_nodes) == 2
+              and len({bound[a] for a in n.all_input_nodes if a in bound}) > 1):
             grad_sums.add(n)
-            stage_of[n] = max(optimizer_stage.get(u, stage_of.get(u, 0)) for u in n.users)
+    moved: set[fx.Node] = set()  # a sum of parts and what follows it up to the update: the owner's optimizer
+    for n in g.nodes:
+        if n in grad_sums or (n in feeds and any(a in moved for a in n.all_input_nodes)):
+            moved.add(n)
+    for n in reversed(list(g.nodes)):
+        if n in moved:
+            name = n.meta.get(META_GRAD_OF)
+            later = [stage_of[u] for u in n.users if u in moved and u in stage_of]
+            stage_of[n] = owner[name] if name in owner else (later[0] if later else
+                                                              max((optimizer_stage.get(u, 0) for u in n.users), default=0))
+    grad_sums = moved
     for n in reversed(deferred):
         if n in grad_sums:
             continue
-        readers = [stage_of.get(u) if u in is_bwd else optimizer_stage.get(u) for u in n.users]
+        # readers: backward ops (placed by now: reverse order), the update of a parameter (its owner's
+        # stage); the gradient a parameter's update reads goes to the owner
+        readers = [stage_of.get(u) if u in is_bwd else optimizer_stage.get(u) for u in n.users
+                   if u in is_bwd or u in optimizer_stage]
+        if n.meta.get(META_GRAD_OF) in owner:
+            readers.append(owner[n.meta[META_GRAD_OF]])
         unary = len([a for a in n.all_input_nodes if a in is_bwd]) == 1
         if unary and readers and all(r is not None for r in readers) and not any(u in grad_sums for u in n.users):
             stage_of[n] = min(bound[n], max(readers))

@@ -295,7 +295,17 @@ def split_programs(graph: StepGraph, *, split_backward: bool = False) -> StagePr
         if not isinstance(new, fx.Node) or new.op == "placeholder" or task_of(new) is None:
             continue
         owner = task_of(new)[1]
-        readers = {task_of(u)[1] for u in p.users if task_of(u) is not None and task_of(u)[0] != "O"}
+        readers: set[int] = set()  # the stages whose forward or backward reads it (through its casts too)
+        stack, seen = list(p.users), set()
+        while stack:
+            u = stack.pop()
+            if u in seen:
+                continue
+            seen.add(u)
+            if u in replicated:
+                stack.extend(u.users)
+            elif task_of(u) is not None and task_of(u)[0] not in ("O", "O2"):
+                readers.add(task_of(u)[1])
         for r in sorted(readers - {owner}):
             param_sends.append((i, new.name, owner, r))
 
