@@ -417,7 +417,7 @@ class ParallelStep:
         the graph specialized on a size: this call gets a variant of its own
         sizes, as without symbolic sizes."""
         mode = self.config.stepfx.dynamic
-        if mode is False:
+        if mode is False or (mode == "auto" and self._dp.pp_size > 1):  # pipeline stages: one variant per shape
             return {}
         shapes = _batch_shapes(args, kwargs)
         if mode is True:
@@ -457,7 +457,7 @@ class ParallelStep:
                 plan.key = key = structure + (("dynamic", _frozen_dims(dynamic_dims)),)
         except Exception as exc:  # every rank learns of it in the pre-flight
             error = exc
-        collectives = collective_fingerprint(plan.graph) if plan else None
+        collectives = collective_fingerprint(plan.graph) + _pipeline_fingerprint(plan.executor) if plan else None
         if self._local_recapture(key, collectives, error):
             pass  # the ranks already agreed on these collectives: no exchange (other ranks are not capturing)
         else:
@@ -1011,11 +1011,19 @@ def _pipeline_degree(config: Config) -> int:
         return 1
     zero = config.zero_optimization.stage
     for bad, path, what in ((isinstance(zero, int) and zero > 0, "zero_optimization.stage", f"ZeRO stage {zero}"),
-                            (config.tensor_parallel.degree > 1, "tensor_parallel.autotp_size", "tensor parallelism")):
+                            (config.tensor_parallel.degree > 1, "tensor_parallel.autotp_size", "tensor parallelism"),
+                            (config.stepfx.dynamic is True, "stepfx.dynamic", "symbolic batch sizes (each new shape "
+                             "is captured anew instead: leave stepfx.dynamic at 'auto' or false)")):
         if bad:
             raise ConfigError(path, f"pipeline parallelism ({pp} stages) does not compose with {what} yet "
                               "(issue 20)", value=True, expected="ZeRO stage 0, no tensor parallelism")
     return pp
+
+
+def _pipeline_fingerprint(executor) -> list[str]:
+    from .runtime.pipeline import pipeline_fingerprint
+
+    return pipeline_fingerprint(executor)
 
 
 def _micro_batches(config: Config) -> int:

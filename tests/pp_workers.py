@@ -78,3 +78,42 @@ def fp16_overflow_run(config) -> dict:
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
     out["skipped"] = step.skipped_steps
     return out
+
+
+def failing_run(config, fail_rank: int) -> dict:
+    """One good step, then a step whose backward raises on ``fail_rank``
+    (the other ranks are then waiting for its gradients): what each rank
+    raised, how long it took, and whether its stage's state is as before."""
+    import time
+
+    from stepfx.runtime.pipeline import PipelineExecutor
+    from tests.steps import lm_step, tiny_gpt, token_batches
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = tiny_gpt()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = stepfx.parallelize(config)(lm_step)
+    (first, second) = [b for (b,) in token_batches(2, batch=4, seed=2)]
+    step(model, opt, first)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    if rank == fail_rank:
+        real = PipelineExecutor._call
+
+        def broken(self, kind, stage, graph_inputs, values):
+            if kind in ("B", "BI"):
+                raise RuntimeError("injected failure in the backward")
+            return real(self, kind, stage, graph_inputs, values)
+
+        PipelineExecutor._call = broken
+    started = time.perf_counter()
+    try:
+        step(model, opt, second)
+        error = None
+    except Exception as exc:  # noqa: BLE001 - what the test looks at
+        error = f"{type(exc).__name__}: {exc}"
+    finally:
+        if rank == fail_rank:
+            PipelineExecutor._call = real
+    return {"error": error, "seconds": time.perf_counter() - started,
+            "unchanged": all(torch.equal(p, before[n]) for n, p in model.named_parameters())}

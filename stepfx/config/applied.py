@@ -31,9 +31,10 @@ APPLIED: frozenset[str] = frozenset({
     # preset_model, vocab_parallel_lm_head and tp_overlap_comm are not honoured yet
     "tensor_parallel.autotp_size",
     # pipeline parallelism (passes/pipeline, runtime/pipeline.py): stages and how they are cut;
-    # activation_checkpoint_interval, seed_layers, pipe_partitioned and grad_partitioned are not honoured yet
+    # seed_layers, pipe_partitioned and grad_partitioned are not honoured yet
     "pipeline.stages",
     "pipeline.partition",
+    "pipeline.activation_checkpoint_interval",  # > 0: recompute_activations at budget 0 (the graph's cut, not every N)
     # precision, accumulation, clipping (capture options and the passes
     # hold_accumulated_gradients, unscale_clip_gradients, skip_step_on_overflow)
     "bf16.enabled",

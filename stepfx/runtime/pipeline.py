@@ -38,7 +38,7 @@ from .binding import ModuleBinding
 from .distributed import DataParallel, failed_together
 from .pipeline_schedule import Action, CommBatch, Schedule
 
-__all__ = ["PipelineExecutor"]
+__all__ = ["PipelineExecutor", "pipeline_fingerprint"]
 
 _KIND_CODE = {"SEND_F": 0, "RECV_F": 0, "SEND_B": 1, "RECV_B": 1}
 
@@ -275,3 +275,24 @@ class PipelineExecutor:
                 work.wait()
         for values, name, t in received:
             values[name] = t
+
+
+def pipeline_fingerprint(executor: Any) -> list[str]:
+    """What every rank of a pipeline must agree on before the first step
+    (added to the pre-flight exchange): the schedule, and the name, shape and
+    dtype of every value each stage sends and the next one receives, so a
+    disagreement is an error that names it rather than a receive that hangs."""
+    programs = getattr(executor, "programs", None)
+    if programs is None:
+        return []
+    schedule = executor.schedule
+    out = [f"pipeline {schedule.name} ranks={schedule.ranks} stages={schedule.stages} "
+           f"micro_batches={executor.micro_batches}"]
+    for direction, sends in (("forward", programs.send_forward), ("backward", programs.send_backward)):
+        for stage, names in enumerate(sends):
+            for name in names:
+                shape, dtype = programs.specs[name]
+                out.append(f"stage {stage} sends {direction} {name} {list(shape)} {dtype}")
+    for name, src, dst in programs.step_sends:
+        out.append(f"stage {src} sends {name} to stage {dst} once a step")
+    return out

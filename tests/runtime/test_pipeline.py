@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from stepfx.testing.equivalence import data_parallel_reference
-from tests.pp_workers import fp16_overflow_run, hf_gpt2_no_dropout, pp_run
+from tests.pp_workers import failing_run, fp16_overflow_run, hf_gpt2_no_dropout, pp_run
 from tests.steps import hf_llama, hf_step, lm_loss, lm_step, tiny_gpt, token_batches
 
 
@@ -163,3 +163,29 @@ def test_fp16_overflow_skips_the_step_on_every_stage(rank_pool):
         assert got["changed"][0] == [] and got["changed"][1] == []  # skipped on both stages
     assert results[0]["scales"] == results[1]["scales"]
     assert results[0]["skipped"] == results[1]["skipped"] >= 2
+
+
+def test_a_stage_that_fails_stops_every_rank_within_seconds_and_changes_nothing(rank_pool):
+    """Rank 1's backward raises while rank 0 waits for its gradient: rank 1
+    aborts stepfx's groups, rank 0's receive fails at once (not at the
+    600-s timeout), both raise, and neither rank's model changed."""
+    results = rank_pool(2).run(failing_run, _config(2, 2, "1f1b"), 1, timeout=120)
+    assert "injected failure in the backward" in results[1]["error"]
+    assert results[0]["error"] is not None and "failed on rank 0" in results[0]["error"]
+    for got in results:
+        assert got["seconds"] < 30, got
+        assert got["unchanged"]
+
+
+@pytest.mark.slow
+def test_activation_checkpointing_inside_each_stage(rank_pool):
+    """DeepSpeed's pipeline.activation_checkpoint_interval > 0: the backward
+    of each stage recomputes forward values instead of keeping them (the
+    recomputed copies land in the stage that reads them), and the step is
+    the same."""
+    batches = _batches(1)
+    config = _config(2, 2, "1f1b")
+    config["pipeline"]["activation_checkpoint_interval"] = 1
+    results = rank_pool(2).run(pp_run, lm_step, tiny_gpt, sgd_momentum, batches, config, timeout=300)
+    _check(results, lm_step, tiny_gpt, sgd_momentum, batches, 2)
+    assert "level 'matmuls'" in results[0]["explain"] and "ops recomputed" in results[0]["explain"]

@@ -34,8 +34,9 @@ Config: ``"stepfx": {"memory_budget_gib": X}``: the memory planner
 ``"stepfx": {"activation_memory_budget": b}`` with b in [0, 1]: the
 saved bytes may be at most b times what the step saves without
 recomputation (1: nothing recomputed; 0: the least the levels reach).
-DeepSpeed's ``activation_checkpointing`` block present (and no budget set)
-means b = 0. Neither: the pass does nothing.
+DeepSpeed's ``activation_checkpointing`` block present, or its
+``pipeline.activation_checkpoint_interval`` above 0 (and no budget set),
+means b = 0 (the interval itself is not honoured: the cut is the graph's). Neither: the pass does nothing.
 
 Requires: a functional graph with phases (capture), before the ZeRO passes
 (a recomputed op reads parameters the way the backward does: stage 3
@@ -110,7 +111,12 @@ def activation_memory_budget(config) -> float | None:
     if budget is not None:
         return float(budget)
     raw = getattr(config, "raw", None) or {}
-    return 0.0 if "activation_checkpointing" in raw else None
+    if "activation_checkpointing" in raw:
+        return 0.0
+    pipeline = getattr(config, "pipeline", None)  # DeepSpeed's pipeline checkpoints every N layers when N > 0
+    if pipeline is not None and getattr(pipeline, "activation_checkpoint_interval", 0):
+        return 0.0
+    return None
 
 
 @dataclass
