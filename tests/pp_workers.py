@@ -117,3 +117,21 @@ def failing_run(config, fail_rank: int) -> dict:
             PipelineExecutor._call = real
     return {"error": error, "seconds": time.perf_counter() - started,
             "unchanged": all(torch.equal(p, before[n]) for n, p in model.named_parameters())}
+
+
+def train_and_save(config, directory: str) -> dict:
+    """Two pipelined steps, a checkpoint: this rank's stages' parameters and momentum."""
+    from tests.steps import lm_step, tiny_gpt, token_batches
+
+    torch.manual_seed(0)
+    model = tiny_gpt()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    step = stepfx.parallelize(config)(lm_step)
+    for (b,) in token_batches(2, batch=4, seed=4):
+        step(model, opt, b)
+    step.save_checkpoint(directory, tag="t")
+    plan = step.plan.graph.signature.extra[PIPELINE_KEY]
+    mine = set(step.plan.executor.my_stages)
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters() if plan.owner[n] in mine},
+            "momentum": {n: opt.state[p]["momentum_buffer"].clone() for n, p in model.named_parameters()
+                         if plan.owner[n] in mine}}

@@ -99,13 +99,26 @@ def _param_names(model: torch.nn.Module) -> dict[int, str]:
     return {id(p): n for n, p in model.named_parameters()}
 
 
-def _holdings(step: "ParallelStep", model: torch.nn.Module, optimizer, *, rank: int) -> list[_Holding]:
+def _pipeline_owner(step: "ParallelStep"):
+    """Under pipeline parallelism every rank binds the whole model but keeps
+    only its stages' parameters (and their optimizer state) up to date:
+    whether this rank's copy of a parameter is the one to write."""
+    plan = getattr(step, "_last", None)
+    programs = getattr(getattr(plan, "executor", None), "programs", None)
+    if programs is None:
+        return lambda name: True
+    mine, owner = set(plan.executor.my_stages), programs.plan.owner
+    return lambda name: owner.get(name, 0) in mine
+
+
+def _holdings(step: "ParallelStep", model: torch.nn.Module, optimizer, *, rank: int, saving: bool = False) -> list[_Holding]:
     """Every tensor of the run this rank holds, wherever it lives: the
     rank's store (ZeRO pieces, step counters, the loss scaler's state) first,
     then the user's module and optimizer for what the store does not hold."""
     store = step._store
     out: list[_Holding] = []
     in_store: set[tuple] = set()
+    owns = _pipeline_owner(step) if saving else (lambda name: True)  # a load fills every copy (tied ones are read)
     for ident, value in store.tensors.items():
         if ident in store.carried:
             continue  # compute copies of parameters: made again from them
@@ -131,6 +144,8 @@ def _holdings(step: "ParallelStep", model: torch.nn.Module, optimizer, *, rank: 
     for name, p in model.named_parameters():
         if (Role.PARAM, name, None) in in_store or isinstance(held.get((Role.PARAM, name, None)), TensorSpec) and p.numel() == 0:
             continue  # in pieces (ZeRO-3): this rank's are above, the others' on their ranks
+        if not owns(name):
+            continue  # another pipeline stage's: up to date (and written) there only
         out.append(_Holding(f"model/{name}", tuple(p.shape), p.detach(), None, ("param", name)))
     params = {id(p) for p in model.parameters()}
     for key, b in model.state_dict(keep_vars=True).items():
@@ -141,7 +156,8 @@ def _holdings(step: "ParallelStep", model: torch.nn.Module, optimizer, *, rank: 
         for p, state in optimizer.state.items():
             name = names.get(id(p))
             for key, value in state.items():
-                if name is not None and isinstance(value, torch.Tensor) and (Role.OPTIMIZER_STATE, name, key) not in in_store:
+                if name is not None and isinstance(value, torch.Tensor) and (Role.OPTIMIZER_STATE, name, key) not in in_store \
+                        and owns(name):
                     out.append(_Holding(f"optim/{name}/{key}", tuple(value.shape), value.detach(), None, ("optim", name, key)))
     return out
 
@@ -361,7 +377,7 @@ def save_checkpoint(step: "ParallelStep", directory: str, tag: str | None = None
     if group is not None:
         dist.barrier(group=group)
 
-    holdings = _holdings(step, model, optimizer, rank=rank)
+    holdings = _holdings(step, model, optimizer, rank=rank, saving=True)
     shapes = {h.fqn: h.shape for h in holdings}
     state: dict[str, torch.Tensor] = {}
     for h in holdings:

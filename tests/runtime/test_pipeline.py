@@ -17,8 +17,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+import stepfx
+
 from stepfx.testing.equivalence import data_parallel_reference
-from tests.pp_workers import failing_run, fp16_overflow_run, hf_gpt2_no_dropout, pp_run
+from tests.pp_workers import failing_run, fp16_overflow_run, hf_gpt2_no_dropout, pp_run, train_and_save
 from tests.steps import hf_llama, hf_step, lm_loss, lm_step, tiny_gpt, token_batches
 
 
@@ -189,3 +191,24 @@ def test_activation_checkpointing_inside_each_stage(rank_pool):
     results = rank_pool(2).run(pp_run, lm_step, tiny_gpt, sgd_momentum, batches, config, timeout=300)
     _check(results, lm_step, tiny_gpt, sgd_momentum, batches, 2)
     assert "level 'matmuls'" in results[0]["explain"] and "ops recomputed" in results[0]["explain"]
+
+
+@pytest.mark.slow
+def test_a_checkpoint_holds_each_stage_s_parameters_from_their_stage(rank_pool, tmp_path):
+    """Every rank binds the whole model but updates only its stages': each
+    tensor is written by a rank whose stage owns it, and one process without
+    a pipeline loads the run exactly (bitwise)."""
+    results = rank_pool(2).run(train_and_save, _config(2, 2, "1f1b"), str(tmp_path), timeout=300)
+    torch.manual_seed(1)
+    model = tiny_gpt()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    step = stepfx.parallelize({"gradient_clipping": 0})(lm_step)
+    step.load_checkpoint(str(tmp_path), tag="t", model=model, optimizer=opt)
+    params = dict(model.named_parameters())
+    seen = set()
+    for got in results:
+        for name, value in got["params"].items():
+            assert torch.equal(params[name].detach(), value), name
+            assert torch.equal(opt.state[params[name]]["momentum_buffer"], got["momentum"][name]), name
+            seen.add(name)
+    assert seen == set(params)
