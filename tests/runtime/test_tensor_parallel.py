@@ -262,3 +262,14 @@ def test_zero_3_with_tensor_parallelism_is_refused_naming_the_key(monkeypatch):
     with pytest.raises(ConfigError, match=r"zero_optimization.stage: .*ZeRO stage 3") as error:
         step(model, sgd_plain(model), *token_batches(1)[0])
     assert error.value.path == "zero_optimization.stage"
+
+
+@pytest.mark.xdist_group("tensor_parallel")
+def test_gradient_accumulation_with_tensor_parallelism_is_refused_naming_the_key(rank_pool):
+    """Held gradients keep their parameters whole (plan_tensor_parallel): the
+    step would run unsplit on every rank, so it is refused, not run."""
+    from stepfx.testing.errors import RankError
+
+    config = {**TP2, "gradient_accumulation_steps": 2}
+    with pytest.raises(RankError, match=r"gradient_accumulation_steps: 2 with tensor parallelism"):
+        rank_pool(2).run(tp_run, lm_step, one_block_gpt, sgd_plain, [token_batches(1)], config, timeout=120)
