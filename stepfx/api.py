@@ -265,6 +265,11 @@ class ParallelStep:
             # described before the first capture but kept whole by the layout (no gradient reaches them)
             for key in [k for k in held if k[0] is Role.PARAM and k not in plan.held]:
                 del held[key]
+            if (plan.runs == 0 and self._dp.pp_size > 1 and self._release_other_stages(plan, model, optimizer)
+                    and _same_optimizer_state(plan, held, model, optimizer)):
+                # pipeline parallelism: other stages' parameters and state are described, not kept; the next
+                # call's fingerprint says so, and this plan serves it
+                self._plans[fingerprint(model, optimizer, args, kwargs, held=held) + (("capture options", options),)] = plan
             if plan.runs == 0 and _serves_after_tensor_parallel_move(plan, held, model, optimizer):
                 # tensor parallelism: this run moved the split parameters into the rank's store, which
                 # describes them from now on; the next call's fingerprint says so, and this plan serves it
@@ -823,6 +828,8 @@ class ParallelStep:
                                                Role.OPTIMIZER_STATE, local=held))
         for name, state in held.items():
             out.setdefault(name, {}).update(state)
+        for (name, key), value in self._gather_from_stages(Role.OPTIMIZER_STATE).items():  # pipeline stages'
+            out.setdefault(name, {})[key] = value
         return out
 
     def _feed_monitor(self, result, args, kwargs, options: CaptureOptions, optimizer, plan: Plan) -> None:
@@ -936,8 +943,74 @@ class ParallelStep:
                  self.__name__)
         return True
 
-    def _gather_params(self) -> dict[str, torch.Tensor]:
+    def _release_other_stages(self, plan: Plan, model: torch.nn.Module, optimizer) -> bool:
+        """Under pipeline parallelism, after a plan's first run: the
+        parameters (and their optimizer state) that no program of this rank
+        reads are described in the rank's store and emptied in the user's
+        objects, so a rank keeps only its stages' part of the model.
+        ``model_state_dict()``/``sync_model()``/``optimizer_state()`` bring
+        them back (collectives). Returns whether anything was released."""
+        unread = plan.executor.unread_inputs()
+        params = dict(model.named_parameters())
+        held = self._store.held
+        released = False
+        for i in sorted(unread):
+            slot = plan.graph.signature.inputs[i]
+            if slot.storage is not Storage.USER or slot.name not in params:
+                continue
+            p = params[slot.name]
+            if slot.role is Role.PARAM and p.numel() > 0:
+                spec = TensorSpec.of(p)
+                held[(Role.PARAM, slot.name, None)] = plan.held[(Role.PARAM, slot.name, None)] = spec
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+                released = True
+            elif slot.role is Role.OPTIMIZER_STATE and optimizer is not None and slot.key != "step":
+                value = optimizer.state.get(p, {}).get(slot.key)
+                if isinstance(value, torch.Tensor) and value.numel() > 0:
+                    spec = TensorSpec.of(value)
+                    held[(Role.OPTIMIZER_STATE, slot.name, slot.key)] = plan.held[
+                        (Role.OPTIMIZER_STATE, slot.name, slot.key)] = spec
+                    optimizer.state[p][slot.key] = torch.empty(0, dtype=value.dtype, device=value.device)
+                    released = True
+        return released
+
+    def _gather_from_stages(self, role: Role) -> dict[tuple[str, str | None], torch.Tensor]:
+        """Pipeline parallelism: every tensor of ``role`` this rank released,
+        broadcast from the rank of the stage that owns it (a collective over
+        the pipeline group: every rank walks the same list)."""
+        import torch.distributed as dist
+
+        executor = self.plan.executor
+        programs = getattr(executor, "programs", None)
+        if programs is None or self._dp.pp_size <= 1:
+            return {}
+        owner = programs.plan.owner
+        params = dict(self._model.named_parameters())
         out = {}
+        for slot in self.plan.graph.signature.inputs:
+            if slot.role is not role or slot.name not in owner or (role is Role.OPTIMIZER_STATE and slot.key == "step"):
+                continue
+            p = params[slot.name]
+            spec = self._store.held.get((role, slot.name, slot.key))
+            src_stage = owner[slot.name]
+            mine = src_stage in executor.my_stages
+            if role is Role.PARAM:
+                value = p.detach() if mine else torch.empty(spec.shape if spec else p.shape, dtype=p.dtype, device=p.device)
+            else:
+                have = self._optimizer.state.get(p, {}).get(slot.key) if self._optimizer is not None else None
+                if have is None:
+                    continue
+                value = have if mine else torch.empty(spec.shape if spec else have.shape, dtype=have.dtype,
+                                                      device=have.device)
+            value = value.contiguous()
+            dist.broadcast(value, src=self._dp.pp_ranks[executor.schedule.stage_rank[src_stage]],
+                           group=self._dp.pp_group)
+            if not mine:
+                out[(slot.name, slot.key)] = value
+        return out
+
+    def _gather_params(self) -> dict[str, torch.Tensor]:
+        out = {name: value for (name, _), value in self._gather_from_stages(Role.PARAM).items()}
         if self._dp is not None and self._dp.tp_size > 1:  # the Megatron shards of split parameters
             split = gather_tensor_parallel(self.plan.graph.signature, self._store, self._dp, Role.PARAM)
             out.update({name: keys[None] for name, keys in split.items()})
@@ -969,6 +1042,12 @@ def _serves_after_tensor_parallel_move(plan: Plan, held: dict, model, optimizer)
     parameters whose piece is on other ranks."""
     if not any(s.split is not None for s in plan.graph.signature.inputs):
         return False
+    return _same_optimizer_state(plan, held, model, optimizer)
+
+
+def _same_optimizer_state(plan: Plan, held: dict, model, optimizer) -> bool:
+    """The optimizer state a plan was captured with is what the next call
+    brings (no state created lazily by this run)."""
     names = {id(p): n for n, p in model.named_parameters()}
     read = (plan.captured or plan.graph).signature.inputs
     before = {(s.name, s.key) for s in read if s.role is Role.OPTIMIZER_STATE}

@@ -135,3 +135,25 @@ def train_and_save(config, directory: str) -> dict:
     return {"params": {n: p.detach().clone() for n, p in model.named_parameters() if plan.owner[n] in mine},
             "momentum": {n: opt.state[p]["momentum_buffer"].clone() for n, p in model.named_parameters()
                          if plan.owner[n] in mine}}
+
+
+def memory_run(config) -> dict:
+    """Three pipelined steps with AdamW: the bytes of parameters and optimizer
+    state this rank keeps, the captures, and the whole model and optimizer
+    state gathered back (model_state_dict, optimizer_state: collectives)."""
+    from tests.steps import lm_step, tiny_gpt, token_batches
+
+    torch.manual_seed(0)
+    model = tiny_gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    whole = sum(p.numel() for p in model.parameters())
+    step = stepfx.parallelize(config)(lm_step)
+    losses = [step(model, opt, b).item() for (b,) in token_batches(3, batch=4, seed=6)]
+    kept = sum(p.numel() for p in model.parameters())
+    state_kept = sum(v.numel() for s in opt.state.values() for k, v in s.items() if k != "step")
+    gathered = step.model_state_dict()
+    optim = step.optimizer_state()
+    return {"losses": losses, "whole": whole, "kept": kept, "state_kept": state_kept,
+            "captures": len({id(p) for p in step.plans}), "stages": list(getattr(step.plan.executor, "my_stages", [])),
+            "gathered": {k: v.clone() for k, v in gathered.items()},
+            "optimizer": {n: {k: v.clone() for k, v in s.items()} for n, s in optim.items()}}

@@ -70,6 +70,16 @@ class PipelineExecutor:
             for a in (item.actions if isinstance(item, CommBatch) else (item,)):
                 self._last_use[(a.stage, a.micro)] = i
 
+    def unread_inputs(self) -> set[int]:
+        """Positions of the step's inputs that no program of this rank reads
+        (other stages' parameters and their optimizer state): the rank need
+        not keep them."""
+        read: set[int] = set()
+        for (kind, stage), prog in self.programs.programs.items():
+            if stage in self.my_stages or stage < 0:
+                read.update(i for src, i in prog.inputs if src == "graph")
+        return set(range(len(self.graph.signature.inputs))) - read
+
     # -- helpers ----------------------------------------------------------------
     def _peer(self, stage: int) -> int:
         return self.dp.pp_ranks[self.schedule.stage_rank[stage]]

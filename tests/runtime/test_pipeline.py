@@ -20,7 +20,7 @@ import torch
 import stepfx
 
 from stepfx.testing.equivalence import data_parallel_reference
-from tests.pp_workers import failing_run, fp16_overflow_run, hf_gpt2_no_dropout, pp_run, train_and_save
+from tests.pp_workers import failing_run, fp16_overflow_run, hf_gpt2_no_dropout, memory_run, pp_run, train_and_save
 from tests.steps import hf_llama, hf_step, lm_loss, lm_step, tiny_gpt, token_batches
 
 
@@ -212,3 +212,28 @@ def test_a_checkpoint_holds_each_stage_s_parameters_from_their_stage(rank_pool, 
             assert torch.equal(opt.state[params[name]]["momentum_buffer"], got["momentum"][name]), name
             seen.add(name)
     assert seen == set(params)
+
+
+@pytest.mark.slow
+def test_each_rank_keeps_only_its_stages_parameters_and_state(rank_pool):
+    """After the first step a rank empties the parameters and optimizer
+    state its programs never read (kept as descriptions, as ZeRO-3 does), so
+    it holds its stages' part of the model; the later steps are not captured
+    again; model_state_dict() and optimizer_state() gather the whole back
+    from the owning stages, the same on every rank."""
+    results = rank_pool(2).run(memory_run, _config(2, 2, "1f1b"), timeout=300)
+    for got in results:
+        assert got["captures"] == 1
+        assert got["kept"] < 0.75 * got["whole"], (got["kept"], got["whole"])  # the tied embedding stays on both
+        assert got["state_kept"] < 0.75 * 2 * got["whole"]
+    assert results[0]["kept"] + results[1]["kept"] < 1.3 * results[0]["whole"]
+    for got in results:  # every rank gathers the same whole model
+        for name, value in got["gathered"].items():
+            assert torch.equal(value, results[0]["gathered"][name]), name
+        assert set(got["optimizer"]) == set(results[0]["optimizer"])
+        for name, state in got["optimizer"].items():
+            for key, value in state.items():
+                assert torch.equal(value, results[0]["optimizer"][name][key]), (name, key)
+    torch.manual_seed(0)
+    assert results[0]["gathered"].keys() == tiny_gpt().state_dict().keys()
+    assert all(v.numel() > 0 for v in results[0]["gathered"].values())
