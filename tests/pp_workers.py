@@ -157,3 +157,11 @@ def memory_run(config) -> dict:
             "captures": len({id(p) for p in step.plans}), "stages": list(getattr(step.plan.executor, "my_stages", [])),
             "gathered": {k: v.clone() for k, v in gathered.items()},
             "optimizer": {n: {k: v.clone() for k, v in s.items()} for n, s in optim.items()}}
+
+
+def hf_qwen2():
+    """A tiny Qwen2 (grouped-query attention, rotary tables from a buffer)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32))

@@ -20,7 +20,15 @@ import torch
 import stepfx
 
 from stepfx.testing.equivalence import data_parallel_reference
-from tests.pp_workers import failing_run, fp16_overflow_run, hf_gpt2_no_dropout, memory_run, pp_run, train_and_save
+from tests.pp_workers import (
+    failing_run,
+    fp16_overflow_run,
+    hf_gpt2_no_dropout,
+    hf_qwen2,
+    memory_run,
+    pp_run,
+    train_and_save,
+)
 from tests.steps import hf_llama, hf_step, lm_loss, lm_step, tiny_gpt, token_batches
 
 
@@ -237,3 +245,26 @@ def test_each_rank_keeps_only_its_stages_parameters_and_state(rank_pool):
     torch.manual_seed(0)
     assert results[0]["gathered"].keys() == tiny_gpt().state_dict().keys()
     assert all(v.numel() > 0 for v in results[0]["gathered"].values())
+
+
+@pytest.mark.slow
+def test_padded_variable_length_batches_with_deepspeed_defaults(rank_pool):
+    """Hugging Face Qwen2 on dict batches padded to each batch's longest
+    sequence (attention masks, labels -100 on the padding), lengths changing
+    every step (each new shape is captured anew), and a config without
+    gradient_clipping (DeepSpeed's default 1.0 clips): equal to the
+    reference micro-batch by micro-batch."""
+    from tests.steps import padded_rank_batches, padded_step
+
+    batches = padded_rank_batches(1, 2, batch=4, lo=3, hi=12, seed=5)
+    config = {"pipeline": {"stages": 2}, "gradient_accumulation_steps": 2, "stepfx": {"pipeline": {"schedule": "1f1b"}}}
+    results = rank_pool(2).run(pp_run, padded_step, hf_qwen2, sgd_momentum, batches, config, timeout=300)
+    micro = [[({k: v.split(2)[m] for k, v in batch.items()},) for (batch,) in batches[0]] for m in range(2)]
+    outputs, model, _ = data_parallel_reference(padded_step, hf_qwen2, sgd_momentum, micro, clip_norm=1.0)
+    expected = [torch.stack(out).mean().item() for out in outputs]
+    for got in results:
+        assert got["losses"] == pytest.approx(expected, rel=1e-6, abs=0)
+    reference = dict(model.named_parameters())
+    for got in results:
+        for name, value in got["state"].items():
+            assert (value - reference[name]).abs().max() <= 1e-5 * reference[name].abs().max(), name
