@@ -326,7 +326,7 @@ class ParallelStep:
             return []  # once per optimizer (a capture again without unused state must not create it again)
         self._initial_state_for = optimizer
         zero = self.config.zero_optimization
-        stage = zero.stage if isinstance(zero.stage, int) else 0
+        stage = zero.stage if isinstance(zero.stage, int) and self._dp.pp_size <= 1 else 0  # pipeline: the runtime's
         persist = zero.param_persistence_threshold if isinstance(zero.param_persistence_threshold, int) else 0
         rank_holds = None
         if stage >= 1:
@@ -600,7 +600,7 @@ class ParallelStep:
         binding = ModuleBinding(final.signature, model, optimizer, self._store)
         if self._dp.pp_size > 1:
             from .passes.pipeline.stage_programs import split_programs
-            from .runtime.pipeline import PipelineExecutor
+            from .runtime.pipeline import PipelineExecutor, zero1_shares
             from .runtime.pipeline_schedule import build as build_schedule, validate
 
             pipe = self.config.stepfx.pipeline
@@ -609,8 +609,13 @@ class ParallelStep:
             micro = _micro_batches(self.config)
             schedule = build_schedule(name, self._dp.pp_size, micro, virtual=virtual)
             validate(schedule)
-            programs = split_programs(final, split_backward=schedule.split_backward)
-            return PipelineExecutor(final, binding, self._dp, programs, schedule, micro)
+            zero = self.config.zero_optimization.stage
+            shares = None
+            if isinstance(zero, int) and zero == 1 and self._dp.dp_size > 1:
+                shares = zero1_shares(final, self._dp.dp_size)
+            keep = (lambda name: shares.get(name, 0) == self._dp.dp_rank) if shares is not None else None
+            programs = split_programs(final, split_backward=schedule.split_backward, keep_update=keep)
+            return PipelineExecutor(final, binding, self._dp, programs, schedule, micro, update_shares=shares)
         return LocalExecutor(final, binding, self._dp, cuda_graphs=bool(self.config.stepfx.cuda_graphs),
                              device_type=device_type, graph_pool=self._graph_pool,
                              time_phases=self.config.wall_clock_breakdown)
@@ -975,36 +980,38 @@ class ParallelStep:
         return released
 
     def _gather_from_stages(self, role: Role) -> dict[tuple[str, str | None], torch.Tensor]:
-        """Pipeline parallelism: every tensor of ``role`` this rank released,
-        broadcast from the rank of the stage that owns it (a collective over
-        the pipeline group: every rank walks the same list)."""
+        """Pipeline parallelism: every tensor of ``role`` that this rank does
+        not keep, broadcast over all ranks from one that does (a parameter:
+        the first rank of its stage; optimizer state: the data-parallel rank
+        that updates it under ZeRO-1). A collective: every rank walks the
+        same list."""
         import torch.distributed as dist
 
         executor = self.plan.executor
         programs = getattr(executor, "programs", None)
         if programs is None or self._dp.pp_size <= 1:
             return {}
-        owner = programs.plan.owner
+        owner, shares = programs.plan.owner, executor.update_shares or {}
+        per_stage = self._dp.world_size // self._dp.pp_size
         params = dict(self._model.named_parameters())
         out = {}
         for slot in self.plan.graph.signature.inputs:
             if slot.role is not role or slot.name not in owner or (role is Role.OPTIMIZER_STATE and slot.key == "step"):
                 continue
             p = params[slot.name]
-            spec = self._store.held.get((role, slot.name, slot.key))
-            src_stage = owner[slot.name]
-            mine = src_stage in executor.my_stages
-            if role is Role.PARAM:
-                value = p.detach() if mine else torch.empty(spec.shape if spec else p.shape, dtype=p.dtype, device=p.device)
-            else:
+            src = executor.schedule.stage_rank[owner[slot.name]] * per_stage
+            if role is Role.OPTIMIZER_STATE:
+                src += shares.get(slot.name, 0)
                 have = self._optimizer.state.get(p, {}).get(slot.key) if self._optimizer is not None else None
                 if have is None:
                     continue
-                value = have if mine else torch.empty(spec.shape if spec else have.shape, dtype=have.dtype,
-                                                      device=have.device)
-            value = value.contiguous()
-            dist.broadcast(value, src=self._dp.pp_ranks[executor.schedule.stage_rank[src_stage]],
-                           group=self._dp.pp_group)
+            else:
+                have = p.detach()
+            spec = self._store.held.get((role, slot.name, slot.key))
+            mine = self._dp.rank == src
+            value = have.contiguous() if mine else torch.empty(
+                spec.shape if spec is not None else have.shape, dtype=have.dtype, device=have.device)
+            dist.broadcast(value, src=src, group=self._dp.group)
             if not mine:
                 out[(slot.name, slot.key)] = value
         return out
@@ -1096,8 +1103,12 @@ def _pipeline_degree(config: Config) -> int:
     if pp <= 1:
         return 1
     zero = config.zero_optimization.stage
-    for bad, path, what in ((isinstance(zero, int) and zero > 0, "zero_optimization.stage", f"ZeRO stage {zero}"),
-                            (config.tensor_parallel.degree > 1, "tensor_parallel.autotp_size", "tensor parallelism"),
+    if isinstance(zero, int) and zero > 1:
+        raise ConfigError("zero_optimization.stage", f"ZeRO stage {zero} with pipeline parallelism ({pp} stages): "
+                          "stages 2 and 3 shard the gradients each micro-batch's backward accumulates (DeepSpeed "
+                          "refuses them with a pipeline too); stage 1 shards the optimizer state", value=zero,
+                          expected="0 or 1 with pipeline.stages > 1")
+    for bad, path, what in ((config.tensor_parallel.degree > 1, "tensor_parallel.autotp_size", "tensor parallelism"),
                             (config.stepfx.dynamic is True, "stepfx.dynamic", "symbolic batch sizes (each new shape "
                              "is captured anew instead: leave stepfx.dynamic at 'auto' or false)")):
         if bad:

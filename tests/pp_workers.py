@@ -24,8 +24,9 @@ def pp_run(step_fn, make_model, make_optimizer, batches_per_dp, config) -> dict:
     mine = set(step.plan.executor.my_stages)
     names = {id(p): n for n, p in model.named_parameters()}
     state = {n: p.detach().clone() for n, p in model.named_parameters() if plan.owner.get(n) in mine}
-    optim = {names[id(p)]: {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()
-             if plan.owner.get(names[id(p)]) in mine}
+    optim = {names[id(p)]: {k: v.clone() for k, v in s.items() if v.numel() > 0} for p, s in opt.state.items()
+             if plan.owner.get(names[id(p)]) in mine}  # (empty: kept by another rank of the stage, ZeRO-1)
+    optim = {n: s for n, s in optim.items() if s}
     return {"losses": losses, "state": state, "optimizer": optim, "owner": dict(plan.owner),
             "describe": plan.describe(), "stages": list(mine), "explain": step.explain(),
             "captures": len({id(p) for p in step.plans}),

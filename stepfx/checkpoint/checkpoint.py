@@ -157,7 +157,8 @@ def _holdings(step: "ParallelStep", model: torch.nn.Module, optimizer, *, rank: 
             name = names.get(id(p))
             for key, value in state.items():
                 if name is not None and isinstance(value, torch.Tensor) and (Role.OPTIMIZER_STATE, name, key) not in in_store \
-                        and owns(name):
+                        and owns(name) and not (value.numel() == 0 and isinstance(held.get((Role.OPTIMIZER_STATE, name, key)),
+                                                                                    TensorSpec)):
                     out.append(_Holding(f"optim/{name}/{key}", tuple(value.shape), value.detach(), None, ("optim", name, key)))
     return out
 

@@ -67,7 +67,9 @@ def codegen_enabled(options) -> bool:
 
 
 def _stage_at_least(stage: int):
-    return lambda options: zero_settings(options)[0] >= stage
+    # under pipeline parallelism ZeRO-1 is the runtime's (each data-parallel rank of a stage updates its
+    # share of the stage's parameters): the graph stays whole
+    return lambda options: zero_settings(options)[0] >= stage and pipeline_settings(options) <= 1
 
 PIPELINE: tuple[PipelineEntry, ...] = (
     PipelineEntry(

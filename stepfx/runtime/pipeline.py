@@ -38,14 +38,14 @@ from .binding import ModuleBinding
 from .distributed import DataParallel, failed_together
 from .pipeline_schedule import Action, CommBatch, Schedule
 
-__all__ = ["PipelineExecutor", "pipeline_fingerprint"]
+__all__ = ["PipelineExecutor", "pipeline_fingerprint", "zero1_shares"]
 
 _KIND_CODE = {"SEND_F": 0, "RECV_F": 0, "SEND_B": 1, "RECV_B": 1}
 
 
 class PipelineExecutor:
     def __init__(self, graph: StepGraph, binding: ModuleBinding, dp: DataParallel, programs: StagePrograms,
-                 schedule: Schedule, micro_batches: int):
+                 schedule: Schedule, micro_batches: int, update_shares: dict[str, int] | None = None):
         self.graph = graph
         self.gm = graph.gm
         self.binding = binding
@@ -53,6 +53,8 @@ class PipelineExecutor:
         self.programs = programs
         self.schedule = schedule
         self.micro_batches = micro_batches
+        # ZeRO-1 over the stage's data-parallel group: parameter name -> the data-parallel rank that updates it
+        self.update_shares = update_shares
         self.runs = 0
         self.timer = None
         self.phase_seconds = None
@@ -169,6 +171,8 @@ class PipelineExecutor:
         for stage in self.my_stages:
             self._call("O2", stage, inputs, values)
         self._call("R", -1, inputs, values)
+        if self.update_shares is not None:  # ZeRO-1: each parameter's new value from the rank that updated it
+            self._share_updates(values)
         # ... and the owner's new value to the other stages that read them
         shared: dict[str, Any] = {}
         self._exchange([(name, src, dst, values) for _, name, src, dst in progs.param_sends], 3, shared)
@@ -226,6 +230,28 @@ class PipelineExecutor:
 
     def _device(self) -> torch.device:
         return self._dev
+
+    def _share_updates(self, values: dict[str, Any]) -> None:
+        """ZeRO-1: broadcast each of this rank's stages' updated parameters
+        from the data-parallel rank that updated it to the others."""
+        sig, per_stage = self.graph.signature, self.dp.world_size // self.dp.pp_size
+        base = self.dp.pp_rank * per_stage
+        owner = self.programs.plan.owner
+        (out_args,) = [n for n in self.gm.graph.nodes if n.op == "output"][0].args
+        for i, slot in enumerate(sig.outputs):
+            if slot.role is not Role.PARAM or owner.get(slot.name) not in self.my_stages:
+                continue
+            node = out_args[i]
+            if not hasattr(node, "meta") or node.op == "placeholder":
+                continue
+            d = self.update_shares.get(slot.name, 0)
+            if d == self.dp.dp_rank:
+                value = values[node.name].contiguous()
+            else:
+                val = node.meta["val"]
+                value = torch.empty(tuple(val.shape), dtype=val.dtype, device=self._dev)
+            dist.broadcast(value, src=base + d, group=self.dp.dp_group)
+            values[node.name] = value
 
     def _exchange(self, sends: list[tuple[str, int, int, dict]], code: int, into: dict) -> None:
         """Once-a-step transfers between stages, all posted together and
@@ -306,3 +332,26 @@ def pipeline_fingerprint(executor: Any) -> list[str]:
     for name, src, dst in programs.step_sends:
         out.append(f"stage {src} sends {name} to stage {dst} once a step")
     return out
+
+
+def zero1_shares(graph: StepGraph, dp_size: int) -> dict[str, int]:
+    """ZeRO-1 under pipeline parallelism: which data-parallel rank of its
+    stage updates (and keeps the optimizer state of) each parameter. Whole
+    parameters, largest first to the least loaded rank of the stage, as
+    torch's ZeroRedundancyOptimizer partitions; the same on every rank."""
+    from ..passes.pipeline.partition_stages import PIPELINE_KEY
+
+    owner = graph.signature.extra[PIPELINE_KEY].owner
+    sizes = {}
+    for n in graph.gm.graph.nodes:
+        if n.op == "placeholder" and n.meta["slot"].role is Role.PARAM and n.meta["slot"].name in owner:
+            sizes[n.meta["slot"].name] = n.meta["val"].numel()
+    shares: dict[str, int] = {}
+    load = {}
+    for name in sorted(sizes, key=lambda k: (-sizes[k], k)):
+        stage = owner[name]
+        loads = load.setdefault(stage, [0] * dp_size)
+        d = min(range(dp_size), key=lambda r: (loads[r], r))
+        shares[name] = d
+        loads[d] += sizes[name]
+    return shares

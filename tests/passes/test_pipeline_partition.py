@@ -265,11 +265,15 @@ def test_pipeline_degree_against_the_world():
     assert pipeline_degree(asked.pipeline, asked.stepfx.pipeline, 8) == 4
 
 
-@pytest.mark.parametrize("extra,key", [({"zero_optimization": {"stage": 1}}, "zero_optimization.stage"),
-                                       ({"tensor_parallel": {"autotp_size": 2}}, "tensor_parallel.autotp_size")])
-def test_what_does_not_compose_yet_is_refused_by_key(monkeypatch, extra, key):
+@pytest.mark.parametrize("extra,message", [
+    ({"zero_optimization": {"stage": 3}}, "zero_optimization.stage: ZeRO stage 3 with pipeline parallelism"),
+    ({"tensor_parallel": {"autotp_size": 2}},
+     "tensor_parallel.autotp_size: pipeline parallelism \\(2 stages\\) does not compose"),
+    ({"stepfx": {"dynamic": True}}, "stepfx.dynamic: pipeline parallelism \\(2 stages\\) does not compose")])
+def test_what_does_not_compose_yet_is_refused_by_key(monkeypatch, extra, message):
     from stepfx.api import _pipeline_degree
 
     monkeypatch.setenv("WORLD_SIZE", "4")
-    with pytest.raises(ConfigError, match=f"^{key}: pipeline parallelism \\(2 stages\\) does not compose"):
+    with pytest.raises(ConfigError, match=f"^{message}"):
         _pipeline_degree(load_config({"pipeline": {"stages": 2}, **extra}))
+    assert _pipeline_degree(load_config({"pipeline": {"stages": 2}, "zero_optimization": {"stage": 1}})) == 2

@@ -39,7 +39,7 @@ import torch.fx as fx
 from ...config.errors import ConfigError
 from ...graph import StepGraph
 from ...graph.signature import Role
-from ...graph.step_graph import META_PHASE, Phase
+from ...graph.step_graph import META_PARAM, META_PHASE, Phase
 from .partition_stages import META_STAGE, META_TASK, PIPELINE_KEY, StagePlan
 
 __all__ = ["TaskProgram", "StagePrograms", "split_programs"]
@@ -99,7 +99,10 @@ def _free_inputs(graph: StepGraph) -> set[fx.Node]:
     return free
 
 
-def split_programs(graph: StepGraph, *, split_backward: bool = False) -> StagePrograms:
+def split_programs(graph: StepGraph, *, split_backward: bool = False, keep_update=None) -> StagePrograms:
+    """``keep_update(name)``: whether this rank's optimizer programs update
+    parameter ``name`` (ZeRO-1 over a stage's data-parallel ranks: each
+    updates its share, runtime/pipeline.zero1_shares); None: all of them."""
     gm = graph.gm
     g = gm.graph
     plan: StagePlan = graph.signature.extra[PIPELINE_KEY]
@@ -125,6 +128,12 @@ def split_programs(graph: StepGraph, *, split_backward: bool = False) -> StagePr
         if n.op != "call_function" or n in replicated or n.meta.get(META_TASK) == "X":
             return None
         return n.meta[META_TASK], n.meta[META_STAGE]
+
+    def updated_elsewhere(n: fx.Node) -> bool:
+        """Another data-parallel rank of the stage updates this parameter (ZeRO-1): no program here runs
+        it (what crosses ranks and what is summed over micro-batches stays the same on every rank)."""
+        return (keep_update is not None and n.meta.get(META_TASK) in ("O", "O2")
+                and n.meta.get(META_PARAM) is not None and not keep_update(n.meta[META_PARAM]))
 
     # a shared (tied) parameter's gradient is the sum of its stages' parts: that sum moves to the owner's
     # optimizer, after each stage has summed its part over the micro-batches (a sum either way)
@@ -220,7 +229,7 @@ def split_programs(graph: StepGraph, *, split_backward: bool = False) -> StagePr
     tasks: dict[tuple[str, int], list[fx.Node]] = {}
     for n in g.nodes:
         t = task_of(n)
-        if t is not None:
+        if t is not None and not updated_elsewhere(n):
             tasks.setdefault(t, []).append(n)
     if split_backward:
         for s in range(stages):
@@ -250,7 +259,14 @@ def split_programs(graph: StepGraph, *, split_backward: bool = False) -> StagePr
 
     programs: dict[tuple[str, int], TaskProgram] = {}
     for (kind, s), nodes in tasks.items():
-        programs[(kind, s)] = _extract(gm, nodes, needed_out.get((kind, s), []), replicated, position, kind, s)
+        members = set(nodes)
+        for n in nodes:
+            stray = [a for a in n.all_input_nodes if updated_elsewhere(a)]
+            if stray:
+                raise ConfigError("zero_optimization.stage", f"{n.name} of the update reads {stray[0].name}, the "
+                                  "update of a parameter another data-parallel rank updates under ZeRO-1")
+        outs = [o for o in needed_out.get((kind, s), []) if o in members]
+        programs[(kind, s)] = _extract(gm, nodes, outs, replicated, position, kind, s)
 
     # the step's outputs: who makes each
     outputs: list[tuple[str, object]] = []
