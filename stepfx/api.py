@@ -192,7 +192,7 @@ class ParallelStep:
                                      pp_size=_pipeline_degree(self.config))
             self.config = _resolve_batch_sizes(self.config, self._dp.dp_size)
             gas = self.config.gradient_accumulation_steps
-            if self._dp.tp_size > 1 and isinstance(gas, int) and gas > 1:
+            if self._dp.tp_size > 1 and self._dp.pp_size == 1 and isinstance(gas, int) and gas > 1:
                 # plan_tensor_parallel keeps whole every parameter whose gradient is held between calls:
                 # the step would run unsplit on every rank, silently
                 raise ConfigError("gradient_accumulation_steps", f"{gas} with tensor parallelism (autotp_size "
@@ -833,7 +833,7 @@ class ParallelStep:
                                                Role.OPTIMIZER_STATE, local=held))
         for name, state in held.items():
             out.setdefault(name, {}).update(state)
-        for (name, key), value in self._gather_from_stages(Role.OPTIMIZER_STATE).items():  # pipeline stages'
+        for (name, key), value in self._gather_from_stages(Role.OPTIMIZER_STATE, local=out).items():  # stages'
             out.setdefault(name, {})[key] = value
         return out
 
@@ -958,28 +958,34 @@ class ParallelStep:
         unread = plan.executor.unread_inputs()
         params = dict(model.named_parameters())
         held = self._store.held
+        placeholders = [n for n in plan.graph.gm.graph.nodes if n.op == "placeholder"]
         released = False
         for i in sorted(unread):
             slot = plan.graph.signature.inputs[i]
             if slot.storage is not Storage.USER or slot.name not in params:
                 continue
             p = params[slot.name]
-            if slot.role is Role.PARAM and p.numel() > 0:
-                spec = TensorSpec.of(p)
+            val = placeholders[i].meta.get("val")  # the whole tensor as captured (already released: empty now)
+            if not isinstance(val, torch.Tensor):
+                continue
+            if slot.role is Role.PARAM:
+                spec = TensorSpec(tuple(val.shape), p.dtype, p.device)
                 held[(Role.PARAM, slot.name, None)] = plan.held[(Role.PARAM, slot.name, None)] = spec
-                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+                if p.numel() > 0:
+                    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
                 released = True
             elif slot.role is Role.OPTIMIZER_STATE and optimizer is not None and slot.key != "step":
                 value = optimizer.state.get(p, {}).get(slot.key)
-                if isinstance(value, torch.Tensor) and value.numel() > 0:
-                    spec = TensorSpec.of(value)
+                if isinstance(value, torch.Tensor):
+                    spec = TensorSpec(tuple(val.shape), value.dtype, value.device)
                     held[(Role.OPTIMIZER_STATE, slot.name, slot.key)] = plan.held[
                         (Role.OPTIMIZER_STATE, slot.name, slot.key)] = spec
-                    optimizer.state[p][slot.key] = torch.empty(0, dtype=value.dtype, device=value.device)
+                    if value.numel() > 0:
+                        optimizer.state[p][slot.key] = torch.empty(0, dtype=value.dtype, device=value.device)
                     released = True
         return released
 
-    def _gather_from_stages(self, role: Role) -> dict[tuple[str, str | None], torch.Tensor]:
+    def _gather_from_stages(self, role: Role, local: dict | None = None) -> dict[tuple[str, str | None], torch.Tensor]:
         """Pipeline parallelism: every tensor of ``role`` that this rank does
         not keep, broadcast over all ranks from one that does (a parameter:
         the first rank of its stage; optimizer state: the data-parallel rank
@@ -1000,13 +1006,17 @@ class ParallelStep:
                 continue
             p = params[slot.name]
             src = executor.schedule.stage_rank[owner[slot.name]] * per_stage
+            # ``local``: whole tensors this rank has already (gathered over its tensor-parallel group)
+            whole = (local or {}).get(slot.name)
             if role is Role.OPTIMIZER_STATE:
                 src += shares.get(slot.name, 0)
-                have = self._optimizer.state.get(p, {}).get(slot.key) if self._optimizer is not None else None
+                have = (whole or {}).get(slot.key)
+                if have is None and self._optimizer is not None:
+                    have = self._optimizer.state.get(p, {}).get(slot.key)
                 if have is None:
                     continue
             else:
-                have = p.detach()
+                have = whole if whole is not None else p.detach()
             spec = self._store.held.get((role, slot.name, slot.key))
             mine = self._dp.rank == src
             value = have.contiguous() if mine else torch.empty(
@@ -1017,10 +1027,12 @@ class ParallelStep:
         return out
 
     def _gather_params(self) -> dict[str, torch.Tensor]:
-        out = {name: value for (name, _), value in self._gather_from_stages(Role.PARAM).items()}
+        out = {}
         if self._dp is not None and self._dp.tp_size > 1:  # the Megatron shards of split parameters
             split = gather_tensor_parallel(self.plan.graph.signature, self._store, self._dp, Role.PARAM)
             out.update({name: keys[None] for name, keys in split.items()})
+        # pipeline stages: what other stages keep, from them (whole, after their tensor-parallel gather)
+        out.update({name: value for (name, _), value in self._gather_from_stages(Role.PARAM, local=out).items()})
         layout = self.plan.graph.signature.extra.get(LAYOUT_KEY)
         if layout is None or not any(b.sharding is Sharding.PARAMETERS for b in layout.buckets):
             return out
@@ -1108,12 +1120,10 @@ def _pipeline_degree(config: Config) -> int:
                           "stages 2 and 3 shard the gradients each micro-batch's backward accumulates (DeepSpeed "
                           "refuses them with a pipeline too); stage 1 shards the optimizer state", value=zero,
                           expected="0 or 1 with pipeline.stages > 1")
-    for bad, path, what in ((config.tensor_parallel.degree > 1, "tensor_parallel.autotp_size", "tensor parallelism"),
-                            (config.stepfx.dynamic is True, "stepfx.dynamic", "symbolic batch sizes (each new shape "
-                             "is captured anew instead: leave stepfx.dynamic at 'auto' or false)")):
-        if bad:
-            raise ConfigError(path, f"pipeline parallelism ({pp} stages) does not compose with {what} yet "
-                              "(issue 20)", value=True, expected="ZeRO stage 0, no tensor parallelism")
+    if config.stepfx.dynamic is True:
+        raise ConfigError("stepfx.dynamic", f"pipeline parallelism ({pp} stages) does not compose with symbolic "
+                          "batch sizes yet (issue 20): each new shape is captured anew instead", value=True,
+                          expected="'auto' or false with pipeline.stages > 1")
     return pp
 
 

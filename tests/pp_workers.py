@@ -18,11 +18,19 @@ def pp_run(step_fn, make_model, make_optimizer, batches_per_dp, config) -> dict:
     model = make_model()
     opt = make_optimizer(model)
     step = stepfx.parallelize(config)(step_fn)
-    dp_rank = rank % (world // _stages(config, world))
+    tp = max(1, config.get("tensor_parallel", {}).get("autotp_size", 1))
+    dp_rank = (rank % (world // _stages(config, world))) // tp
     losses = [step(model, opt, *batch).item() for batch in batches_per_dp[dp_rank]]
     plan = step.plan.graph.signature.extra[PIPELINE_KEY]
     mine = set(step.plan.executor.my_stages)
     names = {id(p): n for n, p in model.named_parameters()}
+    if tp > 1:  # split parameters live in the rank's store: gathered whole (collectives: every rank)
+        gathered = step.model_state_dict()
+        state = {n: gathered[n].clone() for n, _ in model.named_parameters() if plan.owner.get(n) in mine}
+        optim = {n: {k: v.clone() for k, v in s.items()} for n, s in step.optimizer_state().items()
+                 if plan.owner.get(n) in mine}
+        return {"losses": losses, "state": state, "optimizer": optim, "stages": list(mine),
+                "explain": step.explain(), "captures": len({id(p) for p in step.plans})}
     state = {n: p.detach().clone() for n, p in model.named_parameters() if plan.owner.get(n) in mine}
     optim = {names[id(p)]: {k: v.clone() for k, v in s.items() if v.numel() > 0} for p, s in opt.state.items()
              if plan.owner.get(names[id(p)]) in mine}  # (empty: kept by another rank of the stage, ZeRO-1)

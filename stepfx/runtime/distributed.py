@@ -135,12 +135,12 @@ def data_parallel(device_type: str, timeout_s: float = DEFAULT_TIMEOUT_S, *, tp_
         _GROUPS[key] = group
     rank = dist.get_rank()
     if pp_size > 1:
-        if tp_size > 1:
-            raise StepfxError("pipeline x tensor parallelism is not supported yet (issue 20)")
-        dp_group, pp_group, pp_ranks = _pipeline_groups(backend, world, pp_size, timeout_s, rank)
+        tp_group, dp_group, pp_group, pp_ranks = _pipeline_groups(backend, world, pp_size, tp_size, timeout_s, rank)
         per_stage = world // pp_size
         return DataParallel(world, rank, group, group.group_name, backend, dp_group=dp_group,
                             dp_group_name=dp_group.group_name if dp_group is not None else None,
+                            tp_size=tp_size, tp_rank=rank % tp_size, tp_group=tp_group,
+                            tp_group_name=tp_group.group_name if tp_group is not None else None,
                             pp_size=pp_size, pp_rank=rank // per_stage, pp_group=pp_group,
                             pp_group_name=pp_group.group_name, pp_ranks=pp_ranks)
     if tp_size <= 1:
@@ -170,28 +170,39 @@ def _mesh_groups(backend: str, world: int, tp: int, timeout_s: float, rank: int)
     return _GROUPS[key]
 
 
-def _pipeline_groups(backend: str, world: int, pp: int, timeout_s: float, rank: int) -> tuple[Any, Any, tuple[int, ...]]:
-    """This rank's data-parallel group (the ranks of its stage; None when a
-    stage is one rank), its pipeline group and that group's ranks by stage.
-    Every rank creates every group, in the same order."""
-    key = ("pipeline", backend, world, pp, timeout_s, id(dist.group.WORLD))
+def _pipeline_groups(backend: str, world: int, pp: int, tp: int, timeout_s: float,
+                     rank: int) -> tuple[Any, Any, Any, tuple[int, ...]]:
+    """This rank's groups in the (pipeline, data, tensor) mesh, rank =
+    stage x (dp x tp) + place in the stage's data-parallel group x tp +
+    place in the tensor-parallel group: its tensor-parallel group (None
+    without TP), data-parallel group (None when one rank per stage and TP
+    place), pipeline group, and the pipeline group's ranks by stage. Every
+    rank creates every group, in the same order."""
+    key = ("pipeline", backend, world, pp, tp, timeout_s, id(dist.group.WORLD))
     if key not in _GROUPS:
         timeout = datetime.timedelta(seconds=timeout_s)
         per_stage = world // pp
-        mine_dp = mine_pp = None
+        dp = per_stage // tp
+        mine_tp = mine_dp = mine_pp = None
         mine_ranks: tuple[int, ...] = ()
-        if per_stage > 1:
+        if tp > 1:
+            for start in range(0, world, tp):
+                g = dist.new_group(ranks=list(range(start, start + tp)), backend=backend, timeout=timeout)
+                if start <= rank < start + tp:
+                    mine_tp = g
+        if dp > 1:
             for stage in range(pp):
-                g = dist.new_group(ranks=list(range(stage * per_stage, (stage + 1) * per_stage)), backend=backend,
-                                   timeout=timeout)
-                if rank // per_stage == stage:
-                    mine_dp = g
+                for t in range(tp):
+                    ranks = [stage * per_stage + d * tp + t for d in range(dp)]
+                    g = dist.new_group(ranks=ranks, backend=backend, timeout=timeout)
+                    if rank in ranks:
+                        mine_dp = g
         for place in range(per_stage):
             ranks = tuple(place + stage * per_stage for stage in range(pp))
             g = dist.new_group(ranks=list(ranks), backend=backend, timeout=timeout)
             if rank % per_stage == place:
                 mine_pp, mine_ranks = g, ranks
-        _GROUPS[key] = (mine_dp, mine_pp, mine_ranks)
+        _GROUPS[key] = (mine_tp, mine_dp, mine_pp, mine_ranks)
     return _GROUPS[key]
 
 

@@ -267,8 +267,7 @@ def test_pipeline_degree_against_the_world():
 
 @pytest.mark.parametrize("extra,message", [
     ({"zero_optimization": {"stage": 3}}, "zero_optimization.stage: ZeRO stage 3 with pipeline parallelism"),
-    ({"tensor_parallel": {"autotp_size": 2}},
-     "tensor_parallel.autotp_size: pipeline parallelism \\(2 stages\\) does not compose"),
+    ({"zero_optimization": {"stage": 2}}, "zero_optimization.stage: ZeRO stage 2 with pipeline parallelism"),
     ({"stepfx": {"dynamic": True}}, "stepfx.dynamic: pipeline parallelism \\(2 stages\\) does not compose")])
 def test_what_does_not_compose_yet_is_refused_by_key(monkeypatch, extra, message):
     from stepfx.api import _pipeline_degree

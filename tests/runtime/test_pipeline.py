@@ -289,3 +289,18 @@ def test_zero_1_over_each_stage_s_data_parallel_ranks(rank_pool):
     with pytest.raises(Exception, match="zero_optimization.stage: ZeRO stage 2 with pipeline parallelism"):
         rank_pool(4).run(pp_run, lm_step, tiny_gpt, sgd_momentum, batches,
                          _config(2, 2, "1f1b", zero_optimization={"stage": 2}), timeout=120)
+
+
+@pytest.mark.slow
+def test_pipeline_times_tensor_parallel(rank_pool):
+    """PP 2 x TP 2 on 4 ranks: each stage's Megatron pairs split over its
+    tensor-parallel group (the TP all-reduces run inside the stage programs),
+    the residual stream sent between the stages' ranks of the same TP place;
+    gradient clipping's norm summed over the stages and the TP shards (0.05:
+    it bites, see test_gradient_clipping_takes_the_norm_over_every_stage)."""
+    batches = _batches(1)
+    config = _config(2, 2, "1f1b", clip=0.05, tensor_parallel={"autotp_size": 2})
+    results = rank_pool(4).run(pp_run, lm_step, tiny_gpt, sgd_momentum, batches, config, timeout=400)
+    _check(results, lm_step, tiny_gpt, sgd_momentum, batches, 2, clip=0.05)  # the norm over stages and TP shards
+    assert [r["stages"] for r in results] == [[0], [0], [1], [1]]
+    assert "tensor parallelism: degree 2" in results[0]["explain"]
