@@ -114,74 +114,126 @@ def test_programs_cover_every_op_and_send_one_tensor_each_way():
     assert [(src, dst) for _, _, src, dst in programs.param_sends] == [(0, 1)]
 
 
-def test_the_programs_run_in_pipeline_order_equal_the_captured_step_bitwise():
-    """All stages in this process: F0 F1 per micro-batch, then B1 B0, the
-    gradients summed over the micro-batches, O0 O1 — the same updated state
-    and loss as the whole graph run on the same micro-batches one after the
-    other with the gradients summed (every op the same, bitwise)."""
-    micro = 2
-    graph, model, batch, opt = _partitioned(2, micro=micro, with_optimizer=True)
-    programs = split_programs(graph)
-    sig = graph.signature
-    values_in = ModuleBinding(sig, model, opt, RankStore()).inputs([batch])
+def _pipeline_in_process(graph, programs, values_in, batch, micro):
+    """Every stage's programs in this process, in a pipeline's order: per
+    micro-batch the forwards F0..F{S-1}, then the backwards (B, or BI then
+    BW) from the last stage down, the gradients the updates read summed over
+    the micro-batches; then each stage's update around the sums over the
+    stages, and the replicated outputs. Returns (losses, summed gradients,
+    the step's outputs)."""
+    sig, stages = graph.signature, programs.stages
     pieces = batch.split(batch.shape[0] // micro)
     batch_at = [i for i, s in enumerate(sig.inputs) if s.role is Role.BATCH]
+    backward = ("BI", "BW") if programs.split_backward else ("B",)
     acc, losses = {}, []
     for m in range(micro):
         inputs = list(values_in)
         for i in batch_at:
             inputs[i] = pieces[m]
         store = {}
-        for kind, stage in (("F", 0), ("F", 1), ("B", 1), ("B", 0)):
-            prog = programs.programs.get((kind, stage))
-            if prog is None:
-                continue
-            args = [inputs[i] if src == "graph" else store[i] for src, i in prog.inputs]
-            store.update(zip(prog.outputs, prog.gm(*args)))
-        for s in range(2):
+        order = [("F", s) for s in range(stages)] + [(k, s) for s in reversed(range(stages)) for k in backward]
+        for key in order:
+            prog = programs.programs.get(key)
+            if prog is not None:
+                args = [inputs[i] if src == "graph" else store[i] for src, i in prog.inputs]
+                store.update(zip(prog.outputs, prog.gm(*args)))
+        for s in range(stages):
             for name in programs.accumulated[s]:
                 acc[name] = store[name].clone() if name not in acc else acc[name] + store[name]
         losses.append(store[programs.outputs[programs.user_outputs[0]][1]])
     values = dict(acc)
-    for kind in ("O", "O2"):
-        for s in range(2):
-            prog = programs.programs.get((kind, s))
-            if prog is not None:
-                args = [values_in[i] if src == "graph" else values[i] for src, i in prog.inputs]
-                values.update(zip(prog.outputs, prog.gm(*args)))
-    # the whole graph: the same micro-batches, the optimizer reading the summed gradients
-    gm = graph.gm
-    assert all(n.meta.get(META_TASK) != "X" for n in gm.graph.nodes)
-    whole_acc = {}
+
+    def run(kind, s):
+        prog = programs.programs.get((kind, s))
+        if prog is not None:
+            args = [values_in[i] if src == "graph" else values[i] for src, i in prog.inputs]
+            values.update(zip(prog.outputs, prog.gm(*args)))
+
+    for s in range(stages):
+        run("O", s)
+    for name, parts in programs.cross_sums:
+        values[name] = torch.stack([values[p] for p in parts]).sum()
+    for s in range(stages):
+        run("O2", s)
+    run("R", -1)
+    outputs = [ref if src == "const" else values_in[ref] if src == "graph" else values.get(ref)
+               for src, ref in programs.outputs]
+    return losses, acc, outputs
+
+
+def _whole_in_process(graph, accumulated, values_in, batch, micro):
+    """The whole graph on the same micro-batches one after the other (its
+    forward and backward), the values the update reads (``accumulated``)
+    summed, then its update on the sums: (losses, summed gradients, the
+    step's outputs)."""
+    gm, sig = graph.gm, graph.signature
+    pieces = batch.split(batch.shape[0] // micro)
+    batch_at = [i for i, s in enumerate(sig.inputs) if s.role is Role.BATCH]
+    loss_name = None
+    acc, losses, env = {}, [], {}
     for m in range(micro):
         inputs = list(values_in)
         for i in batch_at:
             inputs[i] = pieces[m]
-        env = _run_until_optimizer(gm, inputs)
-        for s in range(2):
-            for name in programs.accumulated[s]:
-                whole_acc[name] = env[name].clone() if name not in whole_acc else whole_acc[name] + env[name]
-        assert torch.equal(env[programs.outputs[programs.user_outputs[0]][1]], losses[m])
-    for name in whole_acc:
-        assert torch.equal(whole_acc[name], acc[name]), name
+        env = _run_phases(gm, inputs, update=False)
+        for name in accumulated:
+            acc[name] = env[name].clone() if name not in acc else acc[name] + env[name]
+        (out,) = [n for n in gm.graph.nodes if n.op == "output"]
+        loss_name = next(a.name for a, slot in zip(out.args[0], sig.outputs) if slot.role is Role.USER_OUTPUT)
+        losses.append(env[loss_name])
+    final = _run_phases(gm, list(values_in), update=True, known={**env, **acc})
+    return losses, acc, final["__outputs__"]
 
 
-def _run_until_optimizer(gm: fx.GraphModule, inputs: list) -> dict:
-    """The forward and backward of the whole graph, node by node (fx's Interpreter)."""
+def _run_phases(gm: fx.GraphModule, inputs: list, *, update: bool, known: dict | None = None) -> dict:
+    """Run the whole graph node by node (fx's Interpreter): without
+    ``update``, the forward and backward only; with it, the optimizer's ops
+    only, every other value read from ``known``."""
     env = {}
 
-    class Stop(fx.Interpreter):
+    class Phases(fx.Interpreter):
         def run_node(self, n):
-            if n.op == "call_function" and n.meta.get(META_TASK) in ("O", "O2", "X", "G"):
-                return None
+            # the update: the optimizer's ops, and a tied parameter's gradient sum (partition_stages moves it
+            # to the update, where it adds the parts summed over the micro-batches)
+            optimizer = n.op == "call_function" and (str(n.meta.get("phase")) == "optimizer"
+                                                     or n.meta.get(META_TASK) in ("O", "O2"))
             if n.op == "output":
+                if update:
+                    env["__outputs__"] = [self.env[a] if isinstance(a, fx.Node) else a for a in n.args[0]]
+                return None
+            if n.op == "call_function" and update and not optimizer:
+                return known[n.name]
+            if n.op == "call_function" and not update and optimizer:
                 return None
             value = super().run_node(n)
             env[n.name] = value
             return value
 
-    Stop(gm).run(*inputs)
+    Phases(gm).run(*inputs)
     return env
+
+
+def _assert_same_step(graph, programs, model, opt, batch, micro):
+    values_in = ModuleBinding(graph.signature, model, opt, RankStore()).inputs([batch])
+    losses, acc, outs = _pipeline_in_process(graph, programs, values_in, batch, micro)
+    accumulated = sorted({n for s in range(programs.stages) for n in programs.accumulated[s]})
+    whole_losses, whole_acc, whole_outs = _whole_in_process(graph, accumulated, values_in, batch, micro)
+    for a, b in zip(losses, whole_losses):
+        assert torch.equal(a, b)
+    for name in accumulated:
+        assert torch.equal(acc[name], whole_acc[name]), name
+    for slot, a, b in zip(graph.signature.outputs, outs, whole_outs):
+        if slot.role is not Role.USER_OUTPUT:
+            assert isinstance(a, torch.Tensor) and torch.equal(a, b), slot.describe()
+
+
+def test_the_programs_run_in_pipeline_order_equal_the_captured_step_bitwise():
+    """All stages in this process in a pipeline's order equal the whole
+    graph run on the same micro-batches with the gradients summed: the same
+    losses, summed gradients and updated parameters and optimizer state,
+    bitwise (every op the same; only the order of the stages' ops changed)."""
+    graph, model, batch, opt = _partitioned(2, micro=2, with_optimizer=True)
+    _assert_same_step(graph, split_programs(graph), model, opt, batch, 2)
 
 
 @pytest.mark.parametrize("method", ["parameters", "uniform", "type:Block", "best"])
@@ -215,22 +267,28 @@ def test_split_points_name_where_stages_start():
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow],
           phases=[Phase.explicit, Phase.reuse, Phase.generate])  # a capture a second: no shrinking
 @given(layers=st.integers(1, 3), width=st.sampled_from([(16, 2), (32, 4)]), stages=st.integers(2, 4),
-       method=st.sampled_from(["best", "parameters", "uniform"]), clip=st.booleans())
-def test_property_every_op_has_one_place_and_stages_are_contiguous(layers, width, stages, method, clip):
-    """Over generated GPTs, stage counts and methods: forward stages are
-    contiguous and non-empty, every op is in exactly one program (or copied
-    where read), and each stage sends its successor only what crosses."""
+       method=st.sampled_from(["best", "parameters", "uniform"]), clip=st.booleans(), micro=st.sampled_from([1, 2, 4]),
+       split=st.booleans())
+def test_property_every_op_has_one_place_and_the_step_is_the_same(layers, width, stages, method, clip, micro, split):
+    """Over generated GPTs, stage counts, methods, micro-batch counts, with
+    and without clipping and the zero-bubble split of the backward: forward
+    stages are contiguous and non-empty, every op is in exactly one program
+    (or copied where read), each stage sends its successor only what
+    crosses, and the programs run in a pipeline's order equal the whole
+    graph bitwise (losses, summed gradients, updated state)."""
     d_model, heads = width
     config = {"pipeline": {"partition": method}, "gradient_clipping": 0.5 if clip else 0}
     try:
-        graph, _, _ = _partitioned(stages, config=config, layers=layers, d_model=d_model, heads=heads)
+        graph, model, batch, opt = _partitioned(stages, micro=micro, config=config, layers=layers, d_model=d_model,
+                                                heads=heads, with_optimizer=True)
     except ConfigError as exc:  # more stages than the model has layers (uniform) or cut points
         assert "fewer than" in str(exc)
         return
     fwd = _forward_stages(graph)
     assert fwd == sorted(fwd) and set(fwd) == set(range(stages))
-    programs = split_programs(graph, split_backward=True)
+    programs = split_programs(graph, split_backward=split)
     _check_cover(graph, programs)
+    _assert_same_step(graph, programs, model, opt, batch, micro)
     assert bool(programs.cross_sums) == clip
     for s in range(stages - 1):
         assert programs.send_forward[s], s  # something crosses every cut
