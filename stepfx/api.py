@@ -611,11 +611,13 @@ class ParallelStep:
             validate(schedule)
             zero = self.config.zero_optimization.stage
             shares = None
-            if isinstance(zero, int) and zero == 1 and self._dp.dp_size > 1:
+            if isinstance(zero, int) and zero in (1, 2) and self._dp.dp_size > 1:
                 shares = zero1_shares(final, self._dp.dp_size)
             keep = (lambda name: shares.get(name, 0) == self._dp.dp_rank) if shares is not None else None
-            programs = split_programs(final, split_backward=schedule.split_backward, keep_update=keep)
-            return PipelineExecutor(final, binding, self._dp, programs, schedule, micro, update_shares=shares)
+            programs = split_programs(final, split_backward=schedule.split_backward, keep_update=keep,
+                                      shard_gradients=zero == 2)
+            return PipelineExecutor(final, binding, self._dp, programs, schedule, micro, update_shares=shares,
+                                    shard_gradients=zero == 2)
         return LocalExecutor(final, binding, self._dp, cuda_graphs=bool(self.config.stepfx.cuda_graphs),
                              device_type=device_type, graph_pool=self._graph_pool,
                              time_phases=self.config.wall_clock_breakdown)
@@ -1009,7 +1011,7 @@ class ParallelStep:
             # ``local``: whole tensors this rank has already (gathered over its tensor-parallel group)
             whole = (local or {}).get(slot.name)
             if role is Role.OPTIMIZER_STATE:
-                src += shares.get(slot.name, 0)
+                src += shares.get(slot.name, 0) * self._dp.tp_size
                 have = (whole or {}).get(slot.key)
                 if have is None and self._optimizer is not None:
                     have = self._optimizer.state.get(p, {}).get(slot.key)
@@ -1115,11 +1117,12 @@ def _pipeline_degree(config: Config) -> int:
     if pp <= 1:
         return 1
     zero = config.zero_optimization.stage
-    if isinstance(zero, int) and zero > 1:
+    if isinstance(zero, int) and zero > 2:
         raise ConfigError("zero_optimization.stage", f"ZeRO stage {zero} with pipeline parallelism ({pp} stages): "
-                          "stages 2 and 3 shard the gradients each micro-batch's backward accumulates (DeepSpeed "
-                          "refuses them with a pipeline too); stage 1 shards the optimizer state", value=zero,
-                          expected="0 or 1 with pipeline.stages > 1")
+                          "stage 3 would gather each stage's parameters again for every micro-batch's forward and "
+                          "backward (2 x micro-batches all-gathers of the stage a step, where a pipeline already "
+                          "divides the model by the stages; DeepSpeed refuses it too); stages 1 and 2 shard the "
+                          "optimizer state and gradients", value=zero, expected="0, 1 or 2 with pipeline.stages > 1")
     if config.stepfx.dynamic is True:
         raise ConfigError("stepfx.dynamic", f"pipeline parallelism ({pp} stages) does not compose with symbolic "
                           "batch sizes yet (issue 20): each new shape is captured anew instead", value=True,

@@ -45,7 +45,8 @@ _KIND_CODE = {"SEND_F": 0, "RECV_F": 0, "SEND_B": 1, "RECV_B": 1}
 
 class PipelineExecutor:
     def __init__(self, graph: StepGraph, binding: ModuleBinding, dp: DataParallel, programs: StagePrograms,
-                 schedule: Schedule, micro_batches: int, update_shares: dict[str, int] | None = None):
+                 schedule: Schedule, micro_batches: int, update_shares: dict[str, int] | None = None,
+                 shard_gradients: bool = False):
         self.graph = graph
         self.gm = graph.gm
         self.binding = binding
@@ -53,8 +54,10 @@ class PipelineExecutor:
         self.programs = programs
         self.schedule = schedule
         self.micro_batches = micro_batches
-        # ZeRO-1 over the stage's data-parallel group: parameter name -> the data-parallel rank that updates it
+        # ZeRO-1/2 over the stage's data-parallel group: parameter name -> the data-parallel rank that updates
+        # it; ZeRO-2: gradients reduced to that rank only
         self.update_shares = update_shares
+        self.shard_gradients = shard_gradients and update_shares is not None
         self.runs = 0
         self.timer = None
         self.phase_seconds = None
@@ -153,11 +156,11 @@ class PipelineExecutor:
             for key in [k for k, last in self._last_use.items() if last == index]:
                 store.pop(key, None)
         if self.dp.dp_group is not None and self.dp.dp_size > 1:
-            for name in sorted(acc):
-                dist.all_reduce(acc[name], group=self.dp.dp_group)
-                acc[name].div_(self.dp.dp_size)
-        # shared (tied) parameters: each stage's summed part to the owner's optimizer
-        self._exchange([(name, src, dst, acc) for name, src, dst in progs.step_sends], 2, acc)
+            self._average_gradients(acc)
+        # shared (tied) parameters: each stage's summed part to the owner's optimizer (under ZeRO-2 between
+        # the ranks of the data-parallel place that updates the parameter)
+        sends = [(name, src, dst, acc) for name, src, dst in progs.step_sends if self._holds_gradient(name)]
+        self._exchange(sends, 2, acc)
         values: dict[str, Any] = dict(acc)
         for stage in self.my_stages:
             self._call("O", stage, inputs, values)
@@ -167,6 +170,8 @@ class PipelineExecutor:
             local = torch.stack(mine).sum() if mine else torch.zeros((), dtype=spec.dtype, device=self._dev)
             if self.dp.pp_size > 1:
                 dist.all_reduce(local, group=self.dp.pp_group)
+            if self.shard_gradients and self.dp.dp_size > 1:  # ZeRO-2: each data-parallel rank summed its share
+                dist.all_reduce(local, group=self.dp.dp_group)
             values[name] = local
         for stage in self.my_stages:
             self._call("O2", stage, inputs, values)
@@ -231,11 +236,39 @@ class PipelineExecutor:
     def _device(self) -> torch.device:
         return self._dev
 
+    def _holds_gradient(self, name: str) -> bool:
+        """Under ZeRO-2 whether this rank keeps the summed gradient ``name``
+        (its data-parallel place updates the parameter); otherwise always."""
+        if not self.shard_gradients:
+            return True
+        param = self.programs.grad_params.get(name)
+        return param is None or self.update_shares.get(param, 0) == self.dp.dp_rank
+
+    def _average_gradients(self, acc: dict[str, torch.Tensor]) -> None:
+        """The mean over the stage's data-parallel ranks of each summed
+        gradient: all-reduced (ZeRO 0/1), or reduced to the rank that updates
+        its parameter, which alone keeps it (ZeRO-2: half the traffic, and
+        the others free it)."""
+        size, per_stage = self.dp.dp_size, self.dp.world_size // self.dp.pp_size
+        base = self.dp.pp_rank * per_stage + self.dp.tp_rank
+        for name in sorted(acc):
+            param = self.programs.grad_params.get(name)
+            if not self.shard_gradients or param is None:
+                dist.all_reduce(acc[name], group=self.dp.dp_group)
+                acc[name].div_(size)
+                continue
+            owner = self.update_shares.get(param, 0)
+            dist.reduce(acc[name], dst=base + owner * self.dp.tp_size, group=self.dp.dp_group)
+            if owner == self.dp.dp_rank:
+                acc[name].div_(size)
+            else:
+                del acc[name]
+
     def _share_updates(self, values: dict[str, Any]) -> None:
         """ZeRO-1: broadcast each of this rank's stages' updated parameters
         from the data-parallel rank that updated it to the others."""
         sig, per_stage = self.graph.signature, self.dp.world_size // self.dp.pp_size
-        base = self.dp.pp_rank * per_stage
+        base = self.dp.pp_rank * per_stage + self.dp.tp_rank
         owner = self.programs.plan.owner
         (out_args,) = [n for n in self.gm.graph.nodes if n.op == "output"][0].args
         for i, slot in enumerate(sig.outputs):
@@ -250,7 +283,7 @@ class PipelineExecutor:
             else:
                 val = node.meta["val"]
                 value = torch.empty(tuple(val.shape), dtype=val.dtype, device=self._dev)
-            dist.broadcast(value, src=base + d, group=self.dp.dp_group)
+            dist.broadcast(value, src=base + d * self.dp.tp_size, group=self.dp.dp_group)
             values[node.name] = value
 
     def _exchange(self, sends: list[tuple[str, int, int, dict]], code: int, into: dict) -> None:

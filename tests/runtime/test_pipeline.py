@@ -271,24 +271,28 @@ def test_padded_variable_length_batches_with_deepspeed_defaults(rank_pool):
 
 
 @pytest.mark.slow
-def test_zero_1_over_each_stage_s_data_parallel_ranks(rank_pool):
-    """PP 2 x DP 2 at ZeRO stage 1: each data-parallel rank of a stage
-    updates and keeps the optimizer state of its share of the stage's
-    parameters (whole parameters, largest first to the least loaded, as
-    torch's ZeroRedundancyOptimizer) and broadcasts the new values to the
-    others; equal to the reference; every momentum buffer kept by exactly
-    one rank of its stage; ZeRO 2 is refused by key."""
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_over_each_stage_s_data_parallel_ranks(rank_pool, stage):
+    """PP 2 x DP 2 at ZeRO stages 1 and 2, with clipping: each data-parallel
+    rank of a stage updates and keeps the optimizer state of its share of
+    the stage's parameters (whole parameters, largest first to the least
+    loaded, as torch's ZeroRedundancyOptimizer) and broadcasts the new
+    values; at stage 2 each summed gradient is reduced to that rank alone
+    (the others free it) and the clip norm's parts are summed over the
+    data-parallel ranks too. Equal to the reference; every momentum buffer
+    kept by exactly one rank of its stage; ZeRO 3 refused by key."""
     batches = _batches(2)
-    config = _config(2, 2, "1f1b", zero_optimization={"stage": 1})
+    config = _config(2, 2, "1f1b", clip=0.05, zero_optimization={"stage": stage})
     results = rank_pool(4).run(pp_run, lm_step, tiny_gpt, sgd_momentum, batches, config, timeout=400)
-    _check(results, lm_step, tiny_gpt, sgd_momentum, batches, 2)
+    _check(results, lm_step, tiny_gpt, sgd_momentum, batches, 2, clip=0.05)
     for stage_ranks in ((0, 1), (2, 3)):
         kept = [set(results[r]["optimizer"]) for r in stage_ranks]
         assert kept[0] and kept[1] and not kept[0] & kept[1]
         assert kept[0] | kept[1] == set(results[stage_ranks[0]]["state"])
-    with pytest.raises(Exception, match="zero_optimization.stage: ZeRO stage 2 with pipeline parallelism"):
-        rank_pool(4).run(pp_run, lm_step, tiny_gpt, sgd_momentum, batches,
-                         _config(2, 2, "1f1b", zero_optimization={"stage": 2}), timeout=120)
+    if stage == 2:
+        with pytest.raises(Exception, match="zero_optimization.stage: ZeRO stage 3 with pipeline parallelism"):
+            rank_pool(4).run(pp_run, lm_step, tiny_gpt, sgd_momentum, batches,
+                             _config(2, 2, "1f1b", zero_optimization={"stage": 3}), timeout=120)
 
 
 @pytest.mark.slow

@@ -39,7 +39,7 @@ import torch.fx as fx
 from ...config.errors import ConfigError
 from ...graph import StepGraph
 from ...graph.signature import Role
-from ...graph.step_graph import META_PARAM, META_PHASE, Phase
+from ...graph.step_graph import META_GRAD_OF, META_PARAM, META_PHASE, Phase
 from .partition_stages import META_STAGE, META_TASK, PIPELINE_KEY, StagePlan
 
 __all__ = ["TaskProgram", "StagePrograms", "split_programs"]
@@ -84,6 +84,7 @@ class StagePrograms:
     # adds the parts its stages' "O" programs made, the pipeline group all-reduces, "O2" programs read the sum
     cross_sums: list[tuple[str, list[str]]] = field(default_factory=list)
     replicated: frozenset = frozenset()  # names of the ops copied into every program that reads them
+    grad_params: dict = field(default_factory=dict)  # accumulated value name -> the parameter it is a gradient of
 
 
 def _free_inputs(graph: StepGraph) -> set[fx.Node]:
@@ -99,10 +100,14 @@ def _free_inputs(graph: StepGraph) -> set[fx.Node]:
     return free
 
 
-def split_programs(graph: StepGraph, *, split_backward: bool = False, keep_update=None) -> StagePrograms:
+def split_programs(graph: StepGraph, *, split_backward: bool = False, keep_update=None,
+                   shard_gradients: bool = False) -> StagePrograms:
     """``keep_update(name)``: whether this rank's optimizer programs update
-    parameter ``name`` (ZeRO-1 over a stage's data-parallel ranks: each
-    updates its share, runtime/pipeline.zero1_shares); None: all of them."""
+    parameter ``name`` (ZeRO-1/2 over a stage's data-parallel ranks: each
+    updates its share, runtime/pipeline.zero1_shares); None: all of them.
+    ``shard_gradients`` (ZeRO-2): a rank has only its share's gradients
+    after the reduction, so the update's ops that read another share's
+    gradients (clipping's squared norm parts) leave its programs too."""
     gm = graph.gm
     g = gm.graph
     plan: StagePlan = graph.signature.extra[PIPELINE_KEY]
@@ -129,11 +134,26 @@ def split_programs(graph: StepGraph, *, split_backward: bool = False, keep_updat
             return None
         return n.meta[META_TASK], n.meta[META_STAGE]
 
+    # ZeRO-1/2: the update's ops another data-parallel rank of the stage runs (no program here runs them;
+    # what crosses ranks and what is summed over micro-batches stays the same on every rank)
+    elsewhere: set[fx.Node] = set()
+    if keep_update is not None:
+        for n in g.nodes:
+            if n.op != "call_function" or n.meta.get(META_TASK) not in ("O", "O2") or n in replicated:
+                continue  # (a replicated op is computed wherever it is read)
+            name = n.meta.get(META_PARAM)
+            if name is not None:
+                if not keep_update(name):
+                    elsewhere.add(n)
+            elif any(a in elsewhere for a in n.all_input_nodes):  # part of another rank's update
+                elsewhere.add(n)
+            elif shard_gradients:  # reads only gradients another rank keeps (clipping's squared norm parts)
+                owners = {p for p in (_param_of(a) for a in n.all_input_nodes if a.op == "call_function") if p}
+                if owners and not any(keep_update(o) for o in owners):
+                    elsewhere.add(n)
+
     def updated_elsewhere(n: fx.Node) -> bool:
-        """Another data-parallel rank of the stage updates this parameter (ZeRO-1): no program here runs
-        it (what crosses ranks and what is summed over micro-batches stays the same on every rank)."""
-        return (keep_update is not None and n.meta.get(META_TASK) in ("O", "O2")
-                and n.meta.get(META_PARAM) is not None and not keep_update(n.meta[META_PARAM]))
+        return n in elsewhere
 
     # a shared (tied) parameter's gradient is the sum of its stages' parts: that sum moves to the owner's
     # optimizer, after each stage has summed its part over the micro-batches (a sum either way)
@@ -340,7 +360,29 @@ def split_programs(graph: StepGraph, *, split_backward: bool = False, keep_updat
         specs=specs, accumulated={s: sorted(v, key=order.get) for s, v in accumulated.items()},
         outputs=outputs, output_task=output_task, split_backward=split_backward, user_outputs=user_outputs,
         step_sends=sorted(step_sends, key=lambda t: (order[t[0]], t[1], t[2])), param_sends=param_sends,
-        cross_sums=cross_sums, replicated=frozenset(n.name for n in replicated))
+        cross_sums=cross_sums, replicated=frozenset(n.name for n in replicated),
+        grad_params=_gradient_params(g, {n for v in accumulated.values() for n in v}, by_name))
+
+
+def _param_of(node: fx.Node, depth: int = 4) -> str | None:
+    """The parameter a gradient value belongs to: its own ``grad_of`` or
+    ``param``, else that of the nearest op reading it (breadth first, not
+    through a sum over the stages: clipping's norm reads every gradient)."""
+    level, seen = [node], {node}
+    for _ in range(depth):
+        for x in level:
+            param = x.meta.get(META_GRAD_OF) or x.meta.get(META_PARAM)
+            if param is not None:
+                return param
+        level = [u for x in level for u in x.users
+                 if u.op == "call_function" and u.meta.get(META_TASK) != "X" and u not in seen]
+        seen.update(level)
+    return None
+
+
+def _gradient_params(g: fx.Graph, names: set[str], by_name: dict) -> dict[str, str]:
+    """The parameter each summed value is (a part of) the gradient of."""
+    return {name: p for name in names if (p := _param_of(by_name[name])) is not None}
 
 
 def _impure(n: fx.Node) -> bool:
