@@ -856,9 +856,12 @@ class ParallelStep:
         state = self._store.tensors
         self._monitor.after_update(
             self.updates,
-            loss=None if self._window_loss is None else self._window_loss / options.grad_accumulation,
+            # (a pipelined call already returns the mean over its micro-batches)
+            loss=None if self._window_loss is None else self._window_loss / (
+                1 if self._dp.pp_size > 1 else options.grad_accumulation),
             lr=optimizer.param_groups[0]["lr"] if optimizer is not None else None,
-            tokens=self._window_tokens * self._dp.world_size or None,  # every rank's batch assumed this size
+            # every data-parallel rank's batch assumed this size (tensor- and pipeline-parallel ranks share one)
+            tokens=self._window_tokens * self._dp.dp_size or None,
             peak_memory_bytes=torch.cuda.max_memory_allocated() if plan.device_type == "cuda" else None,
             loss_scale=state.get((Role.RUNTIME_STATE, "loss_scale", None, None, Storage.RANK, None)),
             skipped_steps=state.get((Role.RUNTIME_STATE, "skipped_steps", None, None, Storage.RANK, None)),

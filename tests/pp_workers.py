@@ -174,3 +174,16 @@ def hf_qwen2():
 
     return Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32))
+
+
+def monitored_run(config) -> list[float]:
+    """Two pipelined steps with DeepSpeed's csv_monitor on: the losses the step returned."""
+    from tests.steps import lm_step, tiny_gpt, token_batches
+
+    torch.manual_seed(0)
+    model = tiny_gpt()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = stepfx.parallelize(config)(lm_step)
+    losses = [step(model, opt, b).item() for (b,) in token_batches(2, batch=4, seed=8)]
+    step._monitor.close()
+    return losses

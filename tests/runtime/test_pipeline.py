@@ -26,6 +26,7 @@ from tests.pp_workers import (
     hf_gpt2_no_dropout,
     hf_qwen2,
     memory_run,
+    monitored_run,
     pp_run,
     train_and_save,
 )
@@ -308,3 +309,17 @@ def test_pipeline_times_tensor_parallel(rank_pool):
     _check(results, lm_step, tiny_gpt, sgd_momentum, batches, 2, clip=0.05)  # the norm over stages and TP shards
     assert [r["stages"] for r in results] == [[0], [0], [1], [1]]
     assert "tensor parallelism: degree 2" in results[0]["explain"]
+
+
+def test_the_monitor_logs_the_loss_the_step_returns(rank_pool, tmp_path):
+    """DeepSpeed's csv_monitor under a pipeline: one update per call, its
+    loss the mean over the micro-batches the step returned (not divided
+    again by their number)."""
+    import csv
+
+    config = _config(2, 2, "1f1b", steps_per_print=1,
+                     csv_monitor={"enabled": True, "output_path": str(tmp_path), "job_name": "pp"})
+    losses = rank_pool(2).run(monitored_run, config, timeout=300)[0]
+    with open(tmp_path / "pp" / "Train_Samples_train_loss.csv") as f:
+        rows = list(csv.reader(f))[1:]
+    assert [float(v) for _, v in rows] == pytest.approx(losses, rel=1e-6)
