@@ -99,6 +99,20 @@ def _param_names(model: torch.nn.Module) -> dict[int, str]:
     return {id(p): n for n, p in model.named_parameters()}
 
 
+def _refuse_tensor_parallel(step: "ParallelStep", what: str) -> None:
+    """Tensor-parallel ranks hold Megatron shards (a fused q/k/v weight's
+    shard is three row blocks of the whole): written as whole tensors they
+    would be wrong, so such runs are refused until the shards are written as
+    chunks at their offsets (issue 19). The config is known before the first
+    call, so a load is refused then too."""
+    config = getattr(step, "config", None)
+    tp = getattr(getattr(config, "tensor_parallel", None), "degree", 1)
+    if tp > 1:
+        raise CheckpointError(f"{step.__name__}: checkpoints of tensor-parallel runs (tensor_parallel.autotp_size "
+                              f"{tp}) cannot be {what} yet; step.model_state_dict() and step.optimizer_state() "
+                              "gather the whole tensors (collectives) for a torch.save of your own")
+
+
 def _pipeline_owner(step: "ParallelStep"):
     """Under pipeline parallelism every rank binds the whole model but keeps
     only its stages' parameters (and their optimizer state) up to date:
@@ -358,6 +372,7 @@ def save_checkpoint(step: "ParallelStep", directory: str, tag: str | None = None
     ``step.wait_checkpoint()``, waits for it)."""
     if step._model is None:
         raise CheckpointError(f"{step.__name__} has not run yet: there is nothing to save beyond the model itself")
+    _refuse_tensor_parallel(step, "saved")
     step.wait_checkpoint()
     if step._schedule_pending:
         step._check_loss_scale(wait=True)  # the scheduler's pending advance is part of the state
@@ -502,6 +517,7 @@ def load_checkpoint(step: "ParallelStep", directory: str, tag: str | None = None
     builds it). Each rank reads only what it holds now: its ZeRO pieces
     (whatever world size, stage or precision saved them) and whole tensors
     elsewhere."""
+    _refuse_tensor_parallel(step, "loaded")
     step.wait_checkpoint()
     model = model if model is not None else step._model
     if model is None:

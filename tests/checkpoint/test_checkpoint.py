@@ -253,3 +253,12 @@ def test_a_save_killed_at_any_point_leaves_the_last_checkpoint_loadable(tmp_path
     fresh = stepfx.parallelize({"gradient_clipping": 1.0})(lm_step)
     fresh.load_checkpoint(tmp_path, model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2))
     assert all(torch.equal(expected[k], v) for k, v in model.state_dict().items())
+
+
+def test_tensor_parallel_runs_are_refused_not_written_wrong(tmp_path):
+    """Megatron shards (a fused q/k/v weight's shard is three row blocks of
+    the whole) would be written as whole tensors: a clear CheckpointError
+    instead (measured before: a RuntimeError about a view's shape)."""
+    step = stepfx.parallelize({"tensor_parallel": {"autotp_size": 2}})(lm_step)
+    with pytest.raises(CheckpointError, match=r"tensor-parallel runs \(tensor_parallel.autotp_size 2\) cannot be loaded"):
+        step.load_checkpoint(str(tmp_path), model=tiny_gpt(), optimizer=None)
