@@ -88,10 +88,10 @@ def two_ranks(rank_pool):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule,micro,virtual", [("gpipe", 1, 1), ("1f1b", 3, 1), ("zero_bubble", 4, 1),
-                                                    ("interleaved_1f1b", 2, 2)])
+@pytest.mark.parametrize("schedule,micro,virtual", [("gpipe", 1, 1), ("1f1b", 3, 1), ("zero_bubble", 8, 1),
+                                                    ("interleaved_1f1b", 4, 2)])
 def test_two_stages_every_schedule_equals_the_reference(rank_pool, schedule, micro, virtual):
-    batches = _batches(1)
+    batches = _batches(1, rows=24)
     config = _config(2, micro, schedule, virtual)
     results = rank_pool(2).run(pp_run, lm_step, tiny_gpt, sgd_momentum, batches, config, timeout=300)
     _check(results, lm_step, tiny_gpt, sgd_momentum, batches, micro)
