@@ -1164,19 +1164,11 @@ def _pipeline_extra(config: Config, dp, model: torch.nn.Module) -> dict:
     module classes above each parameter (``type:<regex>`` partitions)."""
     if dp.pp_size <= 1:
         return {}
-    from .passes.pipeline.partition_stages import MODULE_CLASSES_KEY, STAGES_KEY
+    from .passes.pipeline.partition_stages import MODULE_CLASSES_KEY, STAGES_KEY, module_classes
 
     pipe = config.stepfx.pipeline
     virtual = pipe.virtual_stages if pipe is not None else 1
-    classes = {}
-    for name, _ in model.named_parameters():
-        parts = name.split(".")
-        chain, module = [type(model).__name__], model
-        for part in parts[:-1]:
-            module = getattr(module, part)
-            chain.append(type(module).__name__)
-        classes[name] = tuple(chain)
-    return {STAGES_KEY: dp.pp_size * virtual, MODULE_CLASSES_KEY: classes}
+    return {STAGES_KEY: dp.pp_size * virtual, MODULE_CLASSES_KEY: module_classes(model)}
 
 
 def _resolve_precision(config: Config) -> Config:

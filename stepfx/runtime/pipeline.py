@@ -70,10 +70,16 @@ class PipelineExecutor:
         self._dev = torch.device("cpu")
         self._batch_positions = [i for i, s in enumerate(graph.signature.inputs) if s.role is Role.BATCH]
         # the last item of this rank that touches (stage, micro): its values go after it
-        self._last_use: dict[tuple[int, int], int] = {}
+        last_use: dict[tuple[int, int], int] = {}
         for i, item in enumerate(self.items):
             for a in (item.actions if isinstance(item, CommBatch) else (item,)):
-                self._last_use[(a.stage, a.micro)] = i
+                last_use[(a.stage, a.micro)] = i
+        self._free_after: dict[int, list[tuple[int, int]]] = {}  # item index -> the (stage, micro) values freed
+        for key, i in last_use.items():
+            self._free_after.setdefault(i, []).append(key)
+        # the gradients this rank's updates read (summed over micro-batches), the forward values the step returns
+        self._accumulated = {name for s in self.my_stages for name in programs.accumulated.get(s, ())}
+        self._user_names = {programs.outputs[i][1] for i in programs.user_outputs}
 
     def unread_inputs(self) -> set[int]:
         """Positions of the step's inputs that no program of this rank reads
@@ -139,8 +145,7 @@ class PipelineExecutor:
         store: dict[tuple[int, int], dict[str, Any]] = {}
         acc: dict[str, torch.Tensor] = {}
         forward_results: list[dict[str, Any]] = [dict() for _ in range(self.micro_batches)]
-        accumulated = {name for s in self.my_stages for name in progs.accumulated.get(s, ())}
-        user_names = {progs.outputs[i][1] for i in progs.user_outputs}
+        accumulated, user_names = self._accumulated, self._user_names
         for index, item in enumerate(self.items):
             if isinstance(item, CommBatch):
                 self._communicate(item, store)
@@ -153,7 +158,7 @@ class PipelineExecutor:
                 if item.kind == "F":
                     for name in user_names.intersection(values):
                         forward_results[item.micro][name] = values[name]
-            for key in [k for k, last in self._last_use.items() if last == index]:
+            for key in self._free_after.get(index, ()):
                 store.pop(key, None)
         if self.dp.dp_group is not None and self.dp.dp_size > 1:
             self._average_gradients(acc)
@@ -265,26 +270,22 @@ class PipelineExecutor:
                 del acc[name]
 
     def _share_updates(self, values: dict[str, Any]) -> None:
-        """ZeRO-1: broadcast each of this rank's stages' updated parameters
+        """ZeRO-1/2: broadcast each of this rank's stages' updated parameters
         from the data-parallel rank that updated it to the others."""
         sig, per_stage = self.graph.signature, self.dp.world_size // self.dp.pp_size
         base = self.dp.pp_rank * per_stage + self.dp.tp_rank
         owner = self.programs.plan.owner
-        (out_args,) = [n for n in self.gm.graph.nodes if n.op == "output"][0].args
-        for i, slot in enumerate(sig.outputs):
-            if slot.role is not Role.PARAM or owner.get(slot.name) not in self.my_stages:
-                continue
-            node = out_args[i]
-            if not hasattr(node, "meta") or node.op == "placeholder":
+        for slot, (src, name) in zip(sig.outputs, self.programs.outputs):
+            if slot.role is not Role.PARAM or owner.get(slot.name) not in self.my_stages or src != "value":
                 continue
             d = self.update_shares.get(slot.name, 0)
             if d == self.dp.dp_rank:
-                value = values[node.name].contiguous()
+                value = values[name].contiguous()
             else:
-                val = node.meta["val"]
+                val = self._node(name).meta["val"]
                 value = torch.empty(tuple(val.shape), dtype=val.dtype, device=self._dev)
             dist.broadcast(value, src=base + d * self.dp.tp_size, group=self.dp.dp_group)
-            values[node.name] = value
+            values[name] = value
 
     def _exchange(self, sends: list[tuple[str, int, int, dict]], code: int, into: dict) -> None:
         """Once-a-step transfers between stages, all posted together and
@@ -328,8 +329,7 @@ class PipelineExecutor:
             for i, name in enumerate(names):
                 tag = self._tag(action, i)
                 if action.kind.startswith("SEND"):
-                    src = values if name in values else store.get((action.stage, action.micro), {})
-                    t = src[name].contiguous()
+                    t = values[name].contiguous()
                     device = t.device
                     ops.append(dist.P2POp(dist.isend, t, peer, self.dp.pp_group, tag))
                 else:

@@ -25,22 +25,12 @@ from stepfx.passes.pipeline.partition_stages import (
     MODULE_CLASSES_KEY,
     PIPELINE_KEY,
     STAGES_KEY,
+    module_classes,
 )
 from stepfx.passes.pipeline.stage_programs import split_programs
 from stepfx.runtime.binding import ModuleBinding, RankStore
 from stepfx.testing.models import GPT, gpt_config
 from tests.steps import lm_step, token_batches
-
-
-def _classes(model):
-    out = {}
-    for name, _ in model.named_parameters():
-        chain, module = [type(model).__name__], model
-        for part in name.split(".")[:-1]:
-            module = getattr(module, part)
-            chain.append(type(module).__name__)
-        out[name] = tuple(chain)
-    return out
 
 
 def _partitioned(stages, micro=2, config=None, layers=2, d_model=32, heads=4, rows=4, with_optimizer=False):
@@ -59,7 +49,7 @@ def _partitioned(stages, micro=2, config=None, layers=2, d_model=32, heads=4, ro
     captured = capture_step(lm_step, model, opt, (first,), {}, inputs=inputs, options=options)
     cfg = load_config({"gradient_clipping": 0, "gradient_accumulation_steps": micro, **(config or {})})
     records = PassManager(PIPELINE).run(captured, PassOptions(config=cfg, extra={
-        STAGES_KEY: stages, MODULE_CLASSES_KEY: _classes(model)}))
+        STAGES_KEY: stages, MODULE_CLASSES_KEY: module_classes(model)}))
     if with_optimizer:
         return records[-1].graph, model, batch, opt
     return records[-1].graph, model, batch

@@ -58,13 +58,13 @@ import torch.fx as fx
 
 from ...config.errors import ConfigError
 from ...graph import StepGraph
-from ...graph.ops import has_side_effect, is_collective, is_random
+from ...graph.ops import ATTENTION_OPS, has_side_effect, is_collective, is_random
 from ...graph.signature import Role
 from ...graph.step_graph import META_GRAD_OF, META_PARAM, META_PHASE, Phase
 from ..manager import PassOptions, PassResult
 
 __all__ = ["META_STAGE", "META_TASK", "StagePlan", "partition_stages", "PIPELINE_KEY", "MODULE_CLASSES_KEY",
-           "pipeline_settings"]
+           "module_classes", "pipeline_settings"]
 
 aten = torch.ops.aten
 META_STAGE = "pp_stage"
@@ -99,6 +99,19 @@ class StagePlan:
         for i, (names, nbytes) in enumerate(zip(self.crossing, self.crossing_bytes)):
             lines.append(f"  cut {i} -> {i + 1} before {self.cuts[i]}: {', '.join(names)} ({nbytes:,} bytes per micro-batch)")
         return lines
+
+
+def module_classes(model: torch.nn.Module) -> dict[str, tuple[str, ...]]:
+    """``{parameter name: class names of the modules above it, outermost
+    first}``: what ``type:<regex>`` partitions match (options.extra[MODULE_CLASSES_KEY])."""
+    out = {}
+    for name, _ in model.named_parameters():
+        chain, module = [type(model).__name__], model
+        for part in name.split(".")[:-1]:
+            module = getattr(module, part)
+            chain.append(type(module).__name__)
+        out[name] = tuple(chain)
+    return out
 
 
 def pipeline_settings(options: PassOptions) -> int:
@@ -144,8 +157,7 @@ def forward_cost(node: fx.Node, *, flops: float = _FLOPS, bandwidth: float = _BY
         sa, sb = _shape(a), _shape(b)
         if sa and sb:
             return 2 * math.prod(sa) * sb[-1] / flops + out / bandwidth
-    name = getattr(node.target, "__name__", str(node.target))
-    if "attention" in name:
+    if node.target in ATTENTION_OPS:
         q, k = node.args[0], node.args[1]
         sq, sk = _shape(q), _shape(k)
         if sq and sk:

@@ -256,16 +256,8 @@ def split_programs(graph: StepGraph, *, split_backward: bool = False, keep_updat
             nodes = tasks.pop(("B", s), [])
             if not nodes:
                 continue
-            targets = {by_name[name] for name in send_backward[s] if task_of(by_name[name]) == ("B", s)}
-            keep: set[fx.Node] = set()
-            stack = list(targets)
-            members = set(nodes)
-            while stack:
-                x = stack.pop()
-                if x in keep:
-                    continue
-                keep.add(x)
-                stack.extend(a for a in x.all_input_nodes if a in members)
+            targets = [by_name[name] for name in send_backward[s] if task_of(by_name[name]) == ("B", s)]
+            keep = _closure(targets, set(nodes))
             bi = [n for n in nodes if n in keep]
             bw = [n for n in nodes if n not in keep]
             tasks[("BI", s)], tasks[("BW", s)] = bi, bw
@@ -364,6 +356,19 @@ def split_programs(graph: StepGraph, *, split_backward: bool = False, keep_updat
         grad_params=_gradient_params(g, {n for v in accumulated.values() for n in v}, by_name))
 
 
+def _closure(starts, within: set) -> set[fx.Node]:
+    """``starts`` and everything they read, transitively, among ``within``."""
+    out: set[fx.Node] = set()
+    stack = list(starts)
+    while stack:
+        x = stack.pop()
+        if x in out:
+            continue
+        out.add(x)
+        stack.extend(a for a in x.all_input_nodes if a in within)
+    return out
+
+
 def _param_of(node: fx.Node, depth: int = 4) -> str | None:
     """The parameter a gradient value belongs to: its own ``grad_of`` or
     ``param``, else that of the nearest op reading it (breadth first, not
@@ -399,15 +404,8 @@ def _extract(gm: fx.GraphModule, nodes: list[fx.Node], outs: list[fx.Node], repl
     """A GraphModule computing ``outs`` from ``nodes`` (in graph order) and
     the replicated ops they read; every other value becomes an input."""
     members = set(nodes)
-    needed_rep: set[fx.Node] = set()
-    stack = [a for n in list(nodes) + list(outs) for a in (n.all_input_nodes if n in members else [n])
-             if a in replicated]
-    while stack:
-        x = stack.pop()
-        if x in needed_rep:
-            continue
-        needed_rep.add(x)
-        stack.extend(a for a in x.all_input_nodes if a in replicated)
+    needed_rep = _closure([a for n in list(nodes) + list(outs) for a in (n.all_input_nodes if n in members else [n])
+                           if a in replicated], replicated)
     body = [n for n in gm.graph.nodes if n in members or n in needed_rep]
     inside = set(body)
     new = fx.Graph()
