@@ -296,3 +296,28 @@ def test_one_step_for_two_models_in_turn():
     assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
     assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
     assert sum(k[1] == "param_copies" for k in step._store.tensors) == 1  # the last model's only
+
+
+def test_recomputed_casts_share_the_carried_copy():
+    """Under recompute_activations the backward casts each parameter again (its own copy of the
+    forward's cast): the pack holds one place per parameter, which the update keeps current, so a
+    run with the copies carried equals one without, bitwise, step after step."""
+    def run(carry: bool):
+        torch.manual_seed(0)
+        model = MLP((8, 24, 24, 4))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        config = _config(carry)
+        config["stepfx"]["activation_memory_budget"] = 0.0
+        step = stepfx.parallelize(config)(bf16_step)
+        losses = [step(model, opt, *batch) for batch in mlp_batches(5)]
+        return losses, [p.detach().clone() for p in model.parameters()], step
+
+    losses, params, step = run(True)
+    ref_losses, ref_params, _ = run(False)
+    summaries = {r.name: r.summary for r in step.plan.records}
+    assert "ops recomputed" in summaries["recompute_activations"]
+    assert "carried between steps" in summaries["carry_parameter_copies"]
+    for a, b in zip(losses, ref_losses):
+        assert torch.equal(a, b)
+    for a, b in zip(params, ref_params):
+        assert torch.equal(a, b)

@@ -89,17 +89,21 @@ def batch_parameter_casts(graph: StepGraph, options: PassOptions) -> PassResult:
     done = []
     for (dtype, _, _), old_nodes in groups.items():
         casts = [by_name[n.name] for n in old_nodes]
-        sources = [c.args[0] for c in casts]
-        offsets, at = [], 0
+        # one place per parameter: a parameter cast twice (the forward's cast and the copy that
+        # recompute_activations makes for the backward) reads one piece of the buffer, so a buffer
+        # carried between steps (carry_parameter_copies) has one copy of each to keep current
+        sources = list(dict.fromkeys(c.args[0] for c in casts))
+        offset_of, at = {}, 0
         for source in sources:
-            offsets.append(at)
+            offset_of[source] = at
             at = align(at + source.meta["val"].numel())
         example = casts[0].meta["val"]
         with g.inserting_before(casts[0]):
-            packed = make_node(g, graph_ops.pack, (sources, offsets, at), {"dtype": dtype},
+            packed = make_node(g, graph_ops.pack, (sources, [offset_of[s] for s in sources], at), {"dtype": dtype},
                                val=fake_like(example, (at,), dtype), like=casts[0], name="params16")
-            for cast, offset, source in zip(casts, offsets, sources):
-                numel = source.meta["val"].numel()
+            for cast in casts:
+                source = cast.args[0]
+                offset, numel = offset_of[source], source.meta["val"].numel()
                 shape = tuple(cast.meta["val"].shape)
                 piece = make_node(g, aten.slice.Tensor, (packed, 0, offset, offset + numel),
                                   val=fake_like(example, (numel,), dtype), like=cast, name="params16_piece")
@@ -108,7 +112,7 @@ def batch_parameter_casts(graph: StepGraph, options: PassOptions) -> PassResult:
                 cast.replace_all_uses_with(view)
         for cast in casts:  # after the loop: the insertion point is the first of them
             g.erase_node(cast)
-        done.append(f"{len(casts)} to {str(dtype).removeprefix('torch.')} ({at * dtype.itemsize / 2**20:.1f} MiB)")
+        done.append(f"{len(sources)} to {str(dtype).removeprefix('torch.')} ({at * dtype.itemsize / 2**20:.1f} MiB)")
     graph.gm.recompile()
     return PassResult(graph, True, "parameter casts packed into one buffer each: " + ", ".join(done)
                       + f" (offsets aligned to {ALIGN} elements)")

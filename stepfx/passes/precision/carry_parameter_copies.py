@@ -80,6 +80,8 @@ def _plan(pack: fx.Node, graph: StepGraph, writers, order) -> tuple[dict | None,
     parts, offsets = pack.args[0], pack.args[1]
     returned = {s.name for s in graph.signature.outputs if s.role is Role.PARAM}
     plan: dict[fx.Node, dict[int, int]] = {}
+    if len(set(parts)) != len(parts):  # the update would keep only one of a parameter's two copies current
+        return None, "a parameter has two places in the buffer"
     for part, offset in zip(parts, offsets):
         slot = part.meta.get("slot") if isinstance(part, fx.Node) and part.op == "placeholder" else None
         if slot is None or slot.role is not Role.PARAM or slot.storage is not Storage.USER or slot.piece is not None:
