@@ -6,15 +6,16 @@ each stage's program timed alone.
 
 The workload of BENCHMARKS.md (GPT 1.3B, bf16 compute with fp32 masters,
 clipping 1.0) captured on one micro-batch and cut into ``--stages`` stages
-by ``partition_stages`` (method "best": forward cost from FLOPs and bytes).
+by ``partition_stages`` (method "best": forward + backward time by the cost model).
 Each stage's forward and backward program runs alone on the GPU, in
 pipeline order (F0..F{S-1}, then B{S-1}..B0) on one micro-batch, timed
 with CUDA events over ``--reps`` runs after a warm-up.
 
-Calibration: the device's bf16 matmul rate and copy bandwidth are measured
-here (an 8192^3 matmul, a 1 GiB copy) and the cost model is evaluated again
-with them. Reported: per stage the predicted share of the forward (assumed
-and calibrated rates) and the measured shares of forward and of
+Calibration: the device's bf16 matmul rate, copy bandwidth and the host's
+time per op are measured here (an 8192^3 matmul, a 1 GiB copy, an fx chain
+of 2,000 one-element adds) and the cost model (``op_cost``) is evaluated
+again with them. Reported: per stage the predicted share of forward +
+backward (assumed and calibrated rates) and the measured shares of forward and of
 forward+backward, and the largest relative deviation of the measured
 forward+backward share from the calibrated prediction (issue 20 asks for
 10%). JSON lines to ``$OUT/pipeline_balance.jsonl``.
@@ -48,10 +49,12 @@ def lm_step(model, optimizer, idx):
     return loss
 
 
-def device_rates(device: torch.device) -> tuple[float, float]:
-    """(bf16 matmul FLOP/s, copy bytes/s moved (read + write)) measured on ``device``."""
+def device_rates(device: torch.device) -> ps.DeviceRates:
+    """The cost model's rates measured on ``device``: bf16 matmul FLOP/s, copy bytes/s moved (read +
+    write), and the host's time per op of an fx program run op by op (a chain of 2,000 adds on one
+    element: nothing for the device to do)."""
     if device.type != "cuda":
-        return ps._FLOPS, ps._BYTES
+        return ps.RATES
     n = 8192
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
@@ -71,9 +74,22 @@ def device_rates(device: torch.device) -> tuple[float, float]:
         y.copy_(x)
     torch.cuda.synchronize()
     bandwidth = 10 * 2 * x.numel() * 4 / (time.perf_counter() - t)
-    return flops, bandwidth
-
-
+    del a, b, x, y
+    g = torch.fx.Graph()
+    v = g.placeholder("x")
+    for _ in range(2000):
+        v = g.call_function(torch.ops.aten.add.Tensor, (v, 1))
+    g.output(v)
+    chain = torch.fx.GraphModule(torch.nn.Module(), g)
+    one = torch.zeros(1, device=device)
+    chain(one)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(5):
+        chain(one)
+    torch.cuda.synchronize()
+    overhead = (time.perf_counter() - t) / (5 * 2000)
+    return ps.DeviceRates(flops=flops, bandwidth=bandwidth, op_overhead=overhead)
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--size", default="1.3B")
@@ -104,11 +120,9 @@ def main() -> None:
     final = records[-1].graph
     plan = final.signature.extra[ps.PIPELINE_KEY]
     programs = split_programs(final)
-    flops, bandwidth = device_rates(device)
-    calibrated = [0.0] * args.stages
-    for n in final.gm.graph.nodes:
-        if n.op == "call_function" and n.meta.get(ps.META_TASK) == "F":
-            calibrated[n.meta[ps.META_STAGE]] += ps.forward_cost(n, flops=flops, bandwidth=bandwidth)
+    rates = device_rates(device)
+    fwd_pred, bwd_pred = ps.stage_costs(final.gm.graph, rates)
+    calibrated = [f + b for f, b in zip(fwd_pred, bwd_pred)]
 
     graph_inputs = ModuleBinding(final.signature, model, opt, RankStore()).inputs([idx])
     order = [("F", s) for s in range(args.stages)] + [("B", s) for s in reversed(range(args.stages))]
@@ -142,18 +156,22 @@ def main() -> None:
     rows = []
     for s in range(args.stages):
         rows.append({"stage": s, "predicted_share_assumed": shares(plan.costs)[s],
-                     "predicted_share_calibrated": shares(calibrated)[s], "measured_forward_share": shares(fwd)[s],
+                     "predicted_share_calibrated": shares(calibrated)[s],
+                     "predicted_forward_ms": 1e3 * fwd_pred[s], "predicted_backward_ms": 1e3 * bwd_pred[s],
+                     "measured_forward_share": shares(fwd)[s],
                      "measured_fwd_bwd_share": shares(both)[s], "forward_ms": 1e3 * fwd[s],
                      "backward_ms": 1e3 * med[("B", s)], "params": plan.params[s]})
     deviation = max(abs(r["measured_fwd_bwd_share"] - r["predicted_share_calibrated"]) / r["predicted_share_calibrated"]
                     for r in rows)
     result = {"bench": "pipeline_balance", "size": args.size, "seq": seq, "batch": args.batch, "stages": args.stages,
               "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
-              "capture_s": capture_s, "matmul_tflops": flops / 1e12, "copy_gbps": bandwidth / 1e9,
+              "capture_s": capture_s, "matmul_tflops": rates.flops / 1e12, "copy_gbps": rates.bandwidth / 1e9,
+              "op_overhead_us": rates.op_overhead * 1e6,
               "cuts": list(plan.cuts), "crossing_bytes": list(plan.crossing_bytes), "rows": rows,
               "max_relative_deviation": deviation}
     print("\n".join(plan.describe()))
-    print(f"device rates: {flops / 1e12:.0f} TFLOP/s bf16 matmul, {bandwidth / 1e9:.0f} GB/s copy")
+    print(f"device rates: {rates.flops / 1e12:.0f} TFLOP/s bf16 matmul, {rates.bandwidth / 1e9:.0f} GB/s copy, "
+          f"{rates.op_overhead * 1e6:.1f} us of host time per op")
     print(f"{'stage':>5} {'pred(assumed)':>14} {'pred(calib)':>12} {'meas fwd':>9} {'meas f+b':>9} {'fwd ms':>8} {'bwd ms':>8}")
     for r in rows:
         print(f"{r['stage']:>5} {r['predicted_share_assumed']:>14.3f} {r['predicted_share_calibrated']:>12.3f} "

@@ -120,9 +120,9 @@ def _pipeline_section(plan) -> list[str]:
     if programs.step_sends or programs.param_sends:
         lines.append(f"  shared parameters: {len(programs.step_sends)} gradient part(s) to the owner, "
                      f"{len(programs.param_sends)} updated value(s) back, once a step")
-    costs = StageCosts(forward=tuple(stage_plan.costs), backward_input=tuple(stage_plan.costs),
-                       backward_weight=tuple(stage_plan.costs))
-    lines.append(f"  predicted bubble (cost model: backward = 2 x forward): "
+    half = tuple(b / 2 for b in stage_plan.backward_costs)
+    costs = StageCosts(forward=tuple(stage_plan.forward_costs), backward_input=half, backward_weight=half)
+    lines.append(f"  predicted bubble (cost model; a backward's input and weight parts taken as equal): "
                  f"{100 * predicted_bubble(schedule, costs):.1f}% of rank time")
     lines += [f"  {line}" for line in timeline(schedule, costs, width=96).splitlines()]
     lines.append("")

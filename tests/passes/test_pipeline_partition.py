@@ -241,6 +241,41 @@ def test_partition_methods_balance_what_they_say(method):
         assert max(plan.costs) <= 0.6 * sum(plan.costs)
 
 
+def test_the_cost_model_counts_every_op_of_a_micro_batch_once_where_it_runs():
+    """The plan's per-stage costs are the forward and backward ops of each stage plus the
+    parameters' casts with their first reader; their sum is the whole micro-batch's; a view
+    costs only the host's time to issue it; a causal attention half a full one, its backward
+    2.5 times its forward."""
+    from stepfx.graph.ops import ATTENTION_OPS, is_view
+    from stepfx.graph.step_graph import META_PHASE
+    from stepfx.graph.step_graph import Phase as StepPhase
+    from stepfx.passes.pipeline.partition_stages import DeviceRates, op_cost, stage_costs
+
+    graph, _, _ = _partitioned(3, layers=3)
+    plan = graph.signature.extra[PIPELINE_KEY]
+    g = graph.gm.graph
+    fwd, bwd = stage_costs(g)
+    assert plan.forward_costs == tuple(fwd) and plan.backward_costs == tuple(bwd)
+    assert all(f > 0 and b > 0 for f, b in zip(fwd, bwd))
+    ops = [n for n in g.nodes if n.op == "call_function" and n.meta.get(META_TASK) in ("F", "B")]
+    replicated_fwd = [n for n in g.nodes if n.op == "call_function" and n.meta.get(META_TASK) is None
+                      and n.meta.get(META_PHASE) is StepPhase.FORWARD]
+    total = sum(op_cost(n) for n in ops)
+    assert total <= sum(fwd) + sum(bwd) <= total + sum(op_cost(n) for n in replicated_fwd) * 1.0001 + 1e-12
+    rates = DeviceRates(flops=1e12, bandwidth=1e9, op_overhead=1e-3)
+    views = [n for n in ops if is_view(n)]
+    assert views and all(op_cost(n, rates) == 1e-3 for n in views)
+    attention = [n for n in ops if n.target in ATTENTION_OPS]
+    assert len(attention) == 6  # 3 blocks, forward and backward
+    for n in attention:
+        q = n.kwargs.get("query", n.args[0] if "backward" not in str(n.target) else n.args[1])
+        b, h, t, d = q.meta["val"].shape
+        full = 4 * b * h * t * t * d / 1e12 * (2.5 if "backward" in str(n.target) else 1.0)
+        causal = n.kwargs.get("is_causal", False) or any(a is True for a in n.args[3:8])
+        cost = op_cost(n, DeviceRates(flops=1e12, bandwidth=1e30, op_overhead=0.0))
+        assert cost == pytest.approx(full / 2 if causal else full)
+
+
 def test_split_points_name_where_stages_start():
     graph, _, _ = _partitioned(3, config={"stepfx": {"pipeline": {"split_points": ["blocks.1", "blocks.3"]}}},
                                layers=4)

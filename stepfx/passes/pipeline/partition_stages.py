@@ -15,10 +15,13 @@ How:
   alone (masks, position ids, rotary tables) never cross: every stage
   that needs them computes them ("replicated"), as every rank has the batch.
 - **Balance** by ``pipeline.partition``: ``best``/``auto`` (the default):
-  the forward cost per op estimated from FLOPs and bytes (the backward
-  costs about twice the forward everywhere, so balancing the forward
-  balances both); ``parameters``: equal parameter counts; ``uniform``:
-  equal numbers of layers (parameters under a numbered module,
+  each stage's forward *and* backward time by the cost model
+  (:func:`op_cost`: matmul and attention FLOPs, other ops' bytes, and the
+  host's time to issue an op, whichever is larger; a backward op counts
+  where it will run: with the latest forward op whose values it reads;
+  a parameter's cast with its first reader); ``parameters``: equal
+  parameter counts; ``uniform``: equal numbers of layers (parameters under
+  a numbered module,
   ``h.3.``/``layers.3.``); ``type:<regex>``: equal numbers of the modules
   whose class name matches. A linear partition (dynamic programming over
   the candidates) minimises the largest stage. ``stepfx.pipeline.split_points``
@@ -58,12 +61,12 @@ import torch.fx as fx
 
 from ...config.errors import ConfigError
 from ...graph import StepGraph
-from ...graph.ops import ATTENTION_OPS, has_side_effect, is_collective, is_random
+from ...graph.ops import ATTENTION_OPS, has_side_effect, is_collective, is_random, is_view
 from ...graph.signature import Role
 from ...graph.step_graph import META_GRAD_OF, META_PARAM, META_PHASE, Phase
 from ..manager import PassOptions, PassResult
 
-__all__ = ["META_STAGE", "META_TASK", "StagePlan", "partition_stages", "PIPELINE_KEY", "MODULE_CLASSES_KEY",
+__all__ = ["META_STAGE", "META_TASK", "DeviceRates", "StagePlan", "op_cost", "stage_costs", "partition_stages", "PIPELINE_KEY", "MODULE_CLASSES_KEY",
            "module_classes", "pipeline_settings"]
 
 aten = torch.ops.aten
@@ -75,9 +78,17 @@ MODULE_CLASSES_KEY = "module_classes"
 # options.extra: the number of stages (pipeline ranks x virtual stages) and of micro-batches (api)
 STAGES_KEY = "pipeline_stages"
 
-# assumed device rates for the cost model (H200 bf16 dense, HBM): only their ratio matters for balance
-_FLOPS = 800e12
-_BYTES = 4.0e12
+@dataclass(frozen=True)
+class DeviceRates:
+    """The cost model's device: only ratios matter for balance. Defaults measured on one H200 by
+    benchmarks/pipeline_balance.py (2026-12-04): an 8192^3 bf16 matmul, a 1 GiB copy (read + write),
+    and the host's time per op of a stage program run op by op (stage programs are not compiled)."""
+    flops: float = 790e12
+    bandwidth: float = 4.09e12
+    op_overhead: float = 12e-6
+
+
+RATES = DeviceRates()
 
 
 @dataclass(frozen=True)
@@ -87,15 +98,19 @@ class StagePlan:
     cuts: tuple[str, ...]  # per cut: the first forward op of the next stage
     crossing: tuple[tuple[str, ...], ...]  # per cut: the forward values that cross it
     crossing_bytes: tuple[int, ...]
-    costs: tuple[float, ...]  # per stage: the forward cost (seconds by the cost model)
+    costs: tuple[float, ...]  # per stage: forward + backward seconds of one micro-batch by the cost model
+    forward_costs: tuple[float, ...]
+    backward_costs: tuple[float, ...]
     params: tuple[int, ...]  # per stage: parameter elements owned
     owner: dict = field(default_factory=dict)  # parameter name -> stage
 
     def describe(self) -> list[str]:
         total = sum(self.costs) or 1.0
-        lines = [f"{self.stages} stages ({self.method}); forward cost share / parameters per stage:"]
+        lines = [f"{self.stages} stages ({self.method}); share of a micro-batch's forward + backward time "
+                 "(cost model) / parameters per stage:"]
         for s in range(self.stages):
-            lines.append(f"  stage {s}: {100 * self.costs[s] / total:5.1f}% of the forward, {self.params[s]:,} parameters")
+            lines.append(f"  stage {s}: {100 * self.costs[s] / total:5.1f}% (forward {1e3 * self.forward_costs[s]:.3f} ms, "
+                         f"backward {1e3 * self.backward_costs[s]:.3f} ms), {self.params[s]:,} parameters")
         for i, (names, nbytes) in enumerate(zip(self.crossing, self.crossing_bytes)):
             lines.append(f"  cut {i} -> {i + 1} before {self.cuts[i]}: {', '.join(names)} ({nbytes:,} bytes per micro-batch)")
         return lines
@@ -148,22 +163,93 @@ def _shape(node) -> tuple:
 _MATMULS = {aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default}
 
 
-def forward_cost(node: fx.Node, *, flops: float = _FLOPS, bandwidth: float = _BYTES) -> float:
-    """Seconds by the cost model: matmul and attention FLOPs at ``flops`` per second, other ops' bytes
-    moved at ``bandwidth`` (benchmarks/pipeline_balance.py measures both on the GPU)."""
+def _arg(node: fx.Node, name: str, default=None):
+    """An op's argument by its schema name (positional or keyword)."""
+    if name in node.kwargs:
+        return node.kwargs[name]
+    schema = getattr(node.target, "_schema", None)
+    for i, a in enumerate(schema.arguments if schema is not None else ()):
+        if a.name == name:
+            return node.args[i] if i < len(node.args) else default
+    return default
+
+
+def op_cost(node: fx.Node, rates: DeviceRates = RATES) -> float:
+    """Seconds of one op by the cost model: the larger of its work on the device (matmul and
+    attention FLOPs at ``rates.flops``, the bytes it reads and writes at ``rates.bandwidth``;
+    nothing for a view) and the host's time to issue it (``rates.op_overhead``: a small op waits
+    for the host, not the device)."""
+    if node.op != "call_function" or node.target is operator.getitem:
+        return 0.0
+    if is_view(node):
+        return rates.op_overhead
     out = _nbytes(node)
+    moved = sum(_nbytes(a) for a in node.all_input_nodes) + out
+    flops = 0.0
     if node.target in _MATMULS:
         a, b = (node.args[1], node.args[2]) if node.target in (aten.addmm.default, aten.baddbmm.default) else node.args[:2]
         sa, sb = _shape(a), _shape(b)
         if sa and sb:
-            return 2 * math.prod(sa) * sb[-1] / flops + out / bandwidth
-    if node.target in ATTENTION_OPS:
-        q, k = node.args[0], node.args[1]
-        sq, sk = _shape(q), _shape(k)
+            flops = 2 * math.prod(sa) * sb[-1]
+    elif node.target in ATTENTION_OPS:
+        sq, sk = _shape(_arg(node, "query")), _shape(_arg(node, "key"))
         if sq and sk:
-            return 4 * math.prod(sq) * sk[-2] / flops + out / bandwidth
-    ins = sum(_nbytes(a) for a in node.all_input_nodes)
-    return (ins + out) / bandwidth
+            # QK^T and PV; a causal mask halves them; the backward recomputes QK^T and PV and makes
+            # dQ, dK, dV: 2.5 times the forward (FlashAttention-2's count)
+            flops = 4 * math.prod(sq) * sk[-2] * (0.5 if _arg(node, "is_causal", False) else 1.0)
+            if "backward" in str(node.target):
+                flops *= 2.5
+    return max(flops / rates.flops, moved / rates.bandwidth, rates.op_overhead)
+
+
+def _anchors(g: fx.Graph, index: dict, replicated: set) -> dict[fx.Node, int]:
+    """For the ops that are not forward ops of a stage, the forward op (its index) with whose stage
+    they run, as far as it is known before the cut: a replicated forward op (a parameter's cast)
+    with its first forward reader; a backward op with the latest forward op whose values it reads,
+    no later than the backward ops it reads (gradients flow from the last stage to the first)."""
+    anchor: dict[fx.Node, int] = {}
+    for n in reversed(list(g.nodes)):
+        if n in replicated and n.meta.get(META_PHASE) is Phase.FORWARD:
+            at = [index[u] if u in index else anchor.get(u) for u in n.users]
+            at = [a for a in at if a is not None]
+            if at:
+                anchor[n] = min(at)
+    for n in g.nodes:
+        if n.op != "call_function" or n.meta.get(META_PHASE) is not Phase.BACKWARD or n in replicated:
+            continue
+        grads = [anchor[a] for a in n.all_input_nodes if a in anchor and a not in index
+                 and a.meta.get(META_PHASE) is Phase.BACKWARD]
+        fwd = [index[a] if a in index else anchor[a] for a in n.all_input_nodes
+               if a in index or (a in anchor and a.meta.get(META_PHASE) is Phase.FORWARD)]
+        if fwd:
+            anchor[n] = min(max(fwd), min(grads)) if grads else max(fwd)
+        elif grads:
+            anchor[n] = min(grads)
+    return anchor
+
+
+def stage_costs(g: fx.Graph, rates: DeviceRates = RATES) -> tuple[list[float], list[float]]:
+    """(forward, backward) seconds per stage of one micro-batch by the cost model, from the
+    annotations of a partitioned graph (replicated forward ops with the stage of their first
+    reader)."""
+    stages = 1 + max((n.meta[META_STAGE] for n in g.nodes if n.meta.get(META_STAGE) is not None), default=0)
+    fwd, bwd = [0.0] * stages, [0.0] * stages
+    first: dict[fx.Node, int] = {}
+    for n in reversed(list(g.nodes)):
+        if n.op != "call_function":
+            continue
+        task, stage = n.meta.get(META_TASK), n.meta.get(META_STAGE)
+        if task == "F":
+            fwd[stage] += op_cost(n, rates)
+        elif task == "B":
+            bwd[stage] += op_cost(n, rates)
+        elif task is None and n.meta.get(META_PHASE) is Phase.FORWARD:
+            readers = [u.meta[META_STAGE] if u.meta.get(META_TASK) == "F" else first.get(u) for u in n.users]
+            readers = [r for r in readers if r is not None]
+            if readers:
+                first[n] = min(readers)
+                fwd[first[n]] += op_cost(n, rates)
+    return fwd, bwd
 
 
 def _replicated(g: fx.Graph) -> set[fx.Node]:
@@ -301,7 +387,11 @@ def partition_stages(graph: StepGraph, options: PassOptions) -> PassResult:
         raise ConfigError("pipeline.stages", "no forward value flows between any two forward ops: nothing to cut")
     # the threshold: the fewest bytes crossing a point in the body of the model (away from the ends, where
     # only the loss or only the batch's embedding crosses); every point at or under it is a candidate
-    costs_all = [forward_cost(n) for n in forward]
+    # each forward op's weight: its cost and that of the ops that will run with it (its backward,
+    # the casts of the parameters it reads first)
+    costs_all = [op_cost(n) for n in forward]
+    for n, at in _anchors(g, index, replicated).items():
+        costs_all[at] += op_cost(n)
     total_cost = sum(costs_all) or 1.0
     prefix_cost, acc = [], 0.0
     for c in costs_all:
@@ -490,14 +580,15 @@ def partition_stages(graph: StepGraph, options: PassOptions) -> PassResult:
         names = [v.name for v, last in last_fwd_reader.items() if index[v] < c <= last]
         crossing.append(tuple(names))
         crossing_sizes.append(crossing_bytes[c])
-    costs = [0.0] * stages
-    for n in forward:
-        costs[stage_of[n]] += forward_cost(n)
+    fwd_costs, bwd_costs = stage_costs(g)
+    fwd_costs += [0.0] * (stages - len(fwd_costs))
+    bwd_costs += [0.0] * (stages - len(bwd_costs))
+    costs = [f + b for f, b in zip(fwd_costs, bwd_costs)]
     owned = [0] * stages
     for name, s in owner.items():
         owned[s] += numel.get(name, 0)
     plan = StagePlan(stages, method, tuple(forward[c].name for c in cuts), tuple(crossing), tuple(crossing_sizes),
-                     tuple(costs), tuple(owned), owner)
+                     tuple(costs), tuple(fwd_costs), tuple(bwd_costs), tuple(owned), owner)
     signature = replace(graph.signature, extra={**graph.signature.extra, PIPELINE_KEY: plan})
     return PassResult(graph.replace(gm=gm, signature=signature), True, "\n".join(plan.describe()))
 
