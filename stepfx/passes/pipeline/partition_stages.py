@@ -83,9 +83,9 @@ class DeviceRates:
     """The cost model's device: only ratios matter for balance. Defaults measured on one H200 by
     benchmarks/pipeline_balance.py (2026-12-04): an 8192^3 bf16 matmul, a 1 GiB copy (read + write),
     and the host's time per op of a stage program run op by op (stage programs are not compiled)."""
-    flops: float = 790e12
-    bandwidth: float = 4.09e12
-    op_overhead: float = 12e-6
+    flops: float = 780e12
+    bandwidth: float = 4.25e12
+    op_overhead: float = 8.5e-6
 
 
 RATES = DeviceRates()
