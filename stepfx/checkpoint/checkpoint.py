@@ -8,8 +8,11 @@ Layout (DeepSpeed's conventions where it has them)::
         stepfx.json                      everything else, as JSON (no pickles)
 
 Tensors, each under its logical (whole) shape whatever the layout that
-wrote it (chunks, see layout.py), so a run of another world size, ZeRO stage
-or precision reads exactly its own pieces:
+wrote it (chunks, see layout.py), so a run of another world size, ZeRO stage,
+tensor-parallel degree or precision reads exactly its own pieces (a
+tensor-parallel rank writes its Megatron shard as the boxes it covers in the
+whole tensor: a fused q/k/v weight's shard is three blocks apart; a ZeRO
+piece of a shard is cut into boxes of the shard first):
 
     model/<parameter name or buffer key>   parameters (the user's dtype: the fp32
                                            masters under bf16/fp16) and buffers
@@ -51,6 +54,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
 from ..graph import Role, Storage, TensorSpec
+from ..graph.tp_layout import TP_PLAN_KEY, TensorSplit
 from .layout import Chunk, ChunkLoadPlanner, ChunkSavePlanner, chunks_of
 from .storage import SafeReader, read_index
 
@@ -93,24 +97,34 @@ class _Holding:
     value: torch.Tensor
     piece: tuple[int, int] | None
     where: tuple
+    split: TensorSplit | None = None  # a tensor-parallel shard: ``value`` (or its ``piece``) is of the shard
+
+    def chunks(self, tensor: torch.Tensor) -> list[Chunk]:
+        """The boxes of the logical tensor that ``tensor`` (this holding's value, or a fresh one like
+        it to read into) holds: a whole tensor or a ZeRO piece of it; under tensor parallelism the
+        piece is of the rank's shard, whose ``parts`` fused parts (q, k, v) lie apart in the whole."""
+        if self.split is None:
+            return chunks_of(self.fqn, self.shape, tensor, self.piece)
+        split, d = self.split, self.split.dim
+        local = chunks_of(self.fqn, split.local_shape(self.shape), tensor, self.piece)
+        width = self.shape[d] // split.parts  # one fused part of the whole
+        mine = width // split.count  # this rank's slice of it
+        out = []
+        for c in local:
+            start, size = c.offsets[d], c.sizes[d]
+            for part in range(split.parts):
+                lo, hi = max(start, part * mine), min(start + size, (part + 1) * mine)
+                if lo >= hi:
+                    continue
+                at = part * width + split.index * mine + lo - part * mine
+                offsets = c.offsets[:d] + (at,) + c.offsets[d + 1:]
+                sizes = c.sizes[:d] + (hi - lo,) + c.sizes[d + 1:]
+                out.append(Chunk(self.fqn, self.shape, offsets, sizes, c.tensor.narrow(d, lo - start, hi - lo)))
+        return out
 
 
 def _param_names(model: torch.nn.Module) -> dict[int, str]:
     return {id(p): n for n, p in model.named_parameters()}
-
-
-def _refuse_tensor_parallel(step: "ParallelStep", what: str) -> None:
-    """Tensor-parallel ranks hold Megatron shards (a fused q/k/v weight's
-    shard is three row blocks of the whole): written as whole tensors they
-    would be wrong, so such runs are refused until the shards are written as
-    chunks at their offsets (issue 19). The config is known before the first
-    call, so a load is refused then too."""
-    config = getattr(step, "config", None)
-    tp = getattr(getattr(config, "tensor_parallel", None), "degree", 1)
-    if tp > 1:
-        raise CheckpointError(f"{step.__name__}: checkpoints of tensor-parallel runs (tensor_parallel.autotp_size "
-                              f"{tp}) cannot be {what} yet; step.model_state_dict() and step.optimizer_state() "
-                              "gather the whole tensors (collectives) for a torch.save of your own")
 
 
 def _pipeline_owner(step: "ParallelStep"):
@@ -133,6 +147,11 @@ def _holdings(step: "ParallelStep", model: torch.nn.Module, optimizer, *, rank: 
     out: list[_Holding] = []
     in_store: set[tuple] = set()
     owns = _pipeline_owner(step) if saving else (lambda name: True)  # a load fills every copy (tied ones are read)
+    # tensor parallelism: a split parameter's tensors (it, and its optimizer state: the same shape) are
+    # this rank's shard, or a ZeRO piece of the shard (whose slot no longer names the split)
+    plan = getattr(step, "_last", None)
+    signature = getattr(getattr(plan, "graph", None), "signature", None)
+    tp_plan = signature.extra.get(TP_PLAN_KEY) if signature is not None else None
     for ident, value in store.tensors.items():
         if ident in store.carried:
             continue  # compute copies of parameters: made again from them
@@ -152,7 +171,12 @@ def _holdings(step: "ParallelStep", model: torch.nn.Module, optimizer, *, rank: 
             fqn, shape = f"runtime/{name}", tuple(value.shape)
         else:
             continue
-        out.append(_Holding(fqn, shape, value, piece, ("store", ident)))
+        split = tp_plan.split_of(name) if tp_plan is not None and role is not Role.RUNTIME_STATE else None
+        if split is not None and len(shape) <= split.dim:
+            split = None  # a whole scalar of a split parameter (a step counter)
+        if split is not None and piece is None and tuple(value.shape) == tuple(shape):
+            shape = tuple(shape[i] * (split.count if i == split.dim else 1) for i in range(len(shape)))
+        out.append(_Holding(fqn, shape, value, piece, ("store", ident), split))
         in_store.add((role, name, key))
     held = store.held
     for name, p in model.named_parameters():
@@ -372,7 +396,6 @@ def save_checkpoint(step: "ParallelStep", directory: str, tag: str | None = None
     ``step.wait_checkpoint()``, waits for it)."""
     if step._model is None:
         raise CheckpointError(f"{step.__name__} has not run yet: there is nothing to save beyond the model itself")
-    _refuse_tensor_parallel(step, "saved")
     step.wait_checkpoint()
     if step._schedule_pending:
         step._check_loss_scale(wait=True)  # the scheduler's pending advance is part of the state
@@ -397,8 +420,9 @@ def save_checkpoint(step: "ParallelStep", directory: str, tag: str | None = None
     shapes = {h.fqn: h.shape for h in holdings}
     state: dict[str, torch.Tensor] = {}
     for h in holdings:
-        for c in chunks_of(h.fqn, h.shape, h.value, h.piece):
-            state[ChunkSavePlanner.key(c.fqn, c.offsets)] = c.tensor
+        for c in h.chunks(h.value):
+            # (a row-parallel shard's box is a column block: copied, as DCP writes contiguous tensors)
+            state[ChunkSavePlanner.key(c.fqn, c.offsets)] = c.tensor if c.tensor.is_contiguous() else c.tensor.contiguous()
     rng = _rng_tensors(rank)
     client_tensors: dict[str, torch.Tensor] = {}
     client_json = encode_json(client_state or {}, "client_state", client_tensors, "client/")
@@ -517,7 +541,6 @@ def load_checkpoint(step: "ParallelStep", directory: str, tag: str | None = None
     builds it). Each rank reads only what it holds now: its ZeRO pieces
     (whatever world size, stage or precision saved them) and whole tensors
     elsewhere."""
-    _refuse_tensor_parallel(step, "loaded")
     step.wait_checkpoint()
     model = model if model is not None else step._model
     if model is None:
@@ -599,7 +622,7 @@ def _load_plan(step, model, optimizer, meta: dict, index, rank: int, *, load_opt
             raise CheckpointError(f"{h.fqn}: not in the checkpoint")
         fresh = torch.empty_like(h.value)
         installs.append((h, fresh))
-        chunks += chunks_of(h.fqn, h.shape, fresh, h.piece)
+        chunks += h.chunks(fresh)
     new_state: list[tuple[str, str, torch.Tensor]] = []
     drop: list[str] = []
     if load_optimizer_states and optimizer is not None:
