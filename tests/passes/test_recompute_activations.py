@@ -9,6 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import stepfx
+from stepfx.graph.ops import ATTENTION_OPS
 from stepfx.graph.accounting import estimate_memory
 from stepfx.graph.ops import is_random
 from stepfx.graph.step_graph import META_PHASE, Phase
@@ -48,7 +49,7 @@ def test_budgets_pick_a_level_lower_the_peak_and_keep_the_step_bitwise():
     peak0 = estimate_memory(base.plan.graph).peak
     assert not _copies(base)
     peaks = {}
-    for budget, level in ((0.7, "cheap"), (0.0, "matmuls")):
+    for budget, level in ((0.7, "cheap"), (0.4, "matmuls"), (0.0, "all")):
         config = {"gradient_clipping": 0, "stepfx": {"activation_memory_budget": budget}}
         step = _run(config)
         summary = _summary(step)
@@ -56,7 +57,8 @@ def test_budgets_pick_a_level_lower_the_peak_and_keep_the_step_bitwise():
         copies = _copies(step)
         assert copies and all(n.meta[META_PHASE] == Phase.BACKWARD for n in copies)
         targets = {n.target for n in copies}
-        assert (torch.ops.aten.mm.default in targets) == (level == "matmuls")
+        assert (torch.ops.aten.mm.default in targets) == (level != "cheap")
+        assert bool(targets & ATTENTION_OPS) == (level == "all")  # attention (no dropout) only at "all"
         # every copy reads what is alive in the backward: inputs, saved values, or other copies
         for n in copies:
             first_reader = min((u for u in n.users), key=list(step.plan.graph.gm.graph.nodes).index)
@@ -64,7 +66,7 @@ def test_budgets_pick_a_level_lower_the_peak_and_keep_the_step_bitwise():
         peaks[budget] = estimate_memory(step.plan.graph).peak
         report = assert_step_equivalent(lm_step, _gpt, adamw, _batches(), exact=True, config=config)
         assert report.bitwise
-    assert peaks[0.0] < peaks[0.7] < peak0, (peaks, peak0)
+    assert peaks[0.0] < peaks[0.4] < peaks[0.7] < peak0, (peaks, peak0)
 
 
 def test_no_budget_or_budget_one_recomputes_nothing():

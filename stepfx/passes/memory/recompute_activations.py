@@ -18,15 +18,20 @@ level whose saved bytes meet the budget:
 - ``cheap``: pointwise ops, casts, row reductions, norms, views, embedding
   lookups (O(bytes) work);
 - ``matmuls``: also matmuls (attention's output and statistics stay saved);
-- ``all``: also attention — whole blocks recomputed from their inputs.
+- ``all``: also attention (without dropout) — whole blocks recomputed from
+  their inputs.
 
-From ``matmuls`` on, the values between blocks (where all of the batch's
-data flows through one value that several ops read: the residual stream)
-are kept: a cut that saved only the embedding would rebuild every earlier
-block for each later block's backward and keep those copies alive until
-their own backward — fewer saved bytes, a higher peak.
+At ``matmuls``, the values between blocks (where all of the batch's
+data flows through one value that several ops read: the residual stream,
+before the attention and before the MLP) are kept: a cut that saved only
+the embedding would rebuild every earlier block for each later block's
+backward and keep those copies alive until their own backward — fewer
+saved bytes, a higher peak. At ``all`` every other one is kept, from the
+first: a pre-norm block's input, as ``torch.utils.checkpoint`` per block
+keeps it.
 
-Never recomputed at any level: random ops (a second draw would differ),
+Never recomputed at any level: random ops (a second draw would differ;
+attention with dropout),
 collectives and ops with side effects; values the step returns.
 
 Config: ``"stepfx": {"memory_budget_gib": X}``: the memory planner
@@ -91,15 +96,26 @@ _INF = float("inf")
 
 def _level_of(node: fx.Node) -> int | None:
     """The first level (index in LEVELS) at which ``node`` may be recomputed; None: never."""
+    if node.target in ATTENTION_OPS:
+        # tagged random for their dropout: without it (dropout_p 0) the same inputs give the same outputs
+        return 2 if _dropout_p(node) == 0 else None
     if is_random(node) or is_collective(node) or has_side_effect(node):
         return None
     if not isinstance(node.target, torch._ops.OpOverload) and node.target is not operator.getitem:
         return None
-    if node.target in ATTENTION_OPS:
-        return 2
     if node.target in _MATMULS:
         return 1
     return 0
+
+
+def _dropout_p(node: fx.Node):
+    """An attention op's ``dropout_p`` (by its schema name), None when it has none."""
+    if "dropout_p" in node.kwargs:
+        return node.kwargs["dropout_p"]
+    for i, a in enumerate(node.target._schema.arguments):
+        if a.name == "dropout_p":
+            return node.args[i] if i < len(node.args) else a.default_value
+    return None
 
 
 def activation_memory_budget(config) -> float | None:
@@ -143,6 +159,10 @@ class _Analysis:
         self.returned = {n for n in self.forward if any(u.op == "output" for u in n.users)}
         self.fwd = fwd
         self.boundaries = self._boundaries()
+        # at ``all``: every other boundary, from the first (a pre-norm transformer's block inputs: the value
+        # between attention and MLP is recomputed with the block, as torch.utils.checkpoint per block does)
+        ordered = sorted(self.boundaries, key=self.index.__getitem__)
+        self.block_inputs = set(ordered[::2])
 
     def _boundaries(self) -> set:
         """Where the batch's data flows through one value that several ops read: the residual stream
@@ -180,7 +200,8 @@ class _Analysis:
                 g.add_edge("source", (n, "out"), capacity=_INF)
                 continue
             lvl = _level_of(n)
-            movable = lvl is not None and lvl <= level and not (level >= 1 and n in self.boundaries)
+            kept = self.boundaries if level == 1 else self.block_inputs if level >= 2 else ()
+            movable = lvl is not None and lvl <= level and n not in kept
             g.add_edge((n, "in"), (n, "out"), capacity=self.cost(n, movable))
             if not movable:
                 g.add_edge("source", (n, "in"), capacity=_INF)  # computed in the forward, only saved or not
