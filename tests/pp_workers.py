@@ -139,6 +139,11 @@ def train_and_save(config, directory: str) -> dict:
     for (b,) in token_batches(2, batch=4, seed=4):
         step(model, opt, b)
     step.save_checkpoint(directory, tag="t")
+    if "tensor_parallel" in config:  # split parameters live as shards on the ranks: gathered whole (collectives)
+        state = step.optimizer_state()
+        whole = step.model_state_dict()
+        return {"params": {n: whole[n] for n, _ in model.named_parameters()},  # (not the tied head's alias)
+                "momentum": {n: s["momentum_buffer"] for n, s in state.items()}}
     plan = step.plan.graph.signature.extra[PIPELINE_KEY]
     mine = set(step.plan.executor.my_stages)
     return {"params": {n: p.detach().clone() for n, p in model.named_parameters() if plan.owner[n] in mine},

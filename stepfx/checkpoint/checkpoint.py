@@ -156,6 +156,8 @@ def _holdings(step: "ParallelStep", model: torch.nn.Module, optimizer, *, rank: 
         if ident in store.carried:
             continue  # compute copies of parameters: made again from them
         role, name, key, _, storage, piece = ident
+        if role in (Role.PARAM, Role.OPTIMIZER_STATE) and not owns(name):
+            continue  # another pipeline stage's (a tensor-parallel shard of it, say): up to date there only
         if role is Role.GRAD:
             raise CheckpointError(
                 f"this rank holds accumulated gradients (of {name}): save at an optimizer update, not in the middle "

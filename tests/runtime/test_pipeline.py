@@ -203,11 +203,14 @@ def test_activation_checkpointing_inside_each_stage(rank_pool):
 
 
 @pytest.mark.slow
-def test_a_checkpoint_holds_each_stage_s_parameters_from_their_stage(rank_pool, tmp_path):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_checkpoint_holds_each_stage_s_parameters_from_their_stage(rank_pool, tmp_path, tp):
     """Every rank binds the whole model but updates only its stages': each
-    tensor is written by a rank whose stage owns it, and one process without
-    a pipeline loads the run exactly (bitwise)."""
-    results = rank_pool(2).run(train_and_save, _config(2, 2, "1f1b"), str(tmp_path), timeout=300)
+    tensor is written by a rank whose stage owns it (with TP 2, each its
+    Megatron shards of them), and one process without a pipeline loads the
+    run exactly (bitwise)."""
+    config = _config(2, 2, "1f1b", **({"tensor_parallel": {"autotp_size": tp}} if tp > 1 else {}))
+    results = rank_pool(2 * tp).run(train_and_save, config, str(tmp_path), timeout=300)
     torch.manual_seed(1)
     model = tiny_gpt()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
