@@ -90,6 +90,19 @@ class StepGraph:
     def count_ops(self) -> int:
         return sum(1 for n in self.gm.graph.nodes if n.op == "call_function")
 
+    def to_networkx(self):
+        """The step as a ``networkx.MultiDiGraph``: a node per fx node with its op, phase, role,
+        shape, dtype and source line as attributes, an edge per use (``graph/export.py``)."""
+        from .export import to_networkx
+
+        return to_networkx(self)
+
+    def to_dot(self, name: str = "step") -> str:
+        """The step as Graphviz DOT text (nodes coloured by phase), for ``dot -Tsvg``."""
+        from .export import to_dot
+
+        return to_dot(self, name)
+
 
 def placeholders(gm: fx.GraphModule) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if n.op == "placeholder"]
