@@ -145,3 +145,19 @@ def test_without_matplotlib_the_error_names_the_extra(mlp_step, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(MissingPlotting, match=r"stepfx\[report\]"):
         render_page([data])
+
+
+def test_a_collective_report_holds_every_rank(rank_pool, tmp_path):
+    """Called by every rank with all_ranks=True: rank 0 writes one page with each rank's sections
+    (its own program, memory and collectives), the others write nothing."""
+    from tests.report.report_workers import zero3_gpt_report
+
+    path = str(tmp_path / "zero3.html")
+    results = rank_pool(2).run(zero3_gpt_report, path, timeout=300)
+    assert results == [path, None]
+    html = open(path).read()
+    assert "ranks 0, 1 of 2" in html and "ZeRO stage 3" in html
+    for rank in (0, 1):
+        for section in ("passes", "program", "timeline", "memory", "communication"):
+            assert f'id="r{rank}-{section}"' in html, (rank, section)
+    assert html.count("all_gather") >= 2  # each rank's collectives listed
