@@ -233,3 +233,46 @@ def test_commands_table_drives_the_parser():
     assert parser.parse_args(["report"]).run is cli.COMMANDS[1].run
     extra = cli.Command("noop", "does nothing", lambda p: None, lambda a: 0)
     assert cli.build_parser((*cli.COMMANDS, extra)).parse_args(["noop"]).run(None) == 0
+
+
+# -- bisect -------------------------------------------------------------------------
+def test_bisect_a_correct_plan_exits_0(tmp_path, capsys):
+    config = write(tmp_path, '{"zero_optimization": {"stage": 1}, "gradient_clipping": 1.0}')
+    status = main(["bisect", "tests.steps:tiny_gpt", config, "--batch", "2x9", "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert out.startswith("no divergence")
+
+
+def test_bisect_names_a_broken_pass_and_exits_1(tmp_path, capsys, monkeypatch):
+    import stepfx.api
+    from stepfx.passes import PIPELINE, PipelineEntry
+    from tests.report.test_bisect import perturb_one_node
+
+    fn, chosen = perturb_one_node(0.4)
+    monkeypatch.setattr(stepfx.api, "PIPELINE", (*PIPELINE[:4], PipelineEntry("perturb_one_node", fn, "test"),
+                                                 *PIPELINE[4:]))
+    torch.save((torch.randint(0, 64, (2, 9)),), tmp_path / "batch.pt")
+    config = write(tmp_path, '{"gradient_clipping": 0}')
+    status = main(["bisect", "tests.steps:tiny_gpt", config, "--batch-file", str(tmp_path / "batch.pt"),
+                   "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert status == 1
+    assert "first divergent pass: " in out and "perturb_one_node" in out and chosen["node"] in out
+
+
+def test_bisect_needs_one_batch(tmp_path, capsys):
+    config = write(tmp_path, "{}")
+    assert main(["bisect", "tests.steps:tiny_gpt", config]) == 2
+    assert "--batch shapes or as --batch-file" in capsys.readouterr().err
+
+
+def test_bisect_under_torchrun_on_two_ranks(tmp_path):
+    """Every rank runs it with its own batch (the data-parallel reference); rank 0 prints."""
+    config = write(tmp_path, '{"zero_optimization": {"stage": 2}, "gradient_clipping": 1.0}')
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "STEPFX_CACHE_DIR": "off", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "-m", "stepfx", "bisect", "tests.steps:tiny_gpt", config, "--batch", "2x9", "--device", "cpu"],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("no divergence") == 1  # rank 0 only

@@ -21,6 +21,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from .bisect import bisect_arguments, run_bisect
 from .check import ConfigCheck, Finding, _check_arguments, _run_check, check_config
 from .export import export_arguments, import_deepspeed_arguments, run_export, run_import_deepspeed
 from .plan import plan_arguments, run_plan
@@ -54,6 +55,8 @@ COMMANDS: tuple[Command, ...] = (
             export_arguments, run_export),
     Command("report-html", "the HTML report (passes, diffs, program, timeline, memory, communication) from a dump directory",
             report_html_arguments, run_report_html),
+    Command("bisect", "the first pass after which the step computes something else than the captured step",
+            bisect_arguments, run_bisect),
     Command("import-deepspeed", "a DeepSpeed ZeRO checkpoint (stages 1-3) as a stepfx checkpoint",
             import_deepspeed_arguments, run_import_deepspeed),
 )

@@ -25,6 +25,7 @@ __all__ = [
     "assert_step_equivalent",
     "assert_data_parallel_equivalent",
     "data_parallel_reference",
+    "data_parallel_update",
     "EquivalenceReport",
     "compare_tensors",
 ]
@@ -304,6 +305,37 @@ class _GradientStash:
                 p.grad = None
 
 
+def data_parallel_update(step_fn, model, optimizer, rank_batches: list, seeds: list[int], *,
+                         clip_norm: float | None = None) -> list:
+    """One data-parallel step on one process, in place: each rank's batch through ``step_fn``
+    (under its seed; gradients kept, no update), the gradients averaged over the ranks (summed in
+    rank order, divided by N), clipped to ``clip_norm`` when given, one real update. Returns each
+    rank's output."""
+    world = len(rank_batches)
+    stash = _GradientStash(optimizer)
+    per_rank, grads = [], []
+    device = _device_of(model)
+    for r in range(world):
+        args, kwargs = _as_args(rank_batches[r])
+        torch.manual_seed(seeds[r])
+        per_rank.append(step_fn(model, stash, *_clone(args, device), **_clone(kwargs, device)))
+        grads.append(stash.grads)
+    for gi, group in enumerate(optimizer.param_groups):
+        for pi, p in enumerate(group["params"]):
+            got = [g[gi][pi] for g in grads if g and g[gi][pi] is not None]
+            if got:
+                total = got[0].clone()
+                for more in got[1:]:
+                    total += more
+                p.grad = total / world
+    if clip_norm:
+        torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"] if p.grad is not None],
+                                       clip_norm)
+    optimizer.step()
+    optimizer.zero_grad()
+    return per_rank
+
+
 def data_parallel_reference(
     step_fn, make_model, make_optimizer, batches_per_rank, *, seed: int = 0, make_scheduler=None, clip_norm: float | None = None
 ):
@@ -318,31 +350,13 @@ def data_parallel_reference(
     model = make_model()
     opt = make_optimizer(model)
     sched = make_scheduler(opt) if make_scheduler else None
-    stash = _GradientStash(opt)
     outputs = []
     for i in range(len(batches_per_rank[0])):
-        per_rank, grads = [], []
-        device = _device_of(model)
-        for r in range(world):
-            args, kwargs = _as_args(batches_per_rank[r][i])
-            torch.manual_seed(_rank_seed(seed, i, r, world))
-            per_rank.append(step_fn(model, stash, *_clone(args, device), **_clone(kwargs, device)))
-            grads.append(stash.grads)
-        for gi, group in enumerate(opt.param_groups):
-            for pi, p in enumerate(group["params"]):
-                got = [g[gi][pi] for g in grads if g and g[gi][pi] is not None]
-                if got:
-                    total = got[0].clone()
-                    for more in got[1:]:
-                        total += more
-                    p.grad = total / world
-        if clip_norm:
-            torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"] if p.grad is not None], clip_norm)
-        opt.step()
-        opt.zero_grad()
+        seeds = [_rank_seed(seed, i, r, world) for r in range(world)]
+        outputs.append(data_parallel_update(step_fn, model, opt, [b[i] for b in batches_per_rank], seeds,
+                                            clip_norm=clip_norm))
         if sched is not None:
             sched.step()
-        outputs.append(per_rank)
     return outputs, model, opt
 
 

@@ -8,6 +8,7 @@ from stepfx.graph.build import clone_step_graph
 from stepfx.passes import PIPELINE, PassManager, PassOptions, PassResult, PipelineEntry
 from stepfx.report import bisect_records
 from stepfx.testing import bisect_divergence as from_testing
+from tests.report.report_workers import bisect_data_parallel
 from tests.steps import captured_mlp, ce_step, mlp_batches, small_mlp
 
 
@@ -103,3 +104,44 @@ def test_clipping_the_config_asks_for_is_named_as_such(captured):
     records = PassManager(PIPELINE).run(graph, options, first=_capture_record(graph))
     found = bisect_records(records, model, opt, list(batch), rtol=1e-4, atol=1e-6)
     assert found.pass_name == "unscale_clip_gradients" and "set gradient_clipping to 0" in str(found), str(found)
+
+
+# data parallelism: (ZeRO stage, the pass a perturbation follows (None: a correct plan), where, clipping)
+DP_CASES = [
+    (1, None, 0.0, 0.01),  # clipping that bites
+    (3, None, 0.0, 0.0),
+    (2, "remove_aliases", 0.3, 0.0),
+    (3, "shard_parameters", 0.7, 0.01),
+    (1, "shard_optimizer_update", 0.5, 0.0),
+]
+
+
+@pytest.mark.parametrize("stage,after,fraction,clip", DP_CASES)
+def test_data_parallel_plans_are_bisected_on_every_rank(rank_pool, stage, after, fraction, clip):
+    """Every rank runs each pass's program with the others; before the first collective the
+    reference is the rank's captured step, from it on the data-parallel step (all ranks' batches,
+    gradients averaged, the config's clipping), pieces compared with their range of the whole. A
+    correct plan shows no divergence (the ZeRO passes and clipping included); a perturbation before
+    or after the ZeRO passes is named with its node, the same on both ranks."""
+    results = rank_pool(2).run(bisect_data_parallel, stage, after, fraction, clip, timeout=300)
+    for r in results:
+        assert r == {**results[0], "text": r["text"]} or r["text"] == results[0]["text"]
+    found = results[0]
+    if after is None:
+        assert found["pass"] is None, found["text"]
+        assert found["per_pass"] and all(diff <= 1e-4 for _, diff in found["per_pass"]), found["per_pass"]
+    else:
+        assert found["pass"] == "perturb_one_node", found["text"]
+        assert found["node"] == found["chosen"]["node"] and found["op"].endswith("_perturbed"), found["text"]
+        assert found["rank"] == 0 and "on rank 0" in found["text"]
+
+
+def test_the_reference_clips_where_the_plan_does():
+    """From the pass that clips gradients on, bisect_divergence judges against the step clipped as
+    the config asks (here it bites: 0.01), so a correct plan with clipping shows no divergence."""
+    x, y = mlp_batches(1)[0]
+    found = from_testing(ce_step, small_mlp, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), (x, y),
+                         config={"gradient_clipping": 0.01})
+    assert not found.diverged, str(found)
+    labels = [label for label, _ in found.per_pass]
+    assert any("unscale_clip_gradients" in label for label in labels)
