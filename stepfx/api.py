@@ -775,7 +775,9 @@ class ParallelStep:
         return write_report(self, path, all_ranks=all_ranks)
 
     def profile(self, steps: int = 1):
-        """Measure the next ``steps`` runs of the latest plan; the report then shows the measured timeline."""
+        """Measure the next ``steps`` runs of the latest plan; the report then shows the measured
+        timeline. Under data parallelism a collective (every rank calls it): the link's bus bandwidth
+        per kind of collective is measured on the step's group too."""
         from .report import profile_step
 
         self._profile = profile_step(self, steps)

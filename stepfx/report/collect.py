@@ -52,14 +52,18 @@ def _bucket_of(node: fx.Node) -> int | None:
     return None
 
 
-def _communication(graph, world: int, values, timeline: dict) -> list[dict]:
+def _communication(graph, world: int, values, timeline: dict, links: dict | None = None) -> list[dict]:
+    """Each collective: its bytes, predicted time (the device model's assumed bus bandwidth) and,
+    after ``step.profile`` measured the link (``links``: bytes/s per kind), its time at that rate."""
     nodes = {n.name: n for n in graph.gm.graph.nodes}
     seconds = {e["node"]: e["end"] - e["start"] for e in timeline["events"] if e["stream"].startswith("comm")}
     rows = []
     for item in communication(graph, world, values):
         node = nodes[item.node]
+        rate = (links or {}).get(item.op)
         rows.append({**node_row(node), "op": item.op, "payload_bytes": item.payload_bytes,
                      "sent_bytes": item.sent_bytes, "predicted_seconds": seconds.get(item.node, 0.0),
+                     "measured_link_seconds": item.sent_bytes / rate if rate else None,
                      "bucket": _bucket_of(node)})
     return rows
 
@@ -95,5 +99,6 @@ def report_data(step, plan=None) -> dict:
         "timeline": timeline,
         "measured": measured,
         "memory": memory,
-        "communication": _communication(graph, world, values, timeline),
+        "communication": _communication(graph, world, values, timeline, (measured or {}).get("links")),
+        "links": (measured or {}).get("links") or {},
     }

@@ -185,16 +185,29 @@ def _communication(data: dict, p: str) -> str:
     if not comm:
         return f'<section id="{p}communication"><h2>Communication</h2><p>No collectives in this plan.</p></section>'
     bw = data["timeline"]["device_model"]["bus_bandwidth"]
+    measured = data.get("links") or {}
+
+    def at_link(c) -> str:
+        t = c.get("measured_link_seconds")
+        return f'<td class="num">{t * 1e6:.1f}</td>' if t is not None else '<td class="num">–</td>'
+
     rows = "".join(
         f'<tr><td>{_e(c["op"])}</td><td>{"" if c["bucket"] is None else c["bucket"]}</td><td><code>{_e(c["name"])}</code></td>'
         f'<td class="num">{format_bytes(c["payload_bytes"])}</td><td class="num">{format_bytes(c["sent_bytes"])}</td>'
-        f'<td class="num">{c["predicted_seconds"] * 1e6:.1f}</td><td class="src">{_e(c["source"])}</td></tr>' for c in comm)
+        f'<td class="num">{c["predicted_seconds"] * 1e6:.1f}</td>{at_link(c)}<td class="src">{_e(c["source"])}</td></tr>'
+        for c in comm)
     total = sum(c["sent_bytes"] for c in comm)
-    links = ", ".join(f"{_e(k)} {v / 1e9:.0f} GB/s" for k, v in bw.items())
+    links = ", ".join(f"{_e(k)} {v / 1e9:.1f} GB/s" for k, v in bw.items())
+    if measured:
+        link_text = (" Measured on this run's group by <code>step.profile</code>: "
+                     + ", ".join(f"{_e(k)} {v / 1e9:.2f} GB/s" for k, v in sorted(measured.items())) + ".")
+    else:
+        link_text = " Not measured (<code>step.profile(steps=N)</code> on every rank measures the link)."
     return (f'<section id="{p}communication"><h2>Communication</h2><p>{len(comm)} collective(s); this rank sends '
-            f'{format_bytes(total)} per step (ring). Bus bandwidth assumed: {links}.</p>'
+            f'{format_bytes(total)} per step (ring). Bus bandwidth assumed: {links}.{link_text}</p>'
             '<table class="comm"><thead><tr><th>collective</th><th>bucket</th><th>node</th><th>buffer</th><th>sent</th>'
-            f'<th>predicted µs</th><th>source</th></tr></thead><tbody>{rows}</tbody></table></section>')
+            f'<th>predicted µs</th><th>µs at the measured link</th><th>source</th></tr></thead><tbody>{rows}</tbody>'
+            '</table></section>')
 
 
 def _rank_section(data: dict, many: bool) -> str:

@@ -13,6 +13,13 @@ waited for (exposed), and on CUDA the gaps between segments are idle time.
 
 A run replayed as a CUDA graph has no marks (``stepfx.cuda_graphs``); those
 runs are not measured, and the profile says so.
+
+Under data parallelism ``profile`` is a collective (every rank calls it, as
+it calls the step): it also measures the link, each kind of collective the
+plan runs timed on the step's group at the plan's largest payload of that
+kind (1 to 64 MiB), as bus bandwidth (the bytes a rank sends per second,
+ring counting, as ``graph.accounting.communication`` counts them), which
+the report sets against its assumed bandwidth.
 """
 from __future__ import annotations
 
@@ -46,11 +53,49 @@ class _SegmentTimer(PhaseTimer):
         return out
 
 
-class Profile:
-    """The measured runs: ``runs`` (one list of segments per run) and, on
-    CUDA, the peak bytes allocated over them (``peak_bytes``)."""
+def measure_links(plan, dp, repeats: int = 3) -> dict[str, float]:
+    """Bus bandwidth (bytes a rank sends per second) of each kind of collective ``plan`` runs, on
+    ``dp``'s group: a collective every rank must call (the kinds are the same on every rank)."""
+    import time
 
-    def __init__(self, plan, steps: int):
+    import torch.distributed as dist
+
+    from ..graph.accounting import communication
+
+    n = dp.world_size
+    largest: dict[str, int] = {}
+    for item in communication(plan.graph, n):
+        largest[item.op] = max(largest.get(item.op, 0), int(item.payload_bytes))
+    device = torch.device("cuda", torch.cuda.current_device()) if plan.device_type == "cuda" else torch.device("cpu")
+    out = {}
+    for op in sorted(largest):
+        elements = min(max(largest[op], 1 << 20), 64 << 20) // 4 // n * n
+        whole = torch.ones(elements, dtype=torch.float32, device=device)
+        shard = torch.ones(elements // n, dtype=torch.float32, device=device)
+        if op == "all_reduce":
+            run, sent = (lambda: dist.all_reduce(whole, group=dp.group)), 2 * (n - 1) / n * whole.nbytes
+        elif op == "reduce_scatter":
+            run, sent = (lambda: dist.reduce_scatter_tensor(shard, whole, group=dp.group)), (n - 1) / n * whole.nbytes
+        else:
+            run, sent = (lambda: dist.all_gather_into_tensor(whole, shard, group=dp.group)), (n - 1) * shard.nbytes
+        run()  # warm-up: connections, algorithms
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        for _ in range(repeats):
+            run()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        out[op] = sent * repeats / (time.perf_counter() - started)
+    return out
+
+
+class Profile:
+    """The measured runs: ``runs`` (one list of segments per run), on
+    CUDA the peak bytes allocated over them (``peak_bytes``), and under data
+    parallelism the link's measured bus bandwidth per collective (``links``)."""
+
+    def __init__(self, plan, steps: int, dp=None):
         if steps < 1:
             raise ValueError(f"profile(steps={steps}): steps must be at least 1")
         self.plan = plan
@@ -59,6 +104,7 @@ class Profile:
         self.runs: list[list[dict]] = []
         self.peak_bytes: int | None = None
         self.clock = "CUDA events on the current stream" if self.device_type == "cuda" else "the host clock"
+        self.links = measure_links(plan, dp) if dp is not None and dp.active else {}
         if self.device_type == "cuda" and torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         plan.executor.timer = _SegmentTimer(plan.executor, steps, self)
@@ -72,7 +118,7 @@ class Profile:
         has the same segments), for the report."""
         if not self.runs:
             return {"runs": 0, "steps": self.steps, "segments": [], "seconds": 0.0, "clock": self.clock,
-                    "peak_bytes": self.peak_bytes}
+                    "peak_bytes": self.peak_bytes, "links": self.links}
         n = len(self.runs)
         segments = [{"kind": seg["kind"],
                      "start": sum(run[i]["start"] for run in self.runs) / n,
@@ -80,9 +126,10 @@ class Profile:
                     for i, seg in enumerate(self.runs[0])]
         return {"runs": n, "steps": self.steps, "segments": segments,
                 "seconds": segments[-1]["end"] if segments else 0.0, "clock": self.clock,
-                "peak_bytes": self.peak_bytes}
+                "peak_bytes": self.peak_bytes, "links": self.links}
 
 
 def profile_step(step, steps: int) -> Profile:
-    """Measure the next ``steps`` runs of ``step``'s current plan (call the step once first)."""
-    return Profile(step.plan, steps)
+    """Measure the next ``steps`` runs of ``step``'s current plan (call the step once first); under
+    data parallelism a collective (the link is measured on the step's group)."""
+    return Profile(step.plan, steps, getattr(step, "_dp", None))

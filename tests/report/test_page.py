@@ -1,6 +1,7 @@
 """step.report(path): one self-contained HTML page, and the data it is drawn from."""
 import json
 import os
+import re
 import sys
 from html.parser import HTMLParser
 
@@ -161,3 +162,7 @@ def test_a_collective_report_holds_every_rank(rank_pool, tmp_path):
         for section in ("passes", "program", "timeline", "memory", "communication"):
             assert f'id="r{rank}-{section}"' in html, (rank, section)
     assert html.count("all_gather") >= 2  # each rank's collectives listed
+    # step.profile measured the link on the step's group: each collective's time at that rate
+    assert html.count("by <code>step.profile</code>: all_gather") == 2  # one line per rank
+    cells = re.findall(r'<td class="num">([0-9.]+|–)</td><td class="src">', html)
+    assert cells and "–" not in cells and any(float(c) > 0 for c in cells)
