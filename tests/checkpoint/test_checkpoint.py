@@ -162,10 +162,11 @@ def test_an_async_save_is_published_without_waiting(tmp_path):
     model, opt, step = _trained()
     pending = step.save_checkpoint(tmp_path, async_save=True)
     deadline = time.monotonic() + 60
-    while not (tmp_path / "latest").exists() and time.monotonic() < deadline:
+    # (done() turns True right after ``latest`` is written: waiting for ``latest`` alone raced with it)
+    while not pending.done() and time.monotonic() < deadline:
         step(model, opt, token_batches(1)[0][0])
         time.sleep(0.02)
-    assert (tmp_path / "latest").read_text() == "global_step2" and pending.done()
+    assert pending.done() and (tmp_path / "latest").read_text() == "global_step2"
     assert step.wait_checkpoint() == str(tmp_path / "global_step2")
 
 
