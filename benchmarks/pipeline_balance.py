@@ -99,6 +99,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--codegen", choices=["on", "off"], default=None,
+                        help="stepfx's kernels in the stage programs (default: on for CUDA, as stepfx)")
     args = parser.parse_args()
     device = torch.device(args.device)
     torch.manual_seed(0)
@@ -109,7 +111,9 @@ def main() -> None:
     seq = args.seq if args.size != "tiny" else 16
     idx = torch.randint(0, vocab, (args.batch, seq + 1), device=device)
     bf16 = device.type == "cuda"
-    cfg = load_config({"gradient_clipping": 1.0, **({"bf16": {"enabled": True}} if bf16 else {})})
+    codegen = (args.codegen or ("on" if device.type == "cuda" else "off")) == "on"
+    cfg = load_config({"gradient_clipping": 1.0, **({"bf16": {"enabled": True}} if bf16 else {}),
+                       "stepfx": {"codegen": codegen}})
     options = CaptureOptions(compute_dtype=torch.bfloat16 if bf16 else None, cast_inputs=bf16)
     started = time.perf_counter()
     inputs = collect_inputs(model, opt, (idx,), {}, held={}, options=options)
@@ -164,11 +168,13 @@ def main() -> None:
     deviation = max(abs(r["measured_fwd_bwd_share"] - r["predicted_share_calibrated"]) / r["predicted_share_calibrated"]
                     for r in rows)
     result = {"bench": "pipeline_balance", "size": args.size, "seq": seq, "batch": args.batch, "stages": args.stages,
+              "codegen": codegen,
               "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
               "capture_s": capture_s, "matmul_tflops": rates.flops / 1e12, "copy_gbps": rates.bandwidth / 1e9,
               "op_overhead_us": rates.op_overhead * 1e6,
               "cuts": list(plan.cuts), "crossing_bytes": list(plan.crossing_bytes), "rows": rows,
               "max_relative_deviation": deviation}
+    print(f"codegen {'on' if codegen else 'off'}")
     print("\n".join(plan.describe()))
     print(f"device rates: {rates.flops / 1e12:.0f} TFLOP/s bf16 matmul, {rates.bandwidth / 1e9:.0f} GB/s copy, "
           f"{rates.op_overhead * 1e6:.1f} us of host time per op")

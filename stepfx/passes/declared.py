@@ -61,9 +61,14 @@ def _overlap(options) -> bool:
 def codegen_enabled(options) -> bool:
     """``stepfx.codegen`` as the step resolved it (None: on for CUDA, off for CPU)."""
     value = getattr(getattr(options.config, "stepfx", None), "codegen", None)
-    if pipeline_settings(options) > 1:
-        return False  # the fusions batch across parameters of every stage: not cut into stages yet
     return options.device_type == "cuda" if value is None else bool(value)
+
+
+def codegen_across_parameters(options) -> bool:
+    """Codegen's passes that batch many parameters into one launch (their casts, updates, sums of
+    squares, carried copies): not under a pipeline, whose stages own different parameters (one
+    launch would span stages)."""
+    return codegen_enabled(options) and pipeline_settings(options) <= 1
 
 
 def _stage_at_least(stage: int):
@@ -248,7 +253,7 @@ PIPELINE: tuple[PipelineEntry, ...] = (
         "batch_parameter_casts",
         batch_parameter_casts,
         "codegen: after fuse_casts (the large casts are its kernel calls), all the parameters' 16-bit copies in one launch",
-        applies=codegen_enabled,
+        applies=codegen_across_parameters,
     ),
     PipelineEntry(
         "fuse_column_sums",
@@ -272,20 +277,20 @@ PIPELINE: tuple[PipelineEntry, ...] = (
         "batch_optimizer_updates",
         batch_optimizer_updates,
         "after fold_gradient_casts (which reads single updates' gradient arguments): hundreds of launches become one",
-        applies=codegen_enabled,
+        applies=codegen_across_parameters,
     ),
     PipelineEntry(
         "carry_parameter_copies",
         carry_parameter_copies,
         "after batch_parameter_casts (the copies are one pack) and batch_optimizer_updates (the update that "
         "writes them is one call), when no later pass moves a reader of the copies past it",
-        applies=codegen_enabled,
+        applies=codegen_across_parameters,
     ),
     PipelineEntry(
         "batch_sum_squares",
         batch_sum_squares,
         "after fold_gradient_casts (so the sums read the 16-bit gradients): hundreds of launches become two",
-        applies=codegen_enabled,
+        applies=codegen_across_parameters,
     ),
     PipelineEntry(
         "fuse_generic_regions",

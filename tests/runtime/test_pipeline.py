@@ -202,6 +202,19 @@ def test_activation_checkpointing_inside_each_stage(rank_pool):
     assert "level 'all'" in results[0]["explain"] and "ops recomputed" in results[0]["explain"]
 
 
+def test_codegen_inside_each_stage(rank_pool):
+    """stepfx's kernels under a pipeline: the fusions that stay within a stage (layer norms with
+    the residual add, the chunked linear + cross-entropy on the last stage, the sums of squares of
+    the clipping norm) run inside the stage programs; those that batch parameters of every stage
+    into one launch stay off. The step equals the reference (clipping at 0.05 bites)."""
+    batches = _batches(1)
+    config = _config(2, 2, "1f1b", clip=0.05)
+    config["stepfx"]["codegen"] = True
+    results = rank_pool(2).run(pp_run, lm_step, tiny_gpt, sgd_momentum, batches, config, timeout=300)
+    _check(results, lm_step, tiny_gpt, sgd_momentum, batches, 2, clip=0.05)
+    assert "layer_norm" in results[0]["explain"] and "linear_cross_entropy" in results[1]["explain"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2])
 def test_a_checkpoint_holds_each_stage_s_parameters_from_their_stage(rank_pool, tmp_path, tp):

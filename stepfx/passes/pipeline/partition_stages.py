@@ -174,9 +174,15 @@ def _arg(node: fx.Node, name: str, default=None):
     return default
 
 
+def _linear_cross_entropy():
+    from ...codegen import graph_ops
+
+    return graph_ops.linear_cross_entropy
+
+
 def op_cost(node: fx.Node, rates: DeviceRates = RATES) -> float:
-    """Seconds of one op by the cost model: the larger of its work on the device (matmul and
-    attention FLOPs at ``rates.flops``, the bytes it reads and writes at ``rates.bandwidth``;
+    """Seconds of one op by the cost model: the larger of its work on the device (matmul, attention
+    and fused linear + cross-entropy FLOPs at ``rates.flops``, the bytes it reads and writes at ``rates.bandwidth``;
     nothing for a view) and the host's time to issue it (``rates.op_overhead``: a small op waits
     for the host, not the device)."""
     if node.op != "call_function" or node.target is operator.getitem:
@@ -191,6 +197,10 @@ def op_cost(node: fx.Node, rates: DeviceRates = RATES) -> float:
         sa, sb = _shape(a), _shape(b)
         if sa and sb:
             flops = 2 * math.prod(sa) * sb[-1]
+    elif node.target is _linear_cross_entropy():
+        sh, sw = _shape(node.args[0]), _shape(node.args[1])
+        if sh and sw:  # the logits chunk by chunk, and both gradients (computed in the same pass): 3 matmuls
+            flops = 3 * 2 * math.prod(sh[:-1]) * sh[-1] * sw[0]
     elif node.target in ATTENTION_OPS:
         sq, sk = _shape(_arg(node, "query")), _shape(_arg(node, "key"))
         if sq and sk:
