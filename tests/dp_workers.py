@@ -250,12 +250,13 @@ def mlp_rank_batches(world, steps, d_in, classes, seed):
     ]
 
 
-def accumulate(stage: int, k: int) -> dict:
+def accumulate(stage: int, k: int, optimizer: str = "sgd") -> dict:
     """k micro-batches with gradient accumulation under ZeRO against the data-
     parallel reference step on the k-times batch (fp32)."""
     from stepfx.testing.equivalence import compare_tensors, data_parallel_reference
-    from tests.steps import sgd
+    from tests import steps
 
+    sgd = getattr(steps, optimizer)
     rank, world = dist.get_rank(), dist.get_world_size()
     batches = [token_batches(2 * k, seed=7 + 1000 * r) for r in range(world)]
     torch.manual_seed(0)

@@ -18,7 +18,7 @@ from ...errors import PassError
 import torch.fx as fx
 
 from ...graph import META_GRAD_OF, StepGraph
-from ...graph.build import clone_step_graph
+from ...graph.build import clone_step_graph, label_params
 from ...graph.ops import ALIAS_OPS
 from ..manager import PassOptions, PassResult
 
@@ -31,15 +31,20 @@ def remove_aliases(graph: StepGraph, options: PassOptions) -> PassResult:
     if not any(n.op == "call_function" and n.target in ALIAS_OPS for n in graph.gm.graph.nodes):
         return PassResult(graph, False)
     graph = clone_step_graph(graph)
-    removed = 0
+    removed = moved = 0
     for node in list(graph.gm.graph.nodes):
         if node.op == "call_function" and node.target in ALIAS_OPS:
             source = node.args[0]
             # a gradient marker moves to the value it marks
             if META_GRAD_OF in node.meta and isinstance(source, fx.Node):
                 source.meta[META_GRAD_OF] = node.meta[META_GRAD_OF]
+                moved += 1
             node.replace_all_uses_with(source)
             graph.gm.graph.erase_node(node)
             removed += 1
+    if moved:
+        # the parameter labels follow the markers: an update reading a gradient accumulated over
+        # micro-steps (held + new, marked only through the alias) belongs to its parameter
+        label_params(graph)
     graph.gm.recompile()
     return PassResult(graph, True, f"removed {removed} alias ops")
