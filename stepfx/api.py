@@ -191,13 +191,6 @@ class ParallelStep:
             self._dp = data_parallel(device_type, tp_size=_tensor_parallel_degree(self.config, model),
                                      pp_size=_pipeline_degree(self.config))
             self.config = _resolve_batch_sizes(self.config, self._dp.dp_size)
-            gas = self.config.gradient_accumulation_steps
-            if self._dp.tp_size > 1 and self._dp.pp_size == 1 and isinstance(gas, int) and gas > 1:
-                # plan_tensor_parallel keeps whole every parameter whose gradient is held between calls:
-                # the step would run unsplit on every rank, silently
-                raise ConfigError("gradient_accumulation_steps", f"{gas} with tensor parallelism (autotp_size "
-                                  f"{self._dp.tp_size}) is not supported yet: the held gradients are not split",
-                                  value=gas, expected="1 with tensor_parallel.autotp_size > 1")
             # after the batch sizes (the monitor's x axis is samples), before any capture: a missing
             # tensorboard/wandb package fails here, on every rank, before any state changes
             self._monitor = Monitor(self.config, rank=self._dp.rank, world_size=self._dp.world_size)
@@ -1256,8 +1249,9 @@ def _held_specs(captured: StepGraph, final: StepGraph) -> dict:
         val = node.meta.get("val") if hasattr(node, "meta") else None
         if isinstance(val, torch.Tensor):
             whole[(slot.role, slot.name, slot.key)] = TensorSpec.of(val)
-    # tensor parallelism: a split parameter and its split optimizer state (its step counter is held whole)
-    held = {(s.role, s.name, s.key): whole[(s.role, s.name, s.key)] for s in split}
+    # tensor parallelism: a split parameter and its split optimizer state (its step counter is held whole);
+    # a gradient accumulated over micro-steps is described by the binding after each run that holds it
+    held = {(s.role, s.name, s.key): whole[(s.role, s.name, s.key)] for s in split if s.role is not Role.GRAD}
     for bucket, p in (layout.params() if layout is not None else ()):
         if bucket.sharding is Sharding.NONE:
             continue

@@ -120,6 +120,10 @@ class ModuleBinding:
         self._whole_scalars = {(s.role, s.name, s.key): s.ident for s in (*signature.inputs, *signature.outputs)
                                if s.storage is Storage.RANK and s.piece is None and s.split is None
                                and s.ident not in self._carried}
+        # tensor parallelism: gradients accumulated as this rank's shards, described whole after the run
+        # that writes them (the next micro-step's capture reads them as held; the update consumes them)
+        self._split_grads = {(s.role, s.name, s.key): (s.ident, s.split) for s in signature.outputs
+                             if s.role is Role.GRAD and s.storage is Storage.RANK and s.split is not None}
         # tensor parallelism: the rank holds its shard of these parameters and all their optimizer state
         tp_split = [params[s.name] for s in signature.inputs if s.role is Role.PARAM and s.split is not None]
         self._state_owned += tp_split
@@ -323,6 +327,11 @@ class ModuleBinding:
         for key, ident in self._whole_scalars.items():
             if ident in self.store.tensors:
                 self.store.held[key] = self.store.tensors[ident]
+        for key, (ident, split) in self._split_grads.items():
+            shard = self.store.tensors.get(ident)
+            if shard is not None:
+                shape = tuple(n * split.count if d == split.dim else n for d, n in enumerate(shard.shape))
+                self.store.held[key] = TensorSpec(shape, shard.dtype, shard.device)
 
     def user_result(self, slot_leaves: list) -> Any:
         sig = self.signature

@@ -265,11 +265,52 @@ def test_zero_3_with_tensor_parallelism_is_refused_naming_the_key(monkeypatch):
 
 
 @pytest.mark.xdist_group("tensor_parallel")
-def test_gradient_accumulation_with_tensor_parallelism_is_refused_naming_the_key(rank_pool):
-    """Held gradients keep their parameters whole (plan_tensor_parallel): the
-    step would run unsplit on every rank, so it is refused, not run."""
-    from stepfx.testing.errors import RankError
+@pytest.mark.parametrize("zero", [0, 1, 2])
+def test_gradient_accumulation_holds_each_rank_s_gradient_shards(rank_pool, zero):
+    """gradient_accumulation_steps 2 under TP 2 (x DP 2 with ZeRO-2): the gradients accumulated
+    over the micro-steps are held by each rank as its Megatron shards (the step stays split), and
+    each update equals the reference's over the two micro-batches (their mean, as DeepSpeed)."""
+    world = 2 if zero == 0 else 4
+    dp = world // 2
+    config = {**TP2, "gradient_accumulation_steps": 2, "train_micro_batch_size_per_gpu": 2,
+              "zero_optimization": {"stage": zero}}
+    micro = [token_batches(4, batch=2, seed=40 + d) for d in range(dp)]  # 2 updates of 2 micro-steps each
+    results = rank_pool(world).run(tp_run, lm_step, one_block_gpt, sgd_momentum, micro, config, timeout=300)
+    # the reference: one update per 2 micro-batches of every data-parallel rank, gradients averaged
+    per_update = [[{"args": (torch.cat([micro[d][2 * u][0], micro[d][2 * u + 1][0]]),), "kwargs": {}}
+                   for u in range(2)] for d in range(dp)]
+    outputs, model, opt = data_parallel_reference(_mean_of_halves(lm_step), one_block_gpt, sgd_momentum, per_update)
+    state = model.state_dict()
+    for rank, got in enumerate(results):
+        assert got["placements"] and "split" in " ".join(got["placements"]), got["placements"]
+        assert got["counts"].get("tp forward", 0) >= 2, got["counts"]
+        for name, value in state.items():
+            diff = (got["state"][name] - value).abs().max() / value.abs().max().clamp_min(1e-12)
+            assert diff <= 1e-5, (rank, name, diff.item())
 
-    config = {**TP2, "gradient_accumulation_steps": 2}
-    with pytest.raises(RankError, match=r"gradient_accumulation_steps: 2 with tensor parallelism"):
-        rank_pool(2).run(tp_run, lm_step, one_block_gpt, sgd_plain, [token_batches(1)], config, timeout=120)
+
+def _mean_of_halves(step_fn):
+    """The reference of one update over two micro-batches: the loss is the mean of the two halves'
+    losses (each micro-step's loss over its own rows, as the accumulating run computes it)."""
+    def step(model, optimizer, batch):
+        class Hold:
+            param_groups, state = optimizer.param_groups, optimizer.state
+
+            def step(self):
+                pass
+
+            def zero_grad(self, set_to_none=True):
+                pass
+
+        half = batch.shape[0] // 2
+        losses = [step_fn(model, Hold(), part) / 2 for part in (batch[:half], batch[half:])]
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad /= 2
+        optimizer.step()
+        optimizer.zero_grad()
+        return sum(losses)
+
+    return step
+
+

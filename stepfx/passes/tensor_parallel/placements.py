@@ -189,8 +189,7 @@ def _placeholder(node: fx.Node, seeds: dict[str, Sharded], tp: int):
     if seed is None or slot.role not in (Role.PARAM, Role.OPTIMIZER_STATE, Role.GRAD):
         return None
     shape = _shape(node)
-    if slot.role is Role.GRAD:
-        raise Refused(node, f"{slot.name} keeps its gradient across calls (end the step with zero_grad)")
+    # a gradient accumulated over micro-steps is split as its parameter (the rank holds its shard)
     if slot.role is Role.OPTIMIZER_STATE and (shape is None or len(shape) <= seed.dim):
         return None  # a step counter
     if shape[seed.dim] % (seed.parts * tp):
@@ -208,7 +207,7 @@ def _output(node: fx.Node, prop: Propagation, seeds: dict[str, Sharded], slots) 
             prop.reduce.setdefault(value, []).append(node)
             continue
         slot = slots[i] if slots is not None else None
-        if slot is None or slot.role not in (Role.PARAM, Role.OPTIMIZER_STATE) or seeds.get(slot.name) != state:
+        if slot is None or slot.role not in (Role.PARAM, Role.OPTIMIZER_STATE, Role.GRAD) or seeds.get(slot.name) != state:
             what = slot.describe() if slot is not None else f"output #{i}"
             raise Refused(value, f"a split value is returned as {what}")
 

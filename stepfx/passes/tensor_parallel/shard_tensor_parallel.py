@@ -192,11 +192,12 @@ def _decompose_addmm(g: fx.Graph, node: fx.Node, group: str, tp: int) -> None:
 
 
 def _rank_held(sig, plan, g: fx.Graph):
-    """Split parameters and all their optimizer state become rank-held slots."""
+    """Split parameters, all their optimizer state and their gradients accumulated over
+    micro-steps become rank-held slots."""
     split_names = {p.name for p in plan.sharded}
 
     def held(slot, val):
-        if slot.name not in split_names or slot.role not in (Role.PARAM, Role.OPTIMIZER_STATE):
+        if slot.name not in split_names or slot.role not in (Role.PARAM, Role.OPTIMIZER_STATE, Role.GRAD):
             return slot
         split = plan.split_of(slot.name)
         whole_scalar = slot.role is Role.OPTIMIZER_STATE and (val is None or val.dim() <= split.dim)
