@@ -109,10 +109,8 @@ def test_clipping_the_config_asks_for_is_named_as_such(captured):
 # data parallelism: (ZeRO stage, the pass a perturbation follows (None: a correct plan), where, clipping)
 DP_CASES = [
     (1, None, 0.0, 0.01),  # clipping that bites
-    (3, None, 0.0, 0.0),
     (2, "remove_aliases", 0.3, 0.0),
     (3, "shard_parameters", 0.7, 0.01),
-    (1, "shard_optimizer_update", 0.5, 0.0),
 ]
 
 
