@@ -201,6 +201,17 @@ class CommItem:
     payload_expr: Any = None  # the payload as an expression in the size symbols, where it is symbolic
 
 
+def ring_sent_bytes(op: str, payload: float, world_size: int) -> float:
+    """What a rank sends for one collective with the ring algorithm: ``payload`` is the all-reduced or
+    reduce-scattered buffer, or the all-gathered shard."""
+    n = max(world_size, 1)
+    if op == "all_reduce":
+        return 2 * (n - 1) / n * payload
+    if op == "reduce_scatter":
+        return (n - 1) / n * payload
+    return (n - 1) * payload  # all_gather
+
+
 def communication(graph: StepGraph, world_size: int, values: Mapping | None = None) -> list[CommItem]:
     """Every collective's payload and ring traffic; symbolic payloads are
     evaluated at ``values`` (as :func:`estimate_memory`)."""
@@ -210,14 +221,17 @@ def communication(graph: StepGraph, world_size: int, values: Mapping | None = No
     for node in graph.gm.graph.nodes:
         if node.op != "call_function":
             continue
+        if node.target in (c10d.all_reduce.default, c10d.all_reduce_.default):
+            op = "all_reduce"
+        elif node.target is c10d.reduce_scatter_tensor.default:
+            op = "reduce_scatter"
+        elif node.target is c10d.all_gather_into_tensor.default:
+            op = "all_gather"
+        else:
+            continue
         inp = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], fx.Node) else None
         terms = sizes.bytes_of(inp)
         size = sizes.value(terms)
         expr = Sizes.expr(terms) if Sizes.symbolic(terms) else None
-        if node.target in (c10d.all_reduce.default, c10d.all_reduce_.default):
-            items.append(CommItem("all_reduce", node.name, size, 2 * (n - 1) / n * size, expr))
-        elif node.target is c10d.reduce_scatter_tensor.default:
-            items.append(CommItem("reduce_scatter", node.name, size, (n - 1) / n * size, expr))
-        elif node.target is c10d.all_gather_into_tensor.default:
-            items.append(CommItem("all_gather", node.name, size, (n - 1) * size, expr))
+        items.append(CommItem(op, node.name, size, ring_sent_bytes(op, size, n), expr))
     return items

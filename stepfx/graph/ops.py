@@ -18,6 +18,7 @@ __all__ = [
     "ASSERT_OPS",
     "ALIAS_OPS",
     "ATTENTION_OPS",
+    "ATTENTION_BACKWARD_OPS",
     "SAME_DTYPE_OPS",
     "is_op",
     "mutated_arg_indices",
@@ -270,23 +271,24 @@ def dtype_cast(node: fx.Node) -> "tuple[torch.Tensor, torch.Tensor] | None":
 
 
 
-def _attention_kernels() -> frozenset:
-    """SDPA's kernel ops, forward and backward, that this torch has (by identity)."""
+def _attention_kernels(suffixes: tuple[str, ...]) -> frozenset:
+    """SDPA's kernel ops with these name suffixes ("": forward, "_backward") that this torch has (by identity)."""
     names = ("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_efficient_attention",
              "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
              "_scaled_dot_product_fused_attention_overrideable", "_scaled_dot_product_attention_math",
              "_flash_attention_forward", "_efficient_attention_forward")
     ops = set()
     for name in names:
-        for suffix in ("", "_backward"):
+        for suffix in suffixes:
             op = getattr(getattr(aten, name + suffix, None), "default", None)
             if op is not None:
                 ops.add(op)
     return frozenset(ops)
 
 
-# attention kernels (what recompute_activations keeps saved below its "all" level)
-ATTENTION_OPS = _attention_kernels()
+# attention kernels (what recompute_activations keeps saved below its "all" level), and their backward ones
+ATTENTION_OPS = _attention_kernels(("", "_backward"))
+ATTENTION_BACKWARD_OPS = _attention_kernels(("_backward",))
 
 # what fuse_generic_regions hands to inductor besides pointwise ops and casts: row reductions, and the data
 # movement inductor fuses into the pointwise code around it (rotary embeddings' rotate_half and its backward)

@@ -310,7 +310,7 @@ def _first_node(result: Divergence, before, after, model, optimizer, batch, seed
     for node in after.gm.graph.nodes:
         if node.op != "call_function" or node.name not in new or node.name not in old:
             continue
-        if is_collective(node) and "wait_tensor" not in str(node.target):
+        if is_collective(node) and node.target is not torch.ops._c10d_functional.wait_tensor.default:
             continue  # an issued collective's buffer is filled by its wait (compared there)
         a, b = new[node.name], old[node.name]
         if a.shape != b.shape or a.dtype != b.dtype:  # rewritten to another value (a cast, a piece): no counterpart
@@ -392,7 +392,7 @@ def bisect_divergence(step_or_fn, *args, batch=None, config: Any = None, make_mo
             raise ValueError("bisect a data-parallel plan with the first form, bisect_divergence(step_fn, make_model, "
                              "make_optimizer, batch, config=...), called on every rank: a running step's ranks hold "
                              "its state in pieces")
-        if getattr(dp, "tp_size", 1) > 1 or getattr(dp, "pp_size", 1) > 1:
+        if dp.tp_size > 1 or dp.pp_size > 1:
             raise ValueError("bisect_divergence: tensor- and pipeline-parallel plans are not bisected yet (their "
                              "programs hold shards and stages); bisect the data-parallel config")
         if len(all_batches) != dp.world_size:

@@ -60,7 +60,7 @@ def measure_links(plan, dp, repeats: int = 3) -> dict[str, float]:
 
     import torch.distributed as dist
 
-    from ..graph.accounting import communication
+    from ..graph.accounting import communication, ring_sent_bytes
 
     n = dp.world_size
     largest: dict[str, int] = {}
@@ -73,11 +73,12 @@ def measure_links(plan, dp, repeats: int = 3) -> dict[str, float]:
         whole = torch.ones(elements, dtype=torch.float32, device=device)
         shard = torch.ones(elements // n, dtype=torch.float32, device=device)
         if op == "all_reduce":
-            run, sent = (lambda: dist.all_reduce(whole, group=dp.group)), 2 * (n - 1) / n * whole.nbytes
+            run, payload = (lambda: dist.all_reduce(whole, group=dp.group)), whole.nbytes
         elif op == "reduce_scatter":
-            run, sent = (lambda: dist.reduce_scatter_tensor(shard, whole, group=dp.group)), (n - 1) / n * whole.nbytes
+            run, payload = (lambda: dist.reduce_scatter_tensor(shard, whole, group=dp.group)), whole.nbytes
         else:
-            run, sent = (lambda: dist.all_gather_into_tensor(whole, shard, group=dp.group)), (n - 1) * shard.nbytes
+            run, payload = (lambda: dist.all_gather_into_tensor(whole, shard, group=dp.group)), shard.nbytes
+        sent = ring_sent_bytes(op, payload, n)
         run()  # warm-up: connections, algorithms
         if device.type == "cuda":
             torch.cuda.synchronize()

@@ -4,6 +4,7 @@ Needs Debian's ``chromium`` (``make install`` installs it where apt can) and
 the ``playwright`` package (the ``test`` extra); skips, saying which is
 missing, elsewhere. ``STEPFX_SCREENSHOT_DIR`` keeps the screenshots.
 """
+import contextlib
 import os
 import shutil
 
@@ -28,11 +29,15 @@ def _not_blank(path) -> bool:
     return colors is None or len(colors) > 20  # None: more colors than counted
 
 
-def test_the_report_in_chromium(mlp_step, tmp_path):
-    path = mlp_step.report(str(tmp_path / "report.html"))
+def _shots_dir(tmp_path) -> str:
     shots = os.environ.get("STEPFX_SCREENSHOT_DIR") or str(tmp_path)
     os.makedirs(shots, exist_ok=True)
-    errors = []
+    return shots
+
+
+@contextlib.contextmanager
+def _page(path: str, errors: list):
+    """The page at ``path`` in headless Chromium; console errors and page errors go to ``errors``."""
     with playwright.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
         try:
@@ -40,27 +45,35 @@ def test_the_report_in_chromium(mlp_step, tmp_path):
             page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
             page.on("pageerror", lambda e: errors.append(str(e)))
             page.goto(f"file://{path}")
-            for section in ("passes", "program", "timeline", "memory", "communication"):
-                assert page.locator(f"#r0-{section}").is_visible()
-            # a pass's diff opens on a click
-            diff = page.locator("details.pass").first
-            assert diff.get_attribute("open") is None and not diff.locator("table.diff").is_visible()
-            diff.locator("summary").click()
-            assert diff.get_attribute("open") is not None and diff.locator("table.diff").is_visible()
-            # the search box filters the program's rows
-            rows = page.locator("#r0-program-table tbody tr")
-            total = rows.count()
-            page.fill("#r0-program-search", "addmm")
-            shown = page.locator("#r0-program-table tbody tr:not([hidden])")
-            assert 0 < shown.count() < total
-            assert all("addmm" in t for t in shown.all_inner_texts())
-            assert page.locator("#r0-program-count").inner_text() == f"{shown.count()} of {total} nodes"
-            # pictures drawn: non-blank screenshots of the page and of the memory plot
-            page.screenshot(path=os.path.join(shots, "report_top.png"))
-            page.locator("#r0-memory figure").screenshot(path=os.path.join(shots, "report_memory.png"))
-            page.locator("#r0-timeline").screenshot(path=os.path.join(shots, "report_timeline.png"))
+            yield page
         finally:
             browser.close()
+
+
+def test_the_report_in_chromium(mlp_step, tmp_path):
+    path = mlp_step.report(str(tmp_path / "report.html"))
+    shots = _shots_dir(tmp_path)
+    errors = []
+    with _page(path, errors) as page:
+        for section in ("passes", "program", "timeline", "memory", "communication"):
+            assert page.locator(f"#r0-{section}").is_visible()
+        # a pass's diff opens on a click
+        diff = page.locator("details.pass").first
+        assert diff.get_attribute("open") is None and not diff.locator("table.diff").is_visible()
+        diff.locator("summary").click()
+        assert diff.get_attribute("open") is not None and diff.locator("table.diff").is_visible()
+        # the search box filters the program's rows
+        rows = page.locator("#r0-program-table tbody tr")
+        total = rows.count()
+        page.fill("#r0-program-search", "addmm")
+        shown = page.locator("#r0-program-table tbody tr:not([hidden])")
+        assert 0 < shown.count() < total
+        assert all("addmm" in t for t in shown.all_inner_texts())
+        assert page.locator("#r0-program-count").inner_text() == f"{shown.count()} of {total} nodes"
+        # pictures drawn: non-blank screenshots of the page and of the memory plot
+        page.screenshot(path=os.path.join(shots, "report_top.png"))
+        page.locator("#r0-memory figure").screenshot(path=os.path.join(shots, "report_memory.png"))
+        page.locator("#r0-timeline").screenshot(path=os.path.join(shots, "report_timeline.png"))
     assert not errors, errors
     for name in ("report_top.png", "report_memory.png", "report_timeline.png"):
         assert _not_blank(os.path.join(shots, name)), name
@@ -95,27 +108,18 @@ def test_the_demo_s_zero3_on_two_ranks_and_a_bf16_codegen_plan_in_chromium(rank_
     else:
         _bf16_codegen_report(path)
         ranks = (0,)
-    shots = os.environ.get("STEPFX_SCREENSHOT_DIR") or str(tmp_path)
-    os.makedirs(shots, exist_ok=True)
+    shots = _shots_dir(tmp_path)
     errors = []
-    with playwright.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        try:
-            page = browser.new_page(viewport={"width": 1280, "height": 900})
-            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
-            page.on("pageerror", lambda e: errors.append(str(e)))
-            page.goto(f"file://{path}")
-            for rank in ranks:
-                for section in ("passes", "program", "timeline", "memory", "communication"):
-                    page.locator(f"#r{rank}-{section}").scroll_into_view_if_needed()
-                    assert page.locator(f"#r{rank}-{section}").is_visible(), (rank, section)
-                page.locator(f"#r{rank}-memory figure").screenshot(path=os.path.join(shots, f"{kind}_r{rank}_memory.png"))
-                page.locator(f"#r{rank}-timeline").screenshot(path=os.path.join(shots, f"{kind}_r{rank}_timeline.png"))
-            if kind == "bf16_codegen":  # the fused kernels are in the program
-                page.fill("#r0-program-search", "stepfx")
-                assert page.locator("#r0-program-table tbody tr:not([hidden])").count() > 0
-        finally:
-            browser.close()
+    with _page(path, errors) as page:
+        for rank in ranks:
+            for section in ("passes", "program", "timeline", "memory", "communication"):
+                page.locator(f"#r{rank}-{section}").scroll_into_view_if_needed()
+                assert page.locator(f"#r{rank}-{section}").is_visible(), (rank, section)
+            page.locator(f"#r{rank}-memory figure").screenshot(path=os.path.join(shots, f"{kind}_r{rank}_memory.png"))
+            page.locator(f"#r{rank}-timeline").screenshot(path=os.path.join(shots, f"{kind}_r{rank}_timeline.png"))
+        if kind == "bf16_codegen":  # the fused kernels are in the program
+            page.fill("#r0-program-search", "stepfx")
+            assert page.locator("#r0-program-table tbody tr:not([hidden])").count() > 0
     assert not errors, errors
     for rank in ranks:
         for what in ("memory", "timeline"):

@@ -61,7 +61,7 @@ import torch.fx as fx
 
 from ...config.errors import ConfigError
 from ...graph import StepGraph
-from ...graph.ops import ATTENTION_OPS, has_side_effect, is_collective, is_random, is_view
+from ...graph.ops import ATTENTION_BACKWARD_OPS, ATTENTION_OPS, has_side_effect, is_collective, is_random, is_view
 from ...graph.signature import Role
 from ...graph.step_graph import META_GRAD_OF, META_PARAM, META_PHASE, Phase
 from ..manager import PassOptions, PassResult
@@ -207,7 +207,7 @@ def op_cost(node: fx.Node, rates: DeviceRates = RATES) -> float:
             # QK^T and PV; a causal mask halves them; the backward recomputes QK^T and PV and makes
             # dQ, dK, dV: 2.5 times the forward (FlashAttention-2's count)
             flops = 4 * math.prod(sq) * sk[-2] * (0.5 if _arg(node, "is_causal", False) else 1.0)
-            if "backward" in str(node.target):
+            if node.target in ATTENTION_BACKWARD_OPS:
                 flops *= 2.5
     return max(flops / rates.flops, moved / rates.bandwidth, rates.op_overhead)
 
