@@ -32,7 +32,7 @@ from .codegen import available as codegen_available
 from .capture.fingerprint import describe_change, fingerprint
 from .capture.initial_state import create_initial_state, drop_state, stepped_params
 from .passes.data_parallel.plan_zero_layout import stays_whole
-from .config.implicit import fill_auto_clipping, implicit_defaults
+from .config.implicit import fill_auto_clipping, implicit_defaults, unapplied_settings
 from .config import AUTO, Config, ConfigError, check_tensor_parallel, load_config, resolve_batch_sizes, resolve_zero_auto
 from .errors import ExecutionError, StepfxError
 from .monitor import PHASES, Monitor, dense_flops_per_token, loss_of, tokens_in
@@ -175,7 +175,8 @@ class ParallelStep:
         if self._dp is None:
             self.config = _resolve_precision(_resolve_model_sizes(self.config, model))
             self.config, clip_note = fill_auto_clipping(self.config)
-            for note in implicit_defaults(self.config) + ([clip_note] if clip_note else []):  # once: the first call
+            notes = implicit_defaults(self.config) + ([clip_note] if clip_note else []) + unapplied_settings(self.config)
+            for note in notes:  # once: the first call
                 log.warning("stepfx: %s: %s", self.__name__, note)
         optimizer = self._config_optimizer(model, optimizer)
         if self._model is not None and (model is not self._model or optimizer is not self._optimizer):

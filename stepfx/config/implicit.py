@@ -17,7 +17,7 @@ import dataclasses
 from .config import Config
 from .values import AUTO
 
-__all__ = ["implicit_defaults", "fill_auto_clipping"]
+__all__ = ["implicit_defaults", "fill_auto_clipping", "unapplied_settings"]
 
 
 def fill_auto_clipping(config: Config) -> tuple[Config, str | None]:
@@ -44,5 +44,19 @@ def implicit_defaults(config: Config) -> list[str]:
             f"the config does not set gradient_clipping, so gradients are clipped to global norm {clip:g} "
             '(DeepSpeed\'s default); set "gradient_clipping": 0 to train without clipping, or set it to the '
             "norm you want to silence this"
+        )
+    return notes
+
+
+def unapplied_settings(config: Config) -> list[str]:
+    """One sentence per setting stepfx reads and accepts but does not apply
+    yet (memory placement only: what the step computes is unchanged)."""
+    zero = config.zero_optimization
+    notes = []
+    param = getattr(zero, "offload_param", None)
+    if param is not None and param.device != "none":
+        notes.append(
+            f"zero_optimization.offload_param (device {param.device!r}) is not applied yet: parameters stay on the "
+            "device (under ZeRO-3 each rank holds 1/N of them); remove the block to silence this"
         )
     return notes

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import TreeSpec
 
-__all__ = ["Role", "Storage", "Slot", "StepSignature", "STATE_ROLES", "RUNTIME_INIT_KEY", "CARRIED_COPIES_KEY",
+__all__ = ["Role", "Storage", "Slot", "StepSignature", "STATE_ROLES", "RUNTIME_INIT_KEY", "CARRIED_COPIES_KEY", "HOST_STATE_KEY",
            "CarriedCopies", "TensorSpec", "hyperparam_tensor"]
 
 
@@ -53,6 +53,7 @@ RUNTIME_INIT_KEY = "runtime_init"
 # 16-bit compute copies across steps, ``{slot key: CarriedCopies}``
 # (``carry_parameter_copies``).
 CARRIED_COPIES_KEY = "carried_copies"
+HOST_STATE_KEY = "host_state"  # extra: idents of rank-held slots whose values live on the host (offload_optimizer)
 # StepSignature.extra key: True when the graph reads one optimizer step
 # counter for all parameters (they were all equal at capture, and the
 # fingerprint keeps them so): any counter the rank holds may stand for it.

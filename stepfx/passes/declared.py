@@ -16,6 +16,7 @@ from .cleanup.replay_checkpoint_randomness import replay_checkpoint_randomness
 from .cleanup.unrepeat_kv_heads import unrepeat_kv_heads
 from .cleanup.choose_attention_kernels import choose_attention_kernels
 from .data_parallel.fuse_bucket_packing import fuse_bucket_packing
+from .memory.offload_optimizer import offload_optimizer, offload_settings
 from .memory.recompute_activations import recompute_activations
 from .data_parallel.hold_accumulated_gradients import accumulation_steps, hold_accumulated_gradients
 from .data_parallel.place_gradients_early import place_gradients_early
@@ -199,6 +200,14 @@ PIPELINE: tuple[PipelineEntry, ...] = (
         skip_step_on_overflow,
         "after the overflow flag exists and every state update is final (pieces included)",
         applies=lambda options: precision_settings(options)[0],
+    ),
+    PipelineEntry(
+        "offload_optimizer",
+        offload_optimizer,
+        "after the update is sharded and its factor and overflow flag exist (what it reads is final), before "
+        "schedule_collectives (which places the gathers of the pieces it returns) and the fusions (which would "
+        "otherwise make it a device kernel)",
+        applies=lambda options: offload_settings(options) is not None,
     ),
     PipelineEntry(
         "schedule_collectives",

@@ -27,7 +27,7 @@ from typing import Any, Callable
 import torch
 import torch.utils._pytree as pytree
 
-from ..graph import CARRIED_COPIES_KEY, RUNTIME_INIT_KEY, Role, StepSignature, Storage
+from ..graph import CARRIED_COPIES_KEY, HOST_STATE_KEY, RUNTIME_INIT_KEY, Role, StepSignature, Storage
 from ..graph.layout import LAYOUT_KEY, Sharding
 from ..graph.signature import TensorSpec, hyperparam_tensor
 from .carried import CarriedCopy
@@ -101,6 +101,8 @@ class ModuleBinding:
                     layout = carried[s.key]
                     self.store.carried[s.ident] = CarriedCopy(layout, [params[n] for n in layout.names])
                 self._carried[s.ident] = self.store.carried[s.ident]
+        # offload_optimizer: rank-held slots whose values live on the host
+        self._host_state = frozenset(signature.extra.get(HOST_STATE_KEY, ()))
         self._readers: list[Callable[[], Any] | None] = []
         self._batch_positions: list[int] = []
         for i, slot in enumerate(signature.inputs):
@@ -190,6 +192,7 @@ class ModuleBinding:
         if slot.storage is Storage.RANK:
             source = self._user_tensor(slot, params)
             store, ident, piece, split = self.store, slot.ident, slot.piece, slot.split
+            on_host = slot.ident in self._host_state
 
             def read_rank():
                 value = store.tensors.get(ident)
@@ -199,10 +202,12 @@ class ModuleBinding:
                     if isinstance(whole, TensorSpec):  # zeros never made whole
                         shape = (piece[1] - piece[0],) if piece is not None else \
                             split.local_shape(whole.shape) if split is not None else whole.shape
-                        value = torch.zeros(shape, dtype=whole.dtype, device=whole.device)
+                        value = torch.zeros(shape, dtype=whole.dtype, device="cpu" if on_host else whole.device)
                     else:
                         whole = split.take(whole.detach()) if split is not None else whole.detach()
-                        value = whole.reshape(-1)[piece[0] : piece[1]].clone() if piece is not None else whole.clone()
+                        value = whole.reshape(-1)[piece[0] : piece[1]] if piece is not None else whole
+                        # offload_optimizer: state the host keeps between steps moves there on first read
+                        value = value.to("cpu", copy=True) if on_host else value.clone()
                     store.tensors[ident] = value
                 return value
 

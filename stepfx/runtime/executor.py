@@ -16,6 +16,7 @@ import torch
 from ..graph import StepGraph
 from .binding import ModuleBinding
 from .distributed import DataParallel, failed_together
+from .host_optimizer import abort_jobs
 from .graphs import WARMUP_RUNS, GraphedStep, NotGraphable, PoolHolder
 from .phase_timer import PhaseTimer
 
@@ -64,6 +65,7 @@ class LocalExecutor:
                 else:
                     outputs = self.gm(*inputs)
         except Exception as exc:
+            abort_jobs()  # host optimizer updates not begun leave the host state as it was
             self.binding.failed()
             raise failed_together(self.dp, exc, self.runs) from exc
         self.runs += 1

@@ -219,6 +219,10 @@ class GraphedStep:
         if symbolic:  # a CUDA graph replays the sizes it was recorded at
             raise NotGraphable(f"the batch sizes are symbolic ({symbolic[0]}; stepfx.dynamic): a CUDA graph replays "
                                "one size; set stepfx.dynamic false for a graph per size")
+        from .host_optimizer import host_adam_start
+
+        if any(n.target is host_adam_start for n in gm.graph.nodes):
+            raise NotGraphable("the optimizer update runs on the host (zero_optimization.offload_optimizer)")
         self.gm = gm
         self.pool = pool if pool is not None else PoolHolder()
         self.device_type = device_type

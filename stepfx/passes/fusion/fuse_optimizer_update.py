@@ -42,7 +42,8 @@ from ..data_parallel.collectives import fake_like, make_node
 from ..data_parallel.shard_optimizer_update import META_PIECE_OF
 from ..manager import PassOptions, PassResult
 
-__all__ = ["fuse_optimizer_update", "FUSION_REPORT_KEY"]
+__all__ = ["fuse_optimizer_update", "FUSION_REPORT_KEY", "UpdateRegion", "tagged_updates", "find_update_region",
+           "check_update_region", "region_structure", "region_roles", "unsupported_rule"]
 
 aten = torch.ops.aten
 FUSION_REPORT_KEY = "fusion_report"  # signature.extra: list of (pass, what, reason) records
@@ -311,12 +312,14 @@ def _constant(role: str, rule: UpdateRule):
     return {"lr": rule.lr, "beta1": rule.betas[0], "beta2": rule.betas[1]}.get(role)
 
 
-def _check(region: _Region, rule: UpdateRule) -> str | None:
-    """None when the region's ops compute what the kernel computes, else why not."""
+def _check(region: _Region, rule: UpdateRule, *, overflow_too: bool = True) -> str | None:
+    """None when the region's ops compute what the kernel computes, else why
+    not; with ``overflow_too`` also when the overflow flag is set (a caller
+    that skips the whole update on overflow itself passes False)."""
     fn, args, kwargs, outputs = _kernel_call(region, rule, reference=True)
     if rule.kind == "sgd" and not rule.momentum:
         outputs = ("param",)
-    for overflow in ((False, True) if "found_inf" in region.leaves else (False,)):
+    for overflow in ((False, True) if "found_inf" in region.leaves and overflow_too else (False,)):
         values = _sample(region, overflow)
         try:
             env = _run(region.nodes, values, region.order)
@@ -351,13 +354,7 @@ def _replace(graph: StepGraph, region: _Region, rule: UpdateRule):
     """Insert the kernel call, rewire the roots; (1 if in place else 0, why not)."""
     g = graph.gm.graph
     fn, args, kwargs, outputs = _kernel_call(region, rule, reference=False)
-    ref_fn, *_ = _kernel_call(region, rule, reference=True)
-    values = _sample(region, False)
-    env = _run(region.nodes, values, region.order)
-    call = [values[region.leaves[r]] if r in region.leaves else _constant(r, rule) for r in args]
-    expected = ref_fn(*call, inplace=False, **kwargs)
-    expected = dict(zip(outputs, expected if isinstance(expected, tuple) else (expected,)))
-    roles = _match(region, env, expected)
+    roles = region_roles(region, rule)
     order = {n: i for i, n in enumerate(g.nodes)}
     external = [u for r in region.roots for u in r.users if u not in region.nodes]
     at = min(external, key=order.__getitem__)
@@ -390,6 +387,36 @@ def _replace(graph: StepGraph, region: _Region, rule: UpdateRule):
     for root, role in roles.items():
         root.replace_all_uses_with(results[role], delete_user_cb=lambda user: user not in region.nodes)
     return int(donate), None
+
+
+def region_roles(region: _Region, rule: UpdateRule) -> dict:
+    """Root -> the kernel output it computes ("param", "exp_avg", ...), for a
+    region :func:`check_update_region` passed."""
+    _, args, kwargs, outputs = _kernel_call(region, rule, reference=True)
+    ref_fn = _kernel_call(region, rule, reference=True)[0]
+    values = _sample(region, False)
+    env = _run(region.nodes, values, region.order)
+    call = [values[region.leaves[r]] if r in region.leaves else _constant(r, rule) for r in args]
+    expected = ref_fn(*call, inplace=False, **kwargs)
+    expected = dict(zip(outputs, expected if isinstance(expected, tuple) else (expected,)))
+    return _match(region, env, expected)
+
+
+def tagged_updates(g: fx.Graph, rules: dict) -> dict[str, list[fx.Node]]:
+    """Parameter name -> the optimizer-phase ops tagged with it, for parameters with a recorded rule."""
+    tagged: dict[str, list[fx.Node]] = {}
+    for node in g.nodes:
+        if node.op == "call_function" and node.meta.get(META_PHASE) is Phase.OPTIMIZER and node.meta.get(META_PARAM) in rules:
+            tagged.setdefault(node.meta[META_PARAM], []).append(node)
+    return tagged
+
+
+# the region machinery, for other passes that replace an update (offload_optimizer)
+UpdateRegion = _Region
+find_update_region = _region
+check_update_region = _check
+region_structure = _structure
+unsupported_rule = _unsupported
 
 
 def _device_step(region: _Region):

@@ -1,0 +1,260 @@
+"""offload_optimizer: Adam's state and update on the host (ZeRO-Offload).
+
+``zero_optimization.offload_optimizer`` (``device: cpu``, ``pin_memory``,
+``ratio``) with ZeRO stages 1-3.
+
+Requires: ``shard_optimizer_update`` ran (each rank updates its pieces; their
+optimizer state is held by the rank), and the unscale/clip and overflow
+passes (the factor and flag the update reads exist); capture's update rules.
+
+Ensures: for the parameters chosen (in graph order until ``ratio`` of the
+rank's sharded elements; all by default) whose update ops compute
+Adam/AdamW — checked on sample values, as ``fuse_optimizer_update`` checks
+them — the ops are replaced, per ZeRO bucket and param group, by
+
+- ``host_adam_start``, right after the group's last input exists: the
+  gradients' pieces and the parameters' pieces go down to the host on a
+  copy stream, torch's fused CPU Adam updates them there with ``exp_avg``
+  and ``exp_avg_sq``, which live on the host between steps (their slots are
+  in ``signature.extra[HOST_STATE_KEY]``), and the updated pieces come back
+  up on another stream, in a worker thread, while the device goes on;
+- ``host_adam_wait``, right before the first updated piece is read (the
+  all-gather of stages 1-2, the output of stage 3).
+
+What stays on the device: the parameters (and their stage-3 pieces), the
+gradients; what the host holds at rest: 8 bytes per offloaded element (the
+two moments), against DeepSpeed's 16 (fp32 masters, both moments and fp32
+gradients): the fp32 parameter piece crosses down and back each step
+instead of living twice. The arithmetic is unchanged: the gradient times the
+factor in fp32, then the rule (bitwise equal on CPU; see
+``runtime/host_optimizer.py``).
+
+Before / after (AdamW, stage 2, one bucket)::
+
+    lerp = aten.lerp(s_w_exp_avg, piece, 0.1)      host = host_adam_start(2, piece, piece_1, grad_piece, grad_piece_1,
+    ... (14 more per parameter)               ->      s_w_exp_avg, s_b_exp_avg, s_w_exp_avg_sq, s_b_exp_avg_sq, h_lr_0, ...)
+    sub_2 = aten.sub(piece, mul_5)                  updated = host_adam_wait(host)
+                                                    new_param = updated[0]; new_exp_avg = updated[1]; ...
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import torch
+import torch.fx as fx
+
+from ...config.errors import ConfigError, join
+from ...graph import HOST_STATE_KEY, Phase, Role, StepGraph
+from ...graph.build import clone_step_graph
+from ...graph.layout import LAYOUT_KEY
+from ...graph.ops import has_side_effect
+from ...graph.update_rule import UPDATE_RULES_KEY
+from ...runtime.host_optimizer import host_adam_start, host_adam_wait
+from ..data_parallel.collectives import make_node
+from ..fusion.fuse_optimizer_update import (check_update_region, find_update_region, region_roles, region_structure,
+                                            tagged_updates, unsupported_rule)
+from ..manager import PassOptions, PassResult
+
+__all__ = ["offload_optimizer", "offload_settings", "HOST_STATE_KEY", "META_HOST_RESULTS"]
+
+META_HOST_RESULTS = "host_results"  # on host_adam_wait: indices of its results that are host tensors updated in place
+_PATH = "zero_optimization.offload_optimizer"
+_ROLES = ("param", "exp_avg", "exp_avg_sq")
+
+
+def offload_settings(options: PassOptions):
+    """The ``offload_optimizer`` block when it moves the optimizer off the device, else None."""
+    zero = getattr(options.config, "zero_optimization", None)
+    block = getattr(zero, "offload_optimizer", None)
+    if block is None or block.device == "none":
+        return None
+    return block
+
+
+def offload_optimizer(graph: StepGraph, options: PassOptions) -> PassResult:
+    block = offload_settings(options)
+    rules = graph.signature.extra.get(UPDATE_RULES_KEY) or {}
+    layout = graph.signature.extra.get(LAYOUT_KEY)
+    if block is None:
+        return PassResult(graph, False)
+    _refuse_unsupported(block, options)
+    if layout is None:
+        return PassResult(graph, False)
+    graph = clone_step_graph(graph)
+    g = graph.gm.graph
+    order = {n: i for i, n in enumerate(g.nodes)}
+    tagged = tagged_updates(g, rules)
+    bucket_of = {p.name: b for b, p in layout.params() if b.shards_state}
+    regions = []
+    checked: dict = {}
+    with_state = {s.name for s in graph.signature.inputs if s.role is Role.OPTIMIZER_STATE and s.key == "exp_avg"}
+    for name, nodes in tagged.items():
+        if name not in bucket_of:
+            continue  # whole on every rank (0-d, or under the stage-3 persistence threshold): stays on the device
+        if rules[name].kind == "adam" and name not in with_state:
+            continue  # its piece on this rank is empty: nothing to update here
+        rule = rules[name]
+        why = unsupported_rule(rule)
+        if why is None and rule.kind != "adam":
+            why = (f"the host update implements Adam and AdamW (torch's fused CPU kernels); this parameter's "
+                   f"optimizer is {rule.kind.upper()}")
+        region = None
+        if why is None:
+            region, why = find_update_region(g, name, _before_gathers(nodes), rule, order)
+        if why is None:
+            key = region_structure(region, rule)
+            if key not in checked:
+                # on overflow the host job skips the whole update (the graph still guards what it returns)
+                checked[key] = check_update_region(region, rule, overflow_too=False)
+            why = checked[key]
+        if why is not None:
+            raise ConfigError(_PATH, f"cannot move the update of parameter {name!r} to the host: {why}",
+                              value=block.device, expected="'none' for this model and optimizer")
+        regions.append((region, rule))
+    if not regions:
+        return PassResult(graph, False, "no sharded parameter is updated on this rank")
+    regions = _chosen(regions, block.ratio)
+    groups: dict[tuple, list] = {}
+    for region, rule in regions:
+        leaves = region.leaves
+        key = (bucket_of[region.param].index, rule, "step_new" in leaves,
+               *(leaves.get(r) for r in ("lr", "beta1", "beta2", "grad_factor", "found_inf")))
+        groups.setdefault(key, []).append((region, rule))
+    host_idents: set = set(graph.signature.extra.get(HOST_STATE_KEY, ()))
+    elements = moved = 0
+    original = list(g.nodes)
+    for members in groups.values():
+        for part in _splits(members, order):
+            host_idents |= _replace(g, part, order, original, pin=bool(block.pin_memory))
+            elements += sum(r.leaves["param"].meta["val"].numel() for r, _ in part)
+            moved += 1
+    g.eliminate_dead_code(is_impure_node=has_side_effect)
+    graph.gm.recompile()
+    sig = graph.signature
+    graph = graph.replace(signature=dataclasses.replace(sig, extra={**sig.extra, HOST_STATE_KEY: frozenset(host_idents)}))
+    return PassResult(graph, True, f"{len(regions)} Adam updates ({elements:,} elements on this rank) run on the host in "
+                                   f"{moved} groups; exp_avg/exp_avg_sq held there ({8 * elements:,} bytes)"
+                                   + ("" if block.pin_memory else "; staging not pinned (pin_memory false)"))
+
+
+def _before_gathers(nodes: list[fx.Node]) -> list[fx.Node]:
+    """The update's own ops: not those that read what other ops made of its results (stages 1-2 rebuild the whole
+    parameter from the updated pieces; the fp16 skip that keeps the old whole parameter on overflow reads that, and
+    the whole parameter too, which a 1-D piece would be mistaken for)."""
+    tagged = set(nodes)
+    results: set = set()  # the tagged ops that compute from the optimizer state (not the gradient's piece cuts)
+    for node in nodes:
+        for a in node.all_input_nodes:
+            slot = a.meta.get("slot") if a.op == "placeholder" else None
+            if a in results or (slot is not None and slot.role is Role.OPTIMIZER_STATE and slot.key != "step"):
+                results.add(node)
+                break
+    downstream: set = set()  # untagged values computed from the update's results
+    later: set = set()
+    stack = [u for n in results for u in n.users if u not in tagged]
+    while stack:
+        node = stack.pop()
+        if node not in downstream and isinstance(node.meta.get("val"), torch.Tensor):  # not the host scalars
+            downstream.add(node)
+            stack.extend(u for u in node.users if u not in tagged)
+    for node in nodes:  # graph order
+        if any(a in later or a in downstream for a in node.all_input_nodes):
+            later.add(node)
+    return [n for n in nodes if n not in later]
+
+
+def _refuse_unsupported(block, options: PassOptions) -> None:
+    from ..data_parallel.plan_zero_layout import zero_settings
+    from ..pipeline.partition_stages import pipeline_settings
+
+    if block.device != "cpu":
+        raise ConfigError(join(_PATH, "device"), f"{block.device!r} is not implemented yet (the NVMe tier); 'cpu' keeps "
+                          "the same state in host memory", value=block.device, expected="'cpu' or 'none'")
+    if pipeline_settings(options) > 1 or options.tp_size > 1:
+        raise ConfigError(_PATH, "is not implemented yet with pipeline or tensor parallelism",
+                          value=block.device, expected="'none' with pipeline.stages / tensor_parallel.autotp_size > 1")
+    if zero_settings(options)[0] < 1:
+        raise ConfigError(_PATH, "needs ZeRO stage 1, 2 or 3 (the host updates the rank's pieces of the optimizer "
+                          "state); zero_optimization.stage is 0", value=block.device, expected="zero_optimization.stage >= 1")
+
+
+def _chosen(regions: list, ratio: float) -> list:
+    """The first parameters in graph order covering ``ratio`` of the elements (DeepSpeed's partial offload)."""
+    if ratio >= 1.0:
+        return regions
+    total = sum(r.leaves["param"].meta["val"].numel() for r, _ in regions)
+    out, at = [], 0
+    for region, rule in regions:
+        if at >= ratio * total:
+            break
+        out.append((region, rule))
+        at += region.leaves["param"].meta["val"].numel()
+    return out
+
+
+def _splits(members: list, order: dict) -> list[list]:
+    """``members`` as groups whose inputs all exist before any of their results is read (one group when possible)."""
+    out: list[list] = []
+    for member in sorted(members, key=lambda m: _first_read(m[0], order)):
+        if out and _last_input(out[-1] + [member], order) < min(_first_read(r, order) for r, _ in out[-1] + [member]):
+            out[-1].append(member)
+        else:
+            out.append([member])
+    return out
+
+
+def _last_input(members, order) -> int:
+    return max(order[n] for r, _ in members for n in r.leaves.values() if isinstance(n, fx.Node))
+
+
+def _first_read(region, order) -> int:
+    return min(order[u] for root in region.roots for u in root.users if u not in region.nodes)
+
+
+def _replace(g: fx.Graph, members: list, order: dict, original: list, *, pin: bool) -> set:
+    """One start/wait pair for ``members``; the host-held slots' idents."""
+    first = members[0][0]
+    rule = members[0][1]
+    leaves = first.leaves
+    count = len(members)
+    regions = [r for r, _ in members]
+    step_role = "step_new" if "step_new" in leaves else "step_old"
+
+    def scalar(role):
+        if role in leaves:
+            return leaves[role]
+        return {"lr": rule.lr, "beta1": rule.betas[0], "beta2": rule.betas[1]}.get(role)
+
+    args = (count, *(r.leaves["param"] for r in regions), *(r.leaves["grad"] for r in regions),
+            *(r.leaves["exp_avg"] for r in regions), *(r.leaves["exp_avg_sq"] for r in regions),
+            *(r.leaves[step_role] for r in regions),
+            *(scalar(role) for role in ("lr", "beta1", "beta2", "grad_factor", "found_inf")))
+    kwargs = dict(step_is_new=step_role == "step_new", eps=rule.eps, weight_decay=rule.weight_decay,
+                  decoupled=rule.decoupled, maximize=rule.maximize, pin_memory=pin)
+    after = original[_last_input(members, order)]
+    before = original[min(_first_read(r, order) for r in regions)]
+    vals = tuple(r.leaves[role].meta["val"] for r in regions for role in _ROLES)
+    with g.inserting_after(after):
+        start = make_node(g, host_adam_start, args, kwargs, val=None, like=first.roots[0], phase=Phase.OPTIMIZER,
+                          name="host_update")
+    with g.inserting_before(before):
+        wait = make_node(g, host_adam_wait, (start,), val=vals, like=first.roots[0], phase=Phase.OPTIMIZER,
+                         name="host_updated")
+        wait.meta[META_HOST_RESULTS] = tuple(i for i in range(len(vals)) if i % 3)
+        results = {}
+        for i, region in enumerate(regions):
+            for j, role in enumerate(_ROLES):
+                results[(region.param, role)] = make_node(
+                    g, operator.getitem, (wait, 3 * i + j), val=vals[3 * i + j], like=region.roots[0],
+                    phase=Phase.OPTIMIZER, param=region.param, name=f"new_{role}")
+    idents = set()
+    for region, rule_ in members:
+        for root, role in region_roles(region, rule_).items():
+            root.replace_all_uses_with(results[(region.param, role)], delete_user_cb=lambda user, r=region: user not in r.nodes)
+        for role in ("exp_avg", "exp_avg_sq"):
+            leaf = region.leaves[role]
+            if leaf.op != "placeholder":
+                raise ConfigError(_PATH, f"the {role} of {region.param!r} is not state the rank holds between steps")
+            idents.add(leaf.meta["slot"].ident)
+    return idents

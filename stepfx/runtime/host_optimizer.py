@@ -1,0 +1,263 @@
+"""The optimizer update on the host (``zero_optimization.offload_optimizer``).
+
+The compiled step calls two ops per group of parameters the
+``offload_optimizer`` pass gave to the host (graph nodes, in program order):
+
+- :func:`host_adam_start` where the group's last input exists (its
+  gradients reduced, the unscale/clip factor and overflow flag known):
+  records an event on the compute stream and hands the group to a worker
+  thread. The worker copies the gradients and the parameters' pieces down
+  on a copy stream (into pinned buffers when ``pin_memory``), runs
+  Adam/AdamW on the host state in place (:func:`adam_chunked`: torch's ops
+  chunk by chunk, on the intra-op threads), and copies the
+  updated pieces up on another stream. The compute stream goes on with the
+  backward meanwhile: the worker only waits for the event.
+- :func:`host_adam_wait` where the first updated piece is read: the job's
+  result; the compute stream then waits for the copies up.
+
+The arithmetic is the unfused graph's, op for op: the gradient in fp32
+times the factor, then what ``torch.optim.adam._single_tensor_adam``
+computes (the pass checks each region against that rule before it replaces
+it; on CPU the step equals the one without offloading bitwise,
+tests/runtime/test_offload_optimizer.py).
+
+Failure: the host state is updated in place (a copy of 8 bytes per
+parameter each step would cost more than the update). A job that has not
+begun its update when the step fails is cancelled (:func:`abort_jobs`, from
+the executor's failure path), so a step that fails before its updates leaves
+the host state as it was; a failure after an update began (a collective
+failing in the parameter all-gather that follows, which leaves the process
+group unusable anyway) leaves that group's host state updated.
+"""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+__all__ = ["host_adam_start", "host_adam_wait", "HostJob", "abort_jobs", "PinnedPool"]
+
+_LOCK = threading.Lock()
+_WORKER: ThreadPoolExecutor | None = None
+_STREAMS: dict = {}
+_PENDING: set = set()
+
+
+def _worker() -> ThreadPoolExecutor:
+    global _WORKER
+    with _LOCK:
+        if _WORKER is None:
+            # one thread: jobs run in the order the graph starts them; torch's intra-op threads do the math
+            _WORKER = ThreadPoolExecutor(1, thread_name_prefix="stepfx-host-optimizer")
+        return _WORKER
+
+
+def _streams(device: torch.device):
+    with _LOCK:
+        if device not in _STREAMS:
+            _STREAMS[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+        return _STREAMS[device]
+
+
+class PinnedPool:
+    """Host staging buffers by (numel, dtype), reused across steps; pinned
+    when asked (``offload_optimizer.pin_memory``)."""
+
+    def __init__(self):
+        self._free: dict[tuple, list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+        with self._lock:
+            free = self._free.get((numel, dtype, pin))
+            if free:
+                return free.pop()
+        return torch.empty(numel, dtype=dtype, pin_memory=pin)
+
+    def give(self, t: torch.Tensor, pin: bool) -> None:
+        with self._lock:
+            self._free.setdefault((t.numel(), t.dtype, pin), []).append(t)
+
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(t.numel() * t.element_size() for ts in self._free.values() for t in ts)
+
+
+POOL = PinnedPool()
+
+
+class HostJob:
+    """A group's update in flight: the worker's future and what it returns."""
+
+    def __init__(self, future: Future, cancel: threading.Event):
+        self.future = future
+        self.cancel = cancel
+
+
+def abort_jobs() -> None:
+    """Cancel the jobs that have not begun their update and wait for the
+    others (the executor calls this when a step fails)."""
+    with _LOCK:
+        pending = list(_PENDING)
+    for job in pending:
+        job.cancel.set()
+    for job in pending:
+        try:
+            job.future.result()
+        except Exception:  # the step's own failure is what the user sees
+            pass
+
+
+def _host_scalar(value) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        return float(value.item())
+    return float(value)
+
+
+def host_adam_start(count: int, *flat, step_is_new: bool, eps: float, weight_decay: float, decoupled: bool,
+                    maximize: bool, pin_memory: bool) -> HostJob:
+    """Start the update of ``count`` parameter pieces on the host. ``flat``:
+    the pieces (on the device), their gradients (device), exp_avgs and
+    exp_avg_sqs (host), their step counters (before this step's increment
+    unless ``step_is_new``), then lr, beta1, beta2, grad_factor, found_inf as
+    ``graph_ops.adam_step`` takes them (factor and flag may be None)."""
+    params, grads, exp_avgs, exp_avg_sqs, steps = (list(flat[i * count:(i + 1) * count]) for i in range(5))
+    lr, beta1, beta2, grad_factor, found_inf = flat[5 * count:5 * count + 5]
+    device = params[0].device if params else torch.device("cpu")
+    ready = None
+    if device.type == "cuda":
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(device))
+    cancel = threading.Event()
+    holder: list[HostJob] = []
+
+    def run():
+        try:
+            if cancel.is_set():
+                raise RuntimeError("stepfx: host optimizer update cancelled (the step failed)")
+            return _update(device, ready, params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2, grad_factor,
+                           found_inf, step_is_new=step_is_new, eps=eps, weight_decay=weight_decay, decoupled=decoupled,
+                           maximize=maximize, pin=pin_memory, cancel=cancel)
+        finally:
+            with _LOCK:
+                _PENDING.discard(holder[0] if holder else None)
+
+    worker = _worker()
+    with _LOCK:
+        job = HostJob(worker.submit(run), cancel)
+        holder.append(job)
+        if not job.future.done():
+            _PENDING.add(job)
+    return job
+
+
+def host_adam_wait(job: HostJob) -> tuple:
+    """The updated pieces (device), exp_avgs, exp_avg_sqs (host), flat:
+    (param, exp_avg, exp_avg_sq) of each parameter in turn."""
+    new_params, exp_avgs, exp_avg_sqs = job.future.result()
+    with _LOCK:
+        _PENDING.discard(job)
+    for t in new_params:
+        if t.device.type == "cuda":
+            t.record_stream(torch.cuda.current_stream(t.device))  # made on the copy stream, read on this one
+    return tuple(x for i in range(len(new_params)) for x in (new_params[i], exp_avgs[i], exp_avg_sqs[i]))
+
+
+CHUNK = 1 << 18  # elements: four fp32 chunks and two scratch ones stay in cache between the ops
+_SCRATCH: dict = {}
+
+
+def adam_chunked(p, g, m, v, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: float,
+                 grad_factor, decoupled: bool, maximize: bool) -> None:
+    """Adam/AdamW on flat host tensors in place, op for op as
+    ``torch.optim.adam._single_tensor_adam`` (``adam_update_reference``), so
+    bitwise equal to it; chunk by chunk, so that each op reads what the one
+    before it wrote from the cache and no temporary is bigger than a chunk
+    (torch's ops run each chunk on the intra-op threads). torch's fused CPU
+    Adam is as fast and rounds the parameter differently."""
+    n = p.numel()
+    if n == 0:
+        return
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
+    step_size = lr / bias_correction1
+    bias_correction2_sqrt = bias_correction2**0.5
+    k = min(CHUNK, n)
+    scratch = _SCRATCH.get(threading.get_ident())
+    if scratch is None or scratch[0].numel() < k:
+        scratch = _SCRATCH[threading.get_ident()] = (torch.empty(max(k, CHUNK)), torch.empty(max(k, CHUNK)))
+    for a in range(0, n, CHUNK):
+        b = min(n, a + CHUNK)
+        pc, mc, vc = p[a:b], m[a:b], v[a:b]
+        gc, dc = scratch[0][: b - a], scratch[1][: b - a]
+        gc.copy_(g[a:b])  # grad.float()
+        if grad_factor is not None:
+            gc.mul_(grad_factor)
+        if maximize:
+            gc.neg_()
+        if weight_decay != 0:
+            if decoupled:
+                pc.mul_(1 - lr * weight_decay)
+            else:
+                gc.add_(pc, alpha=weight_decay)
+        mc.lerp_(gc, 1 - beta1)
+        vc.mul_(beta2).addcmul_(gc, gc, value=1 - beta2)
+        torch.sqrt(vc, out=dc)
+        dc.div_(bias_correction2_sqrt).add_(eps)
+        pc.addcdiv_(mc, dc, value=-step_size)
+
+
+def _update(device, ready, params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2, grad_factor, found_inf, *,
+            step_is_new, eps, weight_decay, decoupled, maximize, pin, cancel):
+    cuda = device.type == "cuda"
+    taken: list[torch.Tensor] = []
+    if cuda:
+        down, up = _streams(device)
+        with torch.cuda.stream(down):
+            down.wait_event(ready)
+            host_params, host_grads = [], []
+            for p, g in zip(params, grads):
+                hp = POOL.take(p.numel(), p.dtype, pin).view(p.shape)
+                hg = POOL.take(g.numel(), g.dtype, pin).view(g.shape)
+                hp.copy_(p, non_blocking=True)
+                hg.copy_(g, non_blocking=True)
+                host_params.append(hp)
+                host_grads.append(hg)
+                taken += [hp, hg]
+            scalars = [s.to("cpu", non_blocking=True) if isinstance(s, torch.Tensor) and s.device.type == "cuda" else s
+                       for s in (grad_factor, found_inf, *steps)]
+            done = torch.cuda.Event()
+            done.record(down)
+        done.synchronize()
+        grad_factor, found_inf, *steps = scalars
+    else:
+        host_params = [p.detach().clone() for p in params]  # the graph's values are never written
+        host_grads = list(grads)  # read only
+    try:
+        skip = found_inf is not None and bool(found_inf.reshape(()).item() != 0)
+        if cancel.is_set():
+            raise RuntimeError("stepfx: host optimizer update cancelled (the step failed)")
+        if skip:
+            return list(params), list(exp_avgs), list(exp_avg_sqs)
+        factor = grad_factor.float() if isinstance(grad_factor, torch.Tensor) else grad_factor
+        lr, beta1, beta2 = _host_scalar(lr), _host_scalar(beta1), _host_scalar(beta2)
+        for p, g, m, v, s in zip(host_params, host_grads, exp_avgs, exp_avg_sqs, steps):
+            adam_chunked(p.view(-1), g.reshape(-1), m.view(-1), v.view(-1), lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                         weight_decay=weight_decay, step=_host_scalar(s) + (0.0 if step_is_new else 1.0),
+                         grad_factor=factor, decoupled=decoupled, maximize=maximize)
+        if not cuda:
+            return host_params, list(exp_avgs), list(exp_avg_sqs)
+        with torch.cuda.stream(up):
+            new_params = [torch.empty_like(p) for p in params]
+            for dst, src in zip(new_params, host_params):
+                dst.copy_(src, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(up)
+        copied.synchronize()  # the staging buffers go back to the pool only once read
+        return new_params, list(exp_avgs), list(exp_avg_sqs)
+    finally:
+        for t in taken:
+            POOL.give(t.reshape(-1), pin)

@@ -1,0 +1,165 @@
+"""zero_optimization.offload_optimizer: Adam's state and update on the host.
+
+On CPU the host is the device, so these tests check what offloading
+changes in the program (the update runs as host jobs over the host-held
+moments, with torch's fused CPU Adam) and that the results equal the step
+without offloading: bitwise in fp32, where the arithmetic is the same
+(torch's fused CPU Adam computes what the unfused ops compute), and against
+the mixed-precision reference in bf16. Where the state really lives on a
+GPU box is measured by benchmarks/offload.py.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import stepfx
+from stepfx.config.errors import ConfigError
+from stepfx.graph import HOST_STATE_KEY, Role
+from stepfx.runtime import host_optimizer as H
+from stepfx.runtime.host_optimizer import host_adam_start
+from stepfx.testing.equivalence import assert_data_parallel_equivalent
+from tests import dp_workers as W
+from tests.steps import adam, adamw, dp_batches, lm_step, mlp_batches, sgd_momentum, tiny_gpt
+
+pytestmark = pytest.mark.xdist_group("offload")
+
+
+def _cfg(stage, *, offload=None, **extra):
+    return {"gradient_clipping": 1.0, **extra,
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 500, "stage3_param_persistence_threshold": 0,
+                                  "offload_optimizer": {"device": "cpu", "pin_memory": True, **(offload or {})}}}
+
+
+@pytest.mark.parametrize("stage, opt", [(1, adamw), (2, adam), (3, adamw)], ids=["stage1-adamw", "stage2-adam", "stage3-adamw"])
+def test_offloaded_stages_on_two_ranks_equal_the_reference_bitwise(rank_pool, stage, opt):
+    # parameter sizes that do not divide by 2: some pieces are empty on a rank
+    report = assert_data_parallel_equivalent(rank_pool(2), lm_step, tiny_gpt, opt, dp_batches(2),
+                                             config=_cfg(stage, gradient_clipping=0), exact=True)
+    assert report.bitwise and report.steps == 3
+    assert "run on the host" in report.explains[0]
+
+
+def test_clipped_offload_on_two_ranks(rank_pool):
+    # the factor (from the norm over both ranks' pieces) reaches the host jobs; the norm sums in another order
+    # than the reference's, as without offloading (test_clipping_is_global_across_shards): 1e-6
+    report = assert_data_parallel_equivalent(rank_pool(2), lm_step, tiny_gpt, adamw, dp_batches(2),
+                                             config=_cfg(2, gradient_clipping=0.05), clip_norm=0.05, rtol=1e-6, atol=1e-7)
+    assert max(report.state_rel) <= 1e-6
+
+
+def test_bf16_with_partial_offload_equals_the_reference(rank_pool):
+    from tests.steps import lm_step_bf16_reference
+
+    config = _cfg(3, offload={"ratio": 0.5}, bf16={"enabled": True}, gradient_clipping=0)
+    report = assert_data_parallel_equivalent(rank_pool(2), lm_step, tiny_gpt, adamw, dp_batches(2),
+                                             config=config, reference_fn=lm_step_bf16_reference, exact=True)
+    assert report.bitwise
+
+
+def _single(config, model=None, opt_fn=adamw, steps=3):
+    torch.manual_seed(0)
+    model = model or tiny_gpt()
+    opt = opt_fn(model)
+    step = stepfx.parallelize(config)(lm_step)
+    losses = [step(model, opt, batch) for (batch,) in dp_batches(1, steps=steps)[0]]
+    return step, model, opt, losses
+
+
+def test_the_moments_live_in_host_jobs_and_the_rest_is_unchanged():
+    step, model, _, losses = _single(_cfg(2))
+    plain, plain_model, _, plain_losses = _single({**_cfg(2), "zero_optimization": {"stage": 2, "reduce_bucket_size": 500}})
+    assert [l.item() for l in losses] == [l.item() for l in plain_losses]
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), plain_model.parameters()))
+    graph = step.plan.graph
+    starts = [n for n in graph.gm.graph.nodes if n.target is host_adam_start]
+    assert starts and all(n.kwargs["pin_memory"] for n in starts)
+    host = graph.signature.extra[HOST_STATE_KEY]
+    held = {(s.name, s.key) for s in graph.signature.inputs if s.ident in host}
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert held == {(n, k) for n in trained for k in ("exp_avg", "exp_avg_sq")}
+    # no optimizer op is left on the device: the host jobs read the gradients and pieces, nothing else updates
+    assert not any(n.op == "call_function" and n.target is torch.ops.aten.lerp.Scalar for n in graph.gm.graph.nodes)
+    state = step.optimizer_state()
+    assert all(torch.equal(state[n]["exp_avg"], plain.optimizer_state()[n]["exp_avg"]) for n in state)
+
+
+@pytest.mark.parametrize("stage, bf16, accumulation, ratio", [(3, True, 1, 1.0), (2, False, 2, 1.0), (3, True, 2, 0.5),
+                                                             (1, True, 3, 1.0)])
+def test_equals_the_step_without_offloading_bitwise(stage, bf16, accumulation, ratio):
+    # one process: clipped at 1.0 (the default), mixed precision, gradient accumulation, partial offload
+    extra = dict(bf16={"enabled": bf16}, gradient_accumulation_steps=accumulation)
+    steps = 2 * accumulation  # the last call updates
+    step, _, _, losses = _single(_cfg(stage, offload={"ratio": ratio}, **extra), steps=steps)
+    plain, _, _, plain_losses = _single({**_cfg(stage, **extra), "zero_optimization": {
+        "stage": stage, "reduce_bucket_size": 500, "stage3_param_persistence_threshold": 0}}, steps=steps)
+    assert [l.item() for l in losses] == [l.item() for l in plain_losses]
+    ours, theirs = step.model_state_dict(), plain.model_state_dict()
+    assert all(torch.equal(ours[n], theirs[n]) for n in theirs)
+    ours, theirs = step.optimizer_state(), plain.optimizer_state()
+    assert all(torch.equal(ours[n][k], theirs[n][k]) for n in theirs for k in theirs[n])
+    assert any(n.target is host_adam_start for n in step.plan.graph.gm.graph.nodes)
+
+
+def test_partial_offload_keeps_the_rest_on_the_device():
+    step, *_ = _single(_cfg(3, offload={"ratio": 0.3}))
+    graph = step.plan.graph
+    host = graph.signature.extra[HOST_STATE_KEY]
+    moments = [s for s in graph.signature.inputs if s.role is Role.OPTIMIZER_STATE and s.key in ("exp_avg", "exp_avg_sq")]
+    numel = {s.ident: s.piece[1] - s.piece[0] for s in moments}
+    on_host = sum(numel[s.ident] for s in moments if s.ident in host)
+    total = sum(numel.values())
+    assert 0.3 <= on_host / total < 0.6, (on_host, total)
+
+
+def test_a_failing_host_update_leaves_model_and_optimizer_as_they_were(monkeypatch):
+    step, model, opt, _ = _single(_cfg(1), steps=2)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    state = {n: {k: v.clone() for k, v in s.items()} for n, s in step.optimizer_state().items()}
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("host out of memory")
+
+    monkeypatch.setattr(H, "adam_chunked", broken)
+    (batch,) = dp_batches(1, steps=1, seed=99)[0][0]
+    with pytest.raises(Exception, match="host out of memory"):
+        step(model, opt, batch)
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+    after = step.optimizer_state()
+    assert all(torch.equal(state[n][k], after[n][k]) for n in state for k in state[n])
+    monkeypatch.undo()
+    step(model, opt, batch)  # and the next step runs
+    assert not all(torch.equal(before[n], p) for n, p in model.named_parameters())
+
+
+def test_fp16_overflow_skips_the_host_update():
+    from stepfx.testing.models import MLP
+    from tests.steps import scaled_ce_step
+
+    torch.manual_seed(0)
+    model = MLP((8, 16, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    config = {**_cfg(2), "gradient_clipping": 0,
+              "fp16": {"enabled": True, "auto_cast": True, "initial_scale_power": 8, "hysteresis": 1}}
+    step = stepfx.parallelize(config)(scaled_ce_step)
+    (x, y), (x2, y2) = mlp_batches(2)
+    for _ in range(2):
+        step(model, opt, x, y, torch.tensor(1.0))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    state = {k: {kk: vv.clone() for kk, vv in v.items()} for k, v in step.optimizer_state().items()}
+    step(model, opt, x2, y2, torch.tensor(1e30))  # inf in fp16
+    assert step.skipped_steps == 1
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+    after = step.optimizer_state()
+    assert all(torch.equal(state[n][k], after[n][k]) for n in state for k in state[n])
+    assert any(n.target is host_adam_start for n in step.plan.graph.gm.graph.nodes)
+
+
+def test_an_optimizer_without_a_host_update_is_refused_by_name():
+    with pytest.raises(ConfigError, match=r"zero_optimization\.offload_optimizer.*SGD"):
+        _single(_cfg(2), opt_fn=sgd_momentum, steps=1)
+
+
+def test_offload_at_stage_0_is_refused():
+    with pytest.raises(ConfigError, match="offload_optimizer"):
+        _single(_cfg(0), steps=1)
