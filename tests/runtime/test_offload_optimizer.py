@@ -25,8 +25,9 @@ from tests.steps import adam, adamw, dp_batches, lm_step, mlp_batches, sgd_momen
 pytestmark = pytest.mark.xdist_group("offload")
 
 
-def _cfg(stage, *, offload=None, **extra):
-    return {"gradient_clipping": 1.0, **extra,
+def _cfg(stage, *, offload=None, host_adam="exact", **extra):
+    # "exact": the host computes the unfused ops' arithmetic, so the comparisons below are bitwise
+    return {"gradient_clipping": 1.0, "stepfx": {"host_adam": host_adam}, **extra,
             "zero_optimization": {"stage": stage, "reduce_bucket_size": 500, "stage3_param_persistence_threshold": 0,
                                   "offload_optimizer": {"device": "cpu", "pin_memory": True, **(offload or {})}}}
 
@@ -120,7 +121,7 @@ def test_a_failing_host_update_leaves_model_and_optimizer_as_they_were(monkeypat
     def broken(*args, **kwargs):
         raise RuntimeError("host out of memory")
 
-    monkeypatch.setattr(H, "adam_chunked", broken)
+    monkeypatch.setattr(H, "adam_chunked", broken)  # the exact kernel (_cfg's)
     (batch,) = dp_batches(1, steps=1, seed=99)[0][0]
     with pytest.raises(Exception, match="host out of memory"):
         step(model, opt, batch)
@@ -163,3 +164,18 @@ def test_an_optimizer_without_a_host_update_is_refused_by_name():
 def test_offload_at_stage_0_is_refused():
     with pytest.raises(ConfigError, match="offload_optimizer"):
         _single(_cfg(0), steps=1)
+
+
+def test_fused_host_adam_is_within_an_ulp_per_step():
+    # stepfx.host_adam "fused" (the default): torch's fused CPU Adam; one step from the same state: the moments bitwise, the
+    # parameters within 1e-6 relative (normwise) of the unfused ops
+    from stepfx.testing.equivalence import compare_tensors
+
+    step, *_ = _single(_cfg(2, host_adam="fused"), steps=1)
+    plain, *_ = _single(_cfg(2), steps=1)
+    assert "(fused kernel)" in next(r.summary for r in step.plan.records if r.name == "offload_optimizer")
+    ours, theirs = step.optimizer_state(), plain.optimizer_state()
+    assert all(torch.equal(ours[n][k], theirs[n][k]) for n in theirs for k in theirs[n])
+    ours, theirs = step.model_state_dict(), plain.model_state_dict()
+    worst = max(compare_tensors(n, ours[n], theirs[n], 1e-6, 0.0, normwise=True)[1] for n in theirs)
+    assert 0 < worst <= 1e-6  # not the same arithmetic, and within the per-step tolerance

@@ -124,9 +124,10 @@ def offload_optimizer(graph: StepGraph, options: PassOptions) -> PassResult:
     host_idents: set = set(graph.signature.extra.get(HOST_STATE_KEY, ()))
     elements = moved = 0
     original = list(g.nodes)
+    kernel = getattr(getattr(options.config, "stepfx", None), "host_adam", "fused")
     for members in groups.values():
         for part in _splits(members, order):
-            host_idents |= _replace(g, part, order, original, pin=bool(block.pin_memory))
+            host_idents |= _replace(g, part, order, original, pin=bool(block.pin_memory), kernel=kernel)
             elements += sum(r.leaves["param"].meta["val"].numel() for r, _ in part)
             moved += 1
     g.eliminate_dead_code(is_impure_node=has_side_effect)
@@ -134,7 +135,8 @@ def offload_optimizer(graph: StepGraph, options: PassOptions) -> PassResult:
     sig = graph.signature
     graph = graph.replace(signature=dataclasses.replace(sig, extra={**sig.extra, HOST_STATE_KEY: frozenset(host_idents)}))
     return PassResult(graph, True, f"{len(regions)} Adam updates ({elements:,} elements on this rank) run on the host in "
-                                   f"{moved} groups; exp_avg/exp_avg_sq held there ({8 * elements:,} bytes)"
+                                   f"{moved} groups ({kernel} kernel); exp_avg/exp_avg_sq held there "
+                                   f"({8 * elements:,} bytes)"
                                    + ("" if block.pin_memory else "; staging not pinned (pin_memory false)"))
 
 
@@ -212,7 +214,7 @@ def _first_read(region, order) -> int:
     return min(order[u] for root in region.roots for u in root.users if u not in region.nodes)
 
 
-def _replace(g: fx.Graph, members: list, order: dict, original: list, *, pin: bool) -> set:
+def _replace(g: fx.Graph, members: list, order: dict, original: list, *, pin: bool, kernel: str) -> set:
     """One start/wait pair for ``members``; the host-held slots' idents."""
     first = members[0][0]
     rule = members[0][1]
@@ -231,7 +233,7 @@ def _replace(g: fx.Graph, members: list, order: dict, original: list, *, pin: bo
             *(r.leaves[step_role] for r in regions),
             *(scalar(role) for role in ("lr", "beta1", "beta2", "grad_factor", "found_inf")))
     kwargs = dict(step_is_new=step_role == "step_new", eps=rule.eps, weight_decay=rule.weight_decay,
-                  decoupled=rule.decoupled, maximize=rule.maximize, pin_memory=pin)
+                  decoupled=rule.decoupled, maximize=rule.maximize, pin_memory=pin, kernel=kernel)
     after = original[_last_input(members, order)]
     before = original[min(_first_read(r, order) for r in regions)]
     vals = tuple(r.leaves[role].meta["val"] for r in regions for role in _ROLES)

@@ -1,0 +1,180 @@
+"""Optimizer offload on one GPU: stepfx's offload_optimizer against the same
+step without offloading and DeepSpeed's ZeRO-Offload, peers in the same run.
+
+    python3 benchmarks/offload.py --out $OUT                       # 1.3B, seq 2048, micro-batch 4
+    python3 benchmarks/offload.py --gas 8 --systems stepfx-offload,deepspeed-offload
+
+Workload as benchmarks/single_gpu.py (BENCHMARKS.md's GPT, bf16 with fp32
+masters, AdamW lr 3e-4 betas (0.9, 0.95) wd 0.1, clipping 1.0). Each system
+in its own process (a failure, out of memory or the host's OOM killer, is
+recorded as such):
+
+- ``stepfx``, ``stepfx-z3``: ZeRO-2 / ZeRO-3 on one rank, nothing offloaded (the baselines);
+- ``stepfx-offload``: ZeRO-2 + ``offload_optimizer: {device: cpu, pin_memory: true}``;
+- ``stepfx-offload-fused``: the same with ``stepfx.host_adam: "fused"``;
+- ``stepfx-offload-z3``: the same at ZeRO-3;
+- ``deepspeed-offload``: DeepSpeed ZeRO-3 + the same offload block with its
+  own CPU Adam (DeepSpeedCPUAdam, built on first use);
+- ``deepspeed-offload-torch``: the same with torch's AdamW on the host
+  (``zero_force_ds_cpu_optimizer: false``), the issue's earlier measurement.
+
+Reported: tokens/s (micro-batches of ``--batch`` x ``--seq`` tokens;
+``--gas`` micro-batches per optimizer step), MFU, peak GPU memory allocated,
+the process's peak host RSS, the step timing. JSON lines to
+``$OUT/offload.jsonl``.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import stepfx  # noqa: E402
+from benchmarks.single_gpu import PEAK_FLOPS, stepfx_step, sync, timed  # noqa: E402
+from stepfx.testing.models import GPT, gpt_config, lm_loss  # noqa: E402
+
+SYSTEMS = "stepfx,stepfx-z3,stepfx-offload,stepfx-offload-fused,stepfx-offload-z3,deepspeed-offload,deepspeed-offload-torch"
+ADAMW = dict(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+def _stepfx(kind: str, model, args):
+    stage = 3 if kind.endswith("-z3") else 2
+    extra = {"stepfx": {"host_adam": "fused"}} if kind.endswith("-fused") else {}
+    zero = {"stage": stage, "overlap_comm": True}
+    if "offload" in kind:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": args.gas,
+              "bf16": {"enabled": True}, "gradient_clipping": 1.0, "zero_optimization": zero, **extra}
+    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
+    step = stepfx.parallelize(config)(stepfx_step)
+    return lambda tokens: step(model, optimizer, tokens), step
+
+
+def _deepspeed(kind: str, model, args):
+    import deepspeed
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    ds_config = {
+        "train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": args.gas,
+        "bf16": {"enabled": True}, "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True,
+                              "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+    }
+    if kind.endswith("-torch"):
+        ds_config["zero_force_ds_cpu_optimizer"] = False
+        optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    else:
+        ds_config["optimizer"] = {"type": "AdamW", "params": {"lr": ADAMW["lr"], "betas": list(ADAMW["betas"]),
+                                                              "weight_decay": ADAMW["weight_decay"]}}
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+
+    def run(tokens):
+        loss = lm_loss(engine(tokens[:, :-1]), tokens[:, 1:])
+        engine.backward(loss)
+        engine.step()
+        return loss
+
+    return run, None
+
+
+def run(kind: str, args) -> dict:
+    torch.manual_seed(0)
+    device = torch.device(args.device)
+    cfg = gpt_config(args.size, seq_len=args.seq)
+    model = GPT(cfg).to(device)
+    params = sum(p.numel() for p in model.parameters())
+    one, step = (_deepspeed if kind.startswith("deepspeed") else _stepfx)(kind, model, args)
+    g = torch.Generator().manual_seed(7)
+    batches = [torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=g).to(device) for _ in range(2)]
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    warm = []
+    for i in range(args.warmup * args.gas):
+        start = time.perf_counter()
+        one(batches[i % 2])
+        sync(device)
+        warm.append(round(time.perf_counter() - start, 2))
+    from stepfx.runtime import host_optimizer
+
+    host_optimizer.STATS.update(jobs=0, elements=0, wait_down_s=0.0, update_s=0.0, wait_up_s=0.0)
+    times, loss = timed(lambda i: one(batches[i % 2]), args.steps * args.gas, device)
+    host = dict(host_optimizer.STATS)
+    tps = args.batch * args.seq / (times["step_ms"] / 1e3)
+    flops_per_token = 6 * model.matmul_params() + 12 * cfg.n_layers * cfg.d_model * args.seq
+    row = {"system": kind, "size": args.size, "params": params, "batch": args.batch, "seq": args.seq, "gas": args.gas,
+           "tokens_per_s": round(tps), "mfu": round(flops_per_token * tps / PEAK_FLOPS, 4), "first_call_s": warm[0],
+           "peak_alloc_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None,
+           "peak_host_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
+           "final_loss": round(float(loss.detach()), 4), "timing": times}
+    if step is not None:
+        row["offload"] = next((r.summary for r in step.plan.records if r.name == "offload_optimizer"), None)
+        if host["jobs"]:  # the host worker's seconds per optimizer step
+            row["host_update"] = {k: round(host[k] / args.steps, 3) for k in ("wait_down_s", "update_s", "wait_up_s")}
+            row["host_update"].update(jobs_per_step=host["jobs"] / args.steps,
+                                      elements_per_s=round(host["elements"] / max(host["update_s"], 1e-9)))
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--size", default="1.3B")
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--gas", type=int, default=1)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--systems", default=SYSTEMS)
+    ap.add_argument("--device", default="cuda")  # cpu: a smoke test of the script
+    ap.add_argument("--out", default=os.environ.get("OUT"))
+    args = ap.parse_args()
+    systems = args.systems.split(",")
+    meta = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
+            "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "host_cpus": os.cpu_count(),
+            "command": f"python3 benchmarks/offload.py --size {args.size} --seq {args.seq} --batch {args.batch} "
+                       f"--gas {args.gas} --systems {args.systems}"}
+    if len(systems) > 1:  # one process per system
+        for kind in systems:
+            cmd = [sys.executable, os.path.abspath(__file__), "--systems", kind, "--size", args.size, "--seq",
+                   str(args.seq), "--batch", str(args.batch), "--gas", str(args.gas), "--warmup", str(args.warmup),
+                   "--steps", str(args.steps), "--device", args.device] + (["--out", args.out] if args.out else [])
+            done = subprocess.run(cmd, check=False)
+            if done.returncode < 0 or done.returncode == 137:  # killed (the host's OOM killer): say so
+                row = {**meta, "system": kind, "error": f"killed (exit {done.returncode})"}
+                print(json.dumps(row), flush=True)
+                if args.out:
+                    with open(os.path.join(args.out, "offload.jsonl"), "a") as f:
+                        f.write(json.dumps(row) + "\n")
+        return
+    kind = systems[0]
+    try:
+        row = run(kind, args)
+    except torch.OutOfMemoryError as exc:
+        row = {"system": kind, "error": f"out of memory: {str(exc).splitlines()[0][:200]}"}
+    except Exception as exc:  # a peer's failure is a result
+        row = {"system": kind, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"}
+    gc.collect()
+    row = {**meta, **row}
+    print(json.dumps(row), flush=True)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "offload.jsonl"), "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
