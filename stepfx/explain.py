@@ -70,6 +70,9 @@ def _zero_section(graph, world: int, values: dict) -> list[str]:
         size = sum(c.total * c.dtype.itemsize for c in carried.values())
         lines.append(f"  {'carried copies at rest':<24} {format_bytes(size):>12}  (16-bit parameter copies)")
     lines.append(f"  {'peak during the step':<24} {format_bytes(mem.peak):>12}  (at {mem.peak_node}){_expr(mem.peak_expr)}")
+    if mem.host:
+        lines.append(f"  {'host memory at rest':<24} {format_bytes(mem.host):>12}  (offload_optimizer: Adam's moments; "
+                     "not in the figures above)")
     comm = communication(graph, world, values)
     if comm:
         lines.append("communication per step on this rank:")

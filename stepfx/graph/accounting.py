@@ -29,8 +29,8 @@ import torch.fx as fx
 
 from .. import compat
 from .ops import allocates_nothing, storage_root
-from .signature import Role
-from .step_graph import META_DONATED, StepGraph
+from .signature import HOST_STATE_KEY, Role
+from .step_graph import META_DONATED, META_HOST_RESULTS, StepGraph
 
 __all__ = ["MemoryEstimate", "CommItem", "Sizes", "estimate_memory", "communication", "size_values", "liveness"]
 
@@ -122,6 +122,7 @@ class MemoryEstimate:
     peak_node: str = ""
     at_rest_expr: dict[Role, Any] = field(default_factory=dict)
     peak_expr: Any = None
+    host: int = 0  # bytes of state held in host memory (offload_optimizer), in none of the above
 
     @property
     def resident(self) -> int:
@@ -157,6 +158,8 @@ def liveness(graph: StepGraph, sizes: Sizes):
             if META_DONATED in n.meta:  # results written into the donated inputs
                 for i in n.meta[META_DONATED]:
                     size.subtract(sizes.bytes_of(n.args[i].meta.get("val")))
+            for i in n.meta.get(META_HOST_RESULTS, ()):  # host tensors updated in place (offload_optimizer)
+                size.subtract(sizes.bytes_of(n.meta["val"][i]))
             if n not in outputs:
                 frees[last_read.get(n, pos[n])].append((n, size))
         yield n, size, frees.pop(pos[n], [])
@@ -171,7 +174,11 @@ def estimate_memory(graph: StepGraph, values: Mapping | None = None) -> MemoryEs
     live: collections.Counter = collections.Counter()
     live_value = 0
     peak_terms: collections.Counter = collections.Counter()
+    host = graph.signature.extra.get(HOST_STATE_KEY, ())
     for n, size, freed in liveness(graph, sizes):
+        if n.op == "placeholder" and n.meta["slot"].ident in host:
+            est.host += sizes.value(size)
+            continue
         if n.op == "placeholder":
             at_rest[n.meta["slot"].role].update(size)
             live.update(size)

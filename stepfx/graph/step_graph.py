@@ -37,6 +37,7 @@ __all__ = [
     "META_GRAD_PIECE",
     "META_OVERFLOW",
     "META_DONATED",
+    "META_HOST_RESULTS",
     "placeholders",
     "output_node",
     "output_values",
@@ -53,6 +54,7 @@ META_OVERFLOW = "overflow_flag"
 # optimizer update): the positions of those args. Allowed in a functional
 # graph only when the call is the last reader of each donated value.
 META_DONATED = "donated"
+META_HOST_RESULTS = "host_results"  # indices of a node's results that are host tensors it updated in place
 
 
 class Phase(str, enum.Enum):

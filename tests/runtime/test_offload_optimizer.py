@@ -83,6 +83,15 @@ def test_the_moments_live_in_host_jobs_and_the_rest_is_unchanged():
     assert not any(n.op == "call_function" and n.target is torch.ops.aten.lerp.Scalar for n in graph.gm.graph.nodes)
     state = step.optimizer_state()
     assert all(torch.equal(state[n]["exp_avg"], plain.optimizer_state()[n]["exp_avg"]) for n in state)
+    # the accounting moves the moments out of the device's figures into the host's
+    from stepfx.graph.accounting import estimate_memory
+
+    ours, theirs = estimate_memory(graph), estimate_memory(plain.plan.graph)
+    moments = 8 * sum(p.numel() for n, p in model.named_parameters() if n in trained)
+    assert ours.host == moments
+    assert ours.at_rest[Role.OPTIMIZER_STATE] == theirs.at_rest[Role.OPTIMIZER_STATE] - moments
+    assert ours.peak <= theirs.peak - moments
+    assert "host memory at rest" in step.explain()
 
 
 @pytest.mark.parametrize("stage, bf16, accumulation, ratio", [(3, True, 1, 1.0), (2, False, 2, 1.0), (3, True, 2, 0.5),
@@ -179,3 +188,27 @@ def test_fused_host_adam_is_within_an_ulp_per_step():
     ours, theirs = step.model_state_dict(), plain.model_state_dict()
     worst = max(compare_tensors(n, ours[n], theirs[n], 1e-6, 0.0, normwise=True)[1] for n in theirs)
     assert 0 < worst <= 1e-6  # not the same arithmetic, and within the per-step tolerance
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_checkpoint_of_host_held_state_resumes_bitwise(tmp_path, stage):
+    # the moments live on the host: a checkpoint holds them, a fresh run loads them into its host store,
+    # and training continues exactly as the run that never stopped
+    config = _cfg(stage)
+    step, model, opt, _ = _single(config, steps=2)
+    step.save_checkpoint(tmp_path)
+    batches = [b for (b,) in dp_batches(1, steps=4, seed=5)[0]]
+    losses = [float(step(model, opt, b)) for b in batches]
+    torch.manual_seed(1)
+    fresh_model = tiny_gpt()
+    fresh_opt = adamw(fresh_model)
+    fresh = stepfx.parallelize(config)(lm_step)
+    fresh.load_checkpoint(tmp_path, model=fresh_model, optimizer=fresh_opt)
+    resumed = [float(fresh(fresh_model, fresh_opt, b)) for b in batches]
+    assert resumed == losses
+    ours, theirs = fresh.model_state_dict(), step.model_state_dict()
+    assert all(torch.equal(ours[n], theirs[n]) for n in theirs)
+    ours, theirs = fresh.optimizer_state(), step.optimizer_state()
+    assert all(torch.equal(ours[n][k], theirs[n][k]) for n in theirs for k in theirs[n])
+    host = fresh.plan.graph.signature.extra[HOST_STATE_KEY]
+    assert host and all(ident in fresh._store.tensors for ident in host)

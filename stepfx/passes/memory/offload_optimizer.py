@@ -46,6 +46,7 @@ import torch.fx as fx
 
 from ...config.errors import ConfigError, join
 from ...graph import HOST_STATE_KEY, Phase, Role, StepGraph
+from ...graph.step_graph import META_HOST_RESULTS
 from ...graph.build import clone_step_graph
 from ...graph.layout import LAYOUT_KEY
 from ...graph.ops import has_side_effect
@@ -58,7 +59,6 @@ from ..manager import PassOptions, PassResult
 
 __all__ = ["offload_optimizer", "offload_settings", "HOST_STATE_KEY", "META_HOST_RESULTS"]
 
-META_HOST_RESULTS = "host_results"  # on host_adam_wait: indices of its results that are host tensors updated in place
 _PATH = "zero_optimization.offload_optimizer"
 _ROLES = ("param", "exp_avg", "exp_avg_sq")
 
