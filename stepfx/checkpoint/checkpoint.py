@@ -686,7 +686,12 @@ def _install(step, model, optimizer, plan: _LoadPlan, meta: dict, rank: int, *, 
     for h, value in plan.installs:
         kind = h.where[0]
         if kind == "store":
-            store.tensors[h.where[1]] = value
+            old = store.tensors.get(h.where[1])
+            if old is not None and old.shape == value.shape and old.untyped_storage().filename is not None:
+                with torch.no_grad():
+                    old.copy_(value)  # a file-backed value (offload_optimizer.device nvme) stays in its file
+            else:
+                store.tensors[h.where[1]] = value
         elif kind == "param":
             params[h.where[1]].data = value
         elif kind == "buffer":

@@ -22,12 +22,14 @@ step leaves the model, the optimizer and the rank's store as they were.
 """
 from __future__ import annotations
 
+import os
+import tempfile
 from typing import Any, Callable
 
 import torch
 import torch.utils._pytree as pytree
 
-from ..graph import CARRIED_COPIES_KEY, HOST_STATE_KEY, RUNTIME_INIT_KEY, Role, StepSignature, Storage
+from ..graph import CARRIED_COPIES_KEY, HOST_STATE_KEY, HOST_STATE_NVME_KEY, RUNTIME_INIT_KEY, Role, StepSignature, Storage
 from ..graph.layout import LAYOUT_KEY, Sharding
 from ..graph.signature import TensorSpec, hyperparam_tensor
 from .carried import CarriedCopy
@@ -63,6 +65,21 @@ class RankStore:
         for ident in self.carried:
             self.tensors.pop(ident, None)
         self.carried.clear()
+
+
+def _file_backed(value: torch.Tensor, directory: str, ident) -> torch.Tensor:
+    """``value`` in a mapped file under ``directory`` (``offload_optimizer.device: nvme``): the page cache
+    keeps what fits in memory, the drive the rest. The file is unlinked once mapped, so nothing is left
+    behind when the process ends, however it ends."""
+    os.makedirs(directory, exist_ok=True)
+    fd, path = tempfile.mkstemp(prefix=f"stepfx-{os.getpid()}-", suffix=".state", dir=directory)
+    os.close(fd)
+    try:
+        mapped = torch.from_file(path, shared=True, size=value.numel(), dtype=value.dtype).view(value.shape)
+    finally:
+        os.unlink(path)
+    mapped.copy_(value)
+    return mapped
 
 
 def _is_carried(slot, carried: dict) -> bool:
@@ -193,6 +210,7 @@ class ModuleBinding:
             source = self._user_tensor(slot, params)
             store, ident, piece, split = self.store, slot.ident, slot.piece, slot.split
             on_host = slot.ident in self._host_state
+            nvme = self.signature.extra.get(HOST_STATE_NVME_KEY)
 
             def read_rank():
                 value = store.tensors.get(ident)
@@ -208,6 +226,8 @@ class ModuleBinding:
                         value = whole.reshape(-1)[piece[0] : piece[1]] if piece is not None else whole
                         # offload_optimizer: state the host keeps between steps moves there on first read
                         value = value.to("cpu", copy=True) if on_host else value.clone()
+                    if on_host and nvme is not None:
+                        value = _file_backed(value, nvme, ident)
                     store.tensors[ident] = value
                 return value
 

@@ -10,6 +10,8 @@ GPU box is measured by benchmarks/offload.py.
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -212,3 +214,27 @@ def test_checkpoint_of_host_held_state_resumes_bitwise(tmp_path, stage):
     assert all(torch.equal(ours[n][k], theirs[n][k]) for n in theirs for k in theirs[n])
     host = fresh.plan.graph.signature.extra[HOST_STATE_KEY]
     assert host and all(ident in fresh._store.tensors for ident in host)
+
+
+def test_nvme_keeps_the_moments_in_files_and_equals_the_host_tier(tmp_path):
+    # device nvme: the moments are mapped files under nvme_path (unlinked once mapped: nothing left behind);
+    # the arithmetic is the cpu tier's, bitwise; a checkpoint loaded into the running step stays in the files
+    nvme = tmp_path / "nvme"
+    step, model, _, losses = _single(_cfg(2, offload={"device": "nvme", "nvme_path": str(nvme)}), steps=3)
+    host, _, _, host_losses = _single(_cfg(2), steps=3)
+    assert [float(l) for l in losses] == [float(l) for l in host_losses]
+    ours, theirs = step.optimizer_state(), host.optimizer_state()
+    assert all(torch.equal(ours[n][k], theirs[n][k]) for n in theirs for k in theirs[n])
+    held = [step._store.tensors[i] for i in step.plan.graph.signature.extra[HOST_STATE_KEY]]
+    assert held and all(str(t.untyped_storage().filename).startswith(str(nvme)) for t in held)
+    assert os.listdir(nvme) == []
+    assert "in files under" in next(r.summary for r in step.plan.records if r.name == "offload_optimizer")
+    step.save_checkpoint(tmp_path / "ckpt")
+    step.load_checkpoint(tmp_path / "ckpt")
+    held_again = [step._store.tensors[i] for i in step.plan.graph.signature.extra[HOST_STATE_KEY]]
+    assert all(a is b for a, b in zip(held, held_again))
+
+
+def test_nvme_without_a_path_is_refused_by_key():
+    with pytest.raises(ConfigError, match=r"offload_optimizer\.nvme_path"):
+        _single(_cfg(2, offload={"device": "nvme"}), steps=1)

@@ -1,7 +1,11 @@
 """offload_optimizer: Adam's state and update on the host (ZeRO-Offload).
 
-``zero_optimization.offload_optimizer`` (``device: cpu``, ``pin_memory``,
-``ratio``) with ZeRO stages 1-3.
+``zero_optimization.offload_optimizer`` (``device: cpu | nvme``,
+``nvme_path``, ``pin_memory``, ``ratio``) with ZeRO stages 1-3. With
+``nvme`` the host-held moments are file-backed (mapped files under
+``nvme_path``: runtime/binding.py), so the page cache holds what fits and
+the drive the rest; the update reads them sequentially (the kernel's
+read-ahead) and writes them back in place.
 
 Requires: ``shard_optimizer_update`` ran (each rank updates its pieces; their
 optimizer state is held by the rank), and the unscale/clip and overflow
@@ -45,7 +49,8 @@ import torch
 import torch.fx as fx
 
 from ...config.errors import ConfigError, join
-from ...graph import HOST_STATE_KEY, Phase, Role, StepGraph
+from ...config.values import AUTO
+from ...graph import HOST_STATE_KEY, HOST_STATE_NVME_KEY, Phase, Role, StepGraph
 from ...graph.step_graph import META_HOST_RESULTS
 from ...graph.build import clone_step_graph
 from ...graph.layout import LAYOUT_KEY
@@ -133,10 +138,13 @@ def offload_optimizer(graph: StepGraph, options: PassOptions) -> PassResult:
     g.eliminate_dead_code(is_impure_node=has_side_effect)
     graph.gm.recompile()
     sig = graph.signature
-    graph = graph.replace(signature=dataclasses.replace(sig, extra={**sig.extra, HOST_STATE_KEY: frozenset(host_idents)}))
+    extra = {**sig.extra, HOST_STATE_KEY: frozenset(host_idents)}
+    if block.device == "nvme":
+        extra[HOST_STATE_NVME_KEY] = str(block.nvme_path)
+    graph = graph.replace(signature=dataclasses.replace(sig, extra=extra))
     return PassResult(graph, True, f"{len(regions)} Adam updates ({elements:,} elements on this rank) run on the host in "
                                    f"{moved} groups ({kernel} kernel); exp_avg/exp_avg_sq held there "
-                                   f"({8 * elements:,} bytes)"
+                                   f"({8 * elements:,} bytes{', in files under ' + str(block.nvme_path) if block.device == 'nvme' else ''})"
                                    + ("" if block.pin_memory else "; staging not pinned (pin_memory false)"))
 
 
@@ -170,9 +178,9 @@ def _refuse_unsupported(block, options: PassOptions) -> None:
     from ..data_parallel.plan_zero_layout import zero_settings
     from ..pipeline.partition_stages import pipeline_settings
 
-    if block.device != "cpu":
-        raise ConfigError(join(_PATH, "device"), f"{block.device!r} is not implemented yet (the NVMe tier); 'cpu' keeps "
-                          "the same state in host memory", value=block.device, expected="'cpu' or 'none'")
+    if block.device == "nvme" and (not block.nvme_path or block.nvme_path is AUTO):
+        raise ConfigError(join(_PATH, "nvme_path"), "device 'nvme' needs the directory the optimizer state is kept in",
+                          value=block.nvme_path, expected="a directory on the NVMe drive")
     if pipeline_settings(options) > 1 or options.tp_size > 1:
         raise ConfigError(_PATH, "is not implemented yet with pipeline or tensor parallelism",
                           value=block.device, expected="'none' with pipeline.stages / tensor_parallel.autotp_size > 1")
