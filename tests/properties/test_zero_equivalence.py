@@ -1,11 +1,13 @@
 """Property: for generated models x optimizers x stages x bucket sizes (with
 parameter sizes that do not divide by the world size, and some parameters
 frozen: at stage 3 those are sharded too), with or without activations
-recomputed under a drawn budget (recompute_activations), ZeRO on 2 real
-ranks equals the averaged-gradient reference bitwise."""
+recomputed under a drawn budget (recompute_activations), with or without
+Adam's update offloaded to the host (offload_optimizer, "exact" host
+arithmetic, a drawn ratio), ZeRO on 2 real ranks equals the averaged-gradient
+reference bitwise."""
 from __future__ import annotations
 
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 from stepfx.testing.equivalence import assert_data_parallel_equivalent
@@ -32,13 +34,20 @@ from tests.steps import ce_step
     seed=st.integers(0, 1000),
     frozen=st.sets(st.integers(0, 7), max_size=3),
     budget=st.sampled_from([None, None, 0.6, 0.0]),
+    offload=st.sampled_from([None, None, 1.0, 0.5]),
 )
-def test_generated_zero_runs_equal_the_reference(rank_pool, widths, d_in, classes, stage, bucket, optimizer, steps, seed, frozen, budget):
+@example(widths=[5, 3], d_in=3, classes=3, stage=3, bucket=7, optimizer="adamw", steps=2, seed=1, frozen={1},
+         budget=None, offload=0.5)  # offload, partial, with a frozen parameter and pieces empty on a rank, always
+def test_generated_zero_runs_equal_the_reference(rank_pool, widths, d_in, classes, stage, bucket, optimizer, steps, seed, frozen,
+                                                 budget, offload):
     sizes = (d_in, *widths, classes)
     make_model = W.MLPFactory(sizes, sorted(frozen))
     make_opt = W.OptimizerFactory(optimizer)
     batches = W.mlp_rank_batches(2, steps, d_in, classes, seed)
-    config = {"gradient_clipping": 0, "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "stage3_param_persistence_threshold": 0},
-              "stepfx": {"activation_memory_budget": budget}}
+    zero = {"stage": stage, "reduce_bucket_size": bucket, "stage3_param_persistence_threshold": 0}
+    if offload is not None and stage >= 1 and optimizer == "adamw":  # what the host update implements ("adam" is amsgrad)
+        zero["offload_optimizer"] = {"device": "cpu", "ratio": offload if stage == 3 else 1.0}
+    config = {"gradient_clipping": 0, "zero_optimization": zero,
+              "stepfx": {"activation_memory_budget": budget, "host_adam": "exact"}}
     report = assert_data_parallel_equivalent(rank_pool(2), ce_step, make_model, make_opt, batches, config=config, exact=True, seed=seed)
     assert report.bitwise and report.steps == steps

@@ -101,7 +101,9 @@ def offload_optimizer(graph: StepGraph, options: PassOptions) -> PassResult:
             continue  # its piece on this rank is empty: nothing to update here
         rule = rules[name]
         why = unsupported_rule(rule)
-        if why is None and rule.kind != "adam":
+        if rule is not None and rule.kind == "adam" and rule.amsgrad:
+            why = "amsgrad is not implemented by the host update (nor by DeepSpeed's CPU Adam)"
+        elif why is None and rule.kind != "adam":
             why = (f"the host update implements Adam and AdamW (torch's fused CPU kernels); this parameter's "
                    f"optimizer is {rule.kind.upper()}")
         region = None
