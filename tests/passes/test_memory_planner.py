@@ -63,3 +63,39 @@ def test_a_budget_no_plan_meets_is_a_config_error_naming_the_smallest_peak():
     with pytest.raises(stepfx.ConfigError, match=r"stepfx.memory_budget_gib: 1e-06 GiB cannot be met on rank 0: "
                                                  r"the smallest predicted peak is [0-9.]+ MiB \(recompute '(matmuls|all|cheap)'\)"):
         _step(1e-6)
+
+
+def _zero_config(**stepfx_options):
+    return {"gradient_clipping": 1.0, "zero_optimization": {"stage": 2},
+            "stepfx": {"host_adam": "exact", **stepfx_options}}
+
+
+def _zero_step(config):
+    torch.manual_seed(0)
+    model, batch = _gpt(), _batch()
+    opt = adamw(model)
+    step = stepfx.parallelize(config)(lm_step)
+    step(model, opt, *batch)
+    return step
+
+
+def test_optimizer_offload_is_the_last_candidate_under_zero():
+    # a budget below every recomputation level's peak: the levels again with Adam's state on the host
+    all_peak = estimate_memory(_zero_step(_zero_config(activation_memory_budget=0.0)).plan.graph).peak
+    budget = (all_peak - 1) / GIB
+    step = _zero_step(_zero_config(memory_budget_gib=budget))
+    summary = next(r.summary for r in step.plan.records if r.name == "plan_memory")
+    assert "+ optimizer offload (predicted peak" in summary, summary
+    assert estimate_memory(step.plan.graph).peak <= all_peak - 1
+    assert "run on the host" in step.explain()
+    report = assert_step_equivalent(lm_step, _gpt, adamw, [_batch(), _batch()], exact=True,
+                                    config=_zero_config(memory_budget_gib=budget))
+    assert report.bitwise
+
+
+def test_without_zero_or_with_sgd_there_is_no_offload_candidate():
+    with pytest.raises(stepfx.ConfigError, match="optimizer offload not possible: .*SGD"):
+        torch.manual_seed(0)
+        model, batch = _gpt(), _batch()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        stepfx.parallelize(_zero_config(memory_budget_gib=1e-6))(lm_step)(model, opt, *batch)
