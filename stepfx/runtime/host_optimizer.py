@@ -224,17 +224,33 @@ def adam_chunked(p, g, m, v, *, lr: float, beta1: float, beta2: float, eps: floa
 
 
 def adam_fused(p, g, m, v, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: float,
-               grad_factor, decoupled: bool, maximize: bool) -> None:
-    """The same update with torch's fused CPU Adam/AdamW (``stepfx.host_adam: "fused"``)."""
-    g32 = g.float() if g.dtype != torch.float32 else g
-    if grad_factor is not None:
-        g32 = g32 * grad_factor
+               grad_factor, decoupled: bool, maximize: bool, owned_grad: bool = False) -> None:
+    """The same update with torch's fused CPU Adam/AdamW (``stepfx.host_adam: "fused"``).
+    The gradient times the factor in fp32 is made in place when the caller
+    owns it (``owned_grad``: a staging buffer) and it is fp32, else in a
+    scratch buffer the thread keeps: a fresh tensor each step would fault in
+    its pages anew (5 GB a step on the 1.3B)."""
+    if grad_factor is not None or g.dtype != torch.float32:
+        if owned_grad and g.dtype == torch.float32:
+            g32 = g
+        else:
+            scratch = getattr(_SCRATCH, "fused", None)
+            if scratch is None or scratch.numel() < g.numel():
+                scratch = _SCRATCH.fused = torch.empty(g.numel())
+            g32 = scratch[: g.numel()].view(g.shape)
+            g32.copy_(g)
+        if grad_factor is not None:
+            g32.mul_(grad_factor)
+    else:
+        g32 = g
     fused = torch._fused_adamw_ if decoupled else torch._fused_adam_
     fused([p], [g32], [m], [v], [], [torch.tensor(float(step))], lr=lr, beta1=beta1, beta2=beta2,
           weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=maximize)
 
 
-def _run_update(p, g, m, v, *, update, **kw) -> None:
+def _run_update(p, g, m, v, *, update, owned_grad: bool = False, **kw) -> None:
+    if update is adam_fused:
+        kw["owned_grad"] = owned_grad
     update(p, g, m, v, **kw)
 
 
@@ -297,7 +313,7 @@ def _pipelined(params, grads, exp_avgs, exp_avg_sqs, steps, hyper, down, up, pin
             t0 = time.perf_counter()
             ev.synchronize()
             t1 = time.perf_counter()
-            _run_update(hp, hg, exp_avgs[i].view(-1), exp_avg_sqs[i].view(-1), step=steps[i], **hyper)
+            _run_update(hp, hg, exp_avgs[i].view(-1), exp_avg_sqs[i].view(-1), step=steps[i], owned_grad=True, **hyper)
             STATS["wait_down_s"] += t1 - t0
             STATS["update_s"] += time.perf_counter() - t1
             STATS["elements"] += hp.numel()
