@@ -10,11 +10,14 @@ The compiled step calls two ops per group of parameters the
   on a copy stream (into pinned buffers when ``pin_memory``), runs
   Adam/AdamW on the host state in place (torch's fused CPU kernel, or
   :func:`adam_chunked`'s exact ops), parameter by parameter while the next
-  one comes down, and copies the
-  updated pieces up on another stream. The compute stream goes on with the
-  backward meanwhile: the worker only waits for the event.
+  one comes down, and copies the updated pieces up on another stream. The
+  main thread goes on meanwhile (the worker only waits for the event): with
+  no clipping and no fp16 loss scaling a group starts as soon as its
+  gradients exist, and its update overlaps the rest of the backward; with
+  clipping every group waits for the global norm, after the backward.
 - :func:`host_adam_wait` where the first updated piece is read: the job's
-  result; the compute stream then waits for the copies up.
+  result (its copies up are complete; the pieces, made on the copy stream,
+  are recorded on the compute stream for the caching allocator).
 
 The arithmetic: the gradient in fp32 times the factor, then the rule the
 pass checked each region against (``torch.optim.adam._single_tensor_adam``):

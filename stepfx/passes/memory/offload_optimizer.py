@@ -97,9 +97,9 @@ def offload_optimizer(graph: StepGraph, options: PassOptions) -> PassResult:
     for name, nodes in tagged.items():
         if name not in bucket_of:
             continue  # whole on every rank (0-d, or under the stage-3 persistence threshold): stays on the device
-        if rules[name].kind == "adam" and name not in with_state:
-            continue  # its piece on this rank is empty: nothing to update here
         rule = rules[name]
+        if rule is not None and rule.kind == "adam" and name not in with_state:
+            continue  # its piece on this rank is empty: nothing to update here
         why = unsupported_rule(rule)
         if rule is not None and rule.kind == "adam" and rule.amsgrad:
             why = "amsgrad is not implemented by the host update (nor by DeepSpeed's CPU Adam)"
