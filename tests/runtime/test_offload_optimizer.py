@@ -34,9 +34,9 @@ def _cfg(stage, *, offload=None, host_adam="exact", **extra):
                                   "offload_optimizer": {"device": "cpu", "pin_memory": True, **(offload or {})}}}
 
 
-@pytest.mark.parametrize("stage, opt", [(1, adamw), (2, adam), (3, adamw)], ids=["stage1-adamw", "stage2-adam", "stage3-adamw"])
+@pytest.mark.parametrize("stage, opt", [(1, adamw), (3, adam)], ids=["stage1-adamw", "stage3-adam"])
 def test_offloaded_stages_on_two_ranks_equal_the_reference_bitwise(rank_pool, stage, opt):
-    # parameter sizes that do not divide by 2: some pieces are empty on a rank
+    # parameter sizes that do not divide by 2: some pieces are empty on a rank (stage 2: the clipped test below)
     report = assert_data_parallel_equivalent(rank_pool(2), lm_step, tiny_gpt, opt, dp_batches(2),
                                              config=_cfg(stage, gradient_clipping=0), exact=True)
     assert report.bitwise and report.steps == 3
@@ -96,8 +96,7 @@ def test_the_moments_live_in_host_jobs_and_the_rest_is_unchanged():
     assert "host memory at rest" in step.explain()
 
 
-@pytest.mark.parametrize("stage, bf16, accumulation, ratio", [(3, True, 1, 1.0), (2, False, 2, 1.0), (3, True, 2, 0.5),
-                                                             (1, True, 3, 1.0)])
+@pytest.mark.parametrize("stage, bf16, accumulation, ratio", [(2, False, 2, 1.0), (3, True, 2, 0.5), (1, True, 3, 1.0)])
 def test_equals_the_step_without_offloading_bitwise(stage, bf16, accumulation, ratio):
     # one process: clipped at 1.0 (the default), mixed precision, gradient accumulation, partial offload
     extra = dict(bf16={"enabled": bf16}, gradient_accumulation_steps=accumulation)
