@@ -237,3 +237,19 @@ def test_nvme_keeps_the_moments_in_files_and_equals_the_host_tier(tmp_path):
 def test_nvme_without_a_path_is_refused_by_key():
     with pytest.raises(ConfigError, match=r"offload_optimizer\.nvme_path"):
         _single(_cfg(2, offload={"device": "nvme"}), steps=1)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_shards_are_updated_on_the_host(rank_pool):
+    # TP 2 x ZeRO-2 (over a data-parallel group of one): each rank's Megatron shard's pieces, clipped over
+    # the shards, updated on the host; against the single-process reference as without offloading (1e-5)
+    from tests.runtime.test_tensor_parallel import CLIP, TP2, _check
+    from tests.steps import hf_llama, hf_step
+    from tests.tp_workers import tp_run
+
+    batches = [dp_batches(1, steps=2)[0]]
+    config = {**TP2, "gradient_clipping": CLIP, "stepfx": {"host_adam": "exact"},
+              "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    results = rank_pool(2).run(tp_run, hf_step, hf_llama, adamw, batches, config)
+    _check(results, hf_step, hf_llama, adamw, batches, tp=2, clip=CLIP)
+    assert all("run on the host" in got["explain"] for got in results)

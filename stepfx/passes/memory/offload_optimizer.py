@@ -183,9 +183,9 @@ def _refuse_unsupported(block, options: PassOptions) -> None:
     if block.device == "nvme" and (not block.nvme_path or block.nvme_path is AUTO):
         raise ConfigError(join(_PATH, "nvme_path"), "device 'nvme' needs the directory the optimizer state is kept in",
                           value=block.nvme_path, expected="a directory on the NVMe drive")
-    if pipeline_settings(options) > 1 or options.tp_size > 1:
-        raise ConfigError(_PATH, "is not implemented yet with pipeline or tensor parallelism",
-                          value=block.device, expected="'none' with pipeline.stages / tensor_parallel.autotp_size > 1")
+    if pipeline_settings(options) > 1:
+        raise ConfigError(_PATH, "is not implemented yet with pipeline parallelism (its ZeRO-1 is the runtime's, "
+                          "not the graph's)", value=block.device, expected="'none' with pipeline.stages > 1")
     if zero_settings(options)[0] < 1:
         raise ConfigError(_PATH, "needs ZeRO stage 1, 2 or 3 (the host updates the rank's pieces of the optimizer "
                           "state); zero_optimization.stage is 0", value=block.device, expected="zero_optimization.stage >= 1")
