@@ -27,9 +27,10 @@ APPLIED: frozenset[str] = frozenset({
     # DeepSpeed switches choose between equivalent ways of moving the same bytes
     "zero_optimization.contiguous_gradients",
     "zero_optimization.allgather_partitions",
-    # tensor parallelism: Megatron pairs found on the graph (passes/tensor_parallel); partition_config,
-    # preset_model, vocab_parallel_lm_head and tp_overlap_comm are not honoured yet
+    # tensor parallelism: Megatron pairs found on the graph (passes/tensor_parallel), or named by
+    # partition_config's layer_specs; preset_model, vocab_parallel_lm_head and tp_overlap_comm are not honoured yet
     "tensor_parallel.autotp_size",
+    "tensor_parallel.partition_config",
     # pipeline parallelism (passes/pipeline, runtime/pipeline.py): stages and how they are cut;
     # seed_layers, pipe_partitioned and grad_partitioned are not honoured yet
     "pipeline.stages",

@@ -9,8 +9,10 @@ is an error) and its ``partition_config``
 is accepted here for the vocabulary-parallel head of issue 19.
 
 What stepfx honours today (``applied.py``): ``autotp_size`` (Megatron pairs
-found on the graph, ``passes/tensor_parallel``). The rest is validated and
-listed in ``Config.not_applied``.
+found on the graph, ``passes/tensor_parallel``) and ``partition_config``
+(its layer_specs split what they match; with ``use_default_specs`` the
+search splits the rest). The rest is validated and listed in
+``Config.not_applied``.
 
 The checks that need the world and the model (``autotp_size`` divides the
 world size; head counts divisible by it) are :func:`check_tensor_parallel`,

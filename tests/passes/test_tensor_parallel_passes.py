@@ -113,3 +113,45 @@ def test_clipping_sums_shards_over_the_tp_group_and_counts_replicas_once():
         assert norm.args[0].args[0] is reduces[0]  # sqrt(wait(all_reduce(sum of squares)))
         zeroed = [n for n in g.nodes if n.target is torch.ops.aten.mul.Tensor and n.args[1] == 0.0]
         assert len(zeroed) == (0 if tp_rank == 0 else 1)
+
+
+def _with_specs(*specs, default=False):
+    from stepfx.config import load_config
+
+    config = load_config({"tensor_parallel": {"autotp_size": 2, "partition_config": {
+        "use_default_specs": default, "layer_specs": list(specs)}}})
+    return PassOptions(config=config, tp_size=2, tp_rank=1, tp_group_name="tp")
+
+
+def test_partition_config_that_cannot_propagate_is_refused_by_key():
+    # the first weight split by its input features reads replicated features: the key and the op are named
+    import pytest
+
+    from stepfx.config import ConfigError
+
+    graph, *_ = captured_mlp()
+    with pytest.raises(ConfigError, match=r"tensor_parallel\.partition_config\.layer_specs: .*net\.0\.weight: entry 0"
+                                          r".*do not propagate"):
+        plan_tensor_parallel(_clean(graph), _with_specs({"patterns": [r"^net\.0\.weight$"], "partition_type": "row"}))
+    with pytest.raises(ConfigError, match=r"layer_specs\[0\]\.patterns: matches 'net\.0\.bias', which is not a matmul"):
+        plan_tensor_parallel(_clean(graph), _with_specs({"patterns": [r"net\.0"], "partition_type": "column"}))
+
+
+def test_partition_config_with_default_specs_lets_the_search_split_the_rest():
+    # the user names the MLP's pair (by other means than the search would: fc_out by partition_dim);
+    # use_default_specs: the search finds attention's pair itself
+    from stepfx.capture import capture_step
+    from tests.steps import lm_step, one_block_gpt, token_batches
+
+    torch.manual_seed(0)
+    model = one_block_gpt()
+    graph = capture_step(lm_step, model, torch.optim.SGD(model.parameters(), lr=0.1), token_batches(1)[0], {})
+    planned = plan_tensor_parallel(_clean(graph), _with_specs(
+        {"patterns": [r"\.fc\.weight$"], "partition_type": "column"},
+        {"patterns": [r"fc_out\.weight$"], "partition_type": "row", "partition_dim": 1}, default=True)).graph
+    placements = {p.name: p for p in planned.signature.extra[TP_PLAN_KEY].placements}
+    assert placements["blocks.0.fc.weight"].why == "tensor_parallel.partition_config.layer_specs[0]"
+    assert placements["blocks.0.fc_out.weight"].why.startswith("tensor_parallel.partition_config.layer_specs[1]")
+    assert (placements["blocks.0.qkv.weight"].kind, placements["blocks.0.qkv.weight"].parts) == ("column", 3)
+    assert placements["blocks.0.qkv.weight"].why.startswith("product reaches blocks.0.proj.weight")
+    assert placements["blocks.0.proj.weight"].kind == "row"

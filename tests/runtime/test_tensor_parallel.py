@@ -96,6 +96,25 @@ def test_llama_tp2_equals_the_reference(rank_pool):
 
 
 @pytest.mark.xdist_group("tensor_parallel")
+def test_partition_config_splits_what_its_layer_specs_name(rank_pool):
+    """DeepSpeed's AutoTP partition_config: only the MLP's pair is named and
+    use_default_specs is false, so attention stays replicated (the search
+    would split it); the step still equals the reference."""
+    batches = [token_batches(2, seed=0)]
+    config = {**TP2, "tensor_parallel": {"autotp_size": 2, "partition_config": {"use_default_specs": False, "layer_specs": [
+        {"patterns": [r"\.fc\.weight$"], "partition_type": "column"},
+        {"patterns": [r"fc_out\.weight$"], "partition_type": "row"}]}}}
+    results = rank_pool(2).run(tp_run, lm_step, one_block_gpt, sgd_plain, batches, config, timeout=300)
+    _check(results, lm_step, one_block_gpt, sgd_plain, batches, tp=2)
+    placements = "\n".join(results[0]["placements"])
+    assert "blocks.0.fc.weight: column (dim 0): tensor_parallel.partition_config.layer_specs[0]" in placements
+    assert "blocks.0.fc.bias: column (dim 0): bias of blocks.0.fc.weight" in placements
+    assert "blocks.0.fc_out.weight: row (dim 1): tensor_parallel.partition_config.layer_specs[1]" in placements
+    assert "blocks.0.qkv.weight: replicated: matched by no tensor_parallel.partition_config" in placements
+    assert results[0]["counts"] == {"tp forward": 1, "tp backward": 1}  # the MLP's pair only
+
+
+@pytest.mark.xdist_group("tensor_parallel")
 def test_nothing_to_split_runs_replicated_with_a_note(rank_pool):
     batches = [mlp_batches(2)]
     results = rank_pool(2).run(tp_run, ce_step, linear_only, sgd_plain, batches, TP2, timeout=300)

@@ -32,9 +32,11 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import operator
+import re
 
 import torch.fx as fx
 
+from ...config.errors import ConfigError
 from ...graph import META_PHASE, Phase, Role, StepGraph
 from ...graph.tp_layout import TP_PLAN_KEY, Placement, TensorParallelPlan
 from ..manager import PassOptions, PassResult
@@ -70,6 +72,18 @@ def plan_tensor_parallel(graph: StepGraph, options: PassOptions) -> PassResult:
     accepted: dict[str, Sharded] = {}
     found_groups = []
     details: dict[str, tuple[str, str]] = {}
+    config = getattr(getattr(options.config, "tensor_parallel", None), "partition_config", None)
+    if config is not None:  # the user's layer_specs split what they match; the search the rest, if asked
+        specified = _specified(g, outputs, tp, config, single, params, details)
+        accepted.update(specified)
+        if not config["use_default_specs"]:
+            groups = []
+            for name in params:
+                if name not in specified:
+                    why.setdefault(name, ("replicated", "matched by no tensor_parallel.partition_config.layer_specs "
+                                                        "entry (use_default_specs is false)"))
+        else:
+            groups = [(c, r) for c, r in groups if not (set(c) | set(r)) & set(specified)]
     for cols, rows in groups:
         if set(cols) & set(rows):
             for n in cols + rows:
@@ -114,6 +128,61 @@ def plan_tensor_parallel(graph: StepGraph, options: PassOptions) -> PassResult:
     summary = (f"{len(plan.sharded)} of {len(params)} parameters split over {tp} ranks in {len(found_groups)} "
                f"column/row groups" if accepted else notes[0])
     return PassResult(graph.replace(signature=new_sig), True, summary)
+
+
+_SPECS = "tensor_parallel.partition_config.layer_specs"
+
+
+def _specified(g, outputs, tp, config, single, params, details) -> dict[str, Sharded]:
+    """The splits ``layer_specs`` asks for (DeepSpeed's AutoTP partition
+    config: a parameter whose name matches an entry's regular expression is
+    split by output features, "column", or input features, "row"; a fused
+    weight's ``shape`` names its parts), checked to propagate through the
+    whole step together; a split that cannot is a ConfigError naming the
+    entry and the op that refused."""
+    seeds: dict[str, Sharded] = {}
+    entry_of: dict[str, int] = {}
+    for i, spec in enumerate(config["layer_specs"]):
+        patterns = [re.compile(p) for p in spec.patterns]
+        matched = [n for n in params if any(p.search(n) for p in patterns)]
+        for name in matched:
+            if name in entry_of:
+                continue  # the first entry that matches decides, as DeepSpeed's
+            u = single.get(name)
+            if u is None:
+                raise ConfigError(f"{_SPECS}[{i}].patterns", f"matches {name!r}, which is not a matmul weight read "
+                                  "once in the forward (an embedding, a norm, a bias or a tied weight)",
+                                  value=list(spec.patterns), expected="patterns of linear layers' weights")
+            entry_of[name] = i
+            parts = _parts(spec)
+            if spec.partition_type == "column":
+                seeds[name] = Sharded(u.out_dim if spec.partition_dim is None else spec.partition_dim, parts)
+                if u.bias is not None:
+                    seeds[u.bias] = Sharded(0, parts)
+                    details[u.bias] = ("column", f"bias of {name}")
+                details[name] = ("column", f"{_SPECS}[{i}]" + (f" ({parts} fused parts)" if parts > 1 else ""))
+            else:
+                seeds[name] = Sharded(u.in_dim if spec.partition_dim is None else spec.partition_dim)
+                details[name] = ("row", f"{_SPECS}[{i}]; its output is all-reduced")
+    if seeds:
+        try:
+            propagate(g, dict(seeds), tp, outputs)
+        except Refused as e:
+            raise ConfigError(_SPECS, f"the splits they ask for ({', '.join(f'{n}: entry {entry_of[n]}' for n in entry_of)}) "
+                              f"do not propagate through the step: {e.describe()}; a column must feed a row through "
+                              "pointwise ops and attention", value=sorted(entry_of), expected="column/row pairs") from None
+    return seeds
+
+
+def _parts(spec) -> int:
+    """Fused parts from a spec's ``shape`` (``[[3, -1], -1]``: 3 parts along dim 0), else 1."""
+    if not spec.shape:
+        return 1
+    dim = spec.partition_dim or 0
+    entry = spec.shape[dim] if dim < len(spec.shape) else None
+    if isinstance(entry, (list, tuple)) and entry and isinstance(entry[0], int) and entry[0] > 1:
+        return entry[0]
+    return 1
 
 
 def _forward_users(g: fx.Graph) -> dict[str, int]:
