@@ -61,6 +61,7 @@ from ..data_parallel.collectives import make_node
 from ..fusion.fuse_optimizer_update import (check_update_region, find_update_region, region_roles, region_structure,
                                             tagged_updates, unsupported_rule)
 from ..manager import PassOptions, PassResult
+from .recompute_activations import format_bytes
 
 __all__ = ["offload_optimizer", "offload_settings", "HOST_STATE_KEY", "META_HOST_RESULTS"]
 
@@ -129,13 +130,17 @@ def offload_optimizer(graph: StepGraph, options: PassOptions) -> PassResult:
                *(leaves.get(r) for r in ("lr", "beta1", "beta2", "grad_factor", "found_inf")))
         groups.setdefault(key, []).append((region, rule))
     host_idents: set = set(graph.signature.extra.get(HOST_STATE_KEY, ()))
-    elements = moved = 0
+    elements = moved = down = up = 0
     original = list(g.nodes)
     kernel = getattr(getattr(options.config, "stepfx", None), "host_adam", "fused")
     for members in groups.values():
         for part in _splits(members, order):
             host_idents |= _replace(g, part, order, original, pin=bool(block.pin_memory), kernel=kernel)
             elements += sum(r.leaves["param"].meta["val"].numel() for r, _ in part)
+            for r, _ in part:  # per step: gradient and parameter pieces down, the updated pieces up
+                pval, gval = r.leaves["param"].meta["val"], r.leaves["grad"].meta["val"]
+                down += pval.numel() * pval.element_size() + gval.numel() * gval.element_size()
+                up += pval.numel() * pval.element_size()
             moved += 1
     g.eliminate_dead_code(is_impure_node=has_side_effect)
     graph.gm.recompile()
@@ -147,6 +152,7 @@ def offload_optimizer(graph: StepGraph, options: PassOptions) -> PassResult:
     return PassResult(graph, True, f"{len(regions)} Adam updates ({elements:,} elements on this rank) run on the host in "
                                    f"{moved} groups ({kernel} kernel); exp_avg/exp_avg_sq held there "
                                    f"({8 * elements:,} bytes{', in files under ' + str(block.nvme_path) if block.device == 'nvme' else ''})"
+                                   + f"; per step {format_bytes(down)} down, {format_bytes(up)} up"
                                    + ("" if block.pin_memory else "; staging not pinned (pin_memory false)"))
 
 
