@@ -44,6 +44,7 @@ from .progress import Progress
 from .passes import PIPELINE, PassManager, PassOptions, PassRecord, dump_records
 from .passes.cleanup.choose_attention_kernels import FLASH_CHECK_KEY
 from .passes.cleanup.unrepeat_kv_heads import GQA_OPS_KEY
+from .passes.tensor_parallel.plan_tensor_parallel import HF_TP_PLAN_KEY
 from .passes.memory.planner import memory_budget_bytes, plan_memory
 from .runtime import (
     DataParallel,
@@ -549,6 +550,7 @@ class ParallelStep:
             group_name=dp.dp_group_name, tp_size=dp.tp_size, tp_rank=dp.tp_rank, tp_group_name=dp.tp_group_name,
             extra={GQA_OPS_KEY: compat.attention_ops_taking_grouped_kv(_device_of(model, device_type)),
                    FLASH_CHECK_KEY: compat.flash_attention_takes(_device_of(model, device_type)),
+                   HF_TP_PLAN_KEY: _hf_tp_plan(model) if dp.tp_size > 1 else (),
                    **_pipeline_extra(self.config, dp, model)},
         )
         self._progress("captured in %.1f s (%s ops); running %d passes...", capture_seconds,
@@ -1165,6 +1167,13 @@ def _pipeline_extra(config: Config, dp, model: torch.nn.Module) -> dict:
     pipe = config.stepfx.pipeline
     virtual = pipe.virtual_stages if pipe is not None else 1
     return {STAGES_KEY: dp.pp_size * virtual, MODULE_CLASSES_KEY: module_classes(model)}
+
+
+def _hf_tp_plan(model: torch.nn.Module) -> tuple:
+    """A Hugging Face model's own tensor-parallel plan (``_tp_plan``: module
+    patterns, from its config's ``base_model_tp_plan``) as items, or ()."""
+    plan = getattr(model, "_tp_plan", None)
+    return tuple((str(k), str(v)) for k, v in plan.items()) if isinstance(plan, dict) else ()
 
 
 def _resolve_precision(config: Config) -> Config:

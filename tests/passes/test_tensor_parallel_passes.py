@@ -155,3 +155,48 @@ def test_partition_config_with_default_specs_lets_the_search_split_the_rest():
     assert (placements["blocks.0.qkv.weight"].kind, placements["blocks.0.qkv.weight"].parts) == ("column", 3)
     assert placements["blocks.0.qkv.weight"].why.startswith("product reaches blocks.0.proj.weight")
     assert placements["blocks.0.proj.weight"].kind == "row"
+
+
+def _llama_graph(kv_heads):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from stepfx.api import _hf_tp_plan
+    from stepfx.capture import capture_step
+    from tests.steps import hf_step, token_batches
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=kv_heads,
+                                         max_position_embeddings=16, bos_token_id=0, eos_token_id=0))
+    graph = capture_step(hf_step, model, torch.optim.SGD(model.parameters(), lr=0.1), token_batches(1)[0], {})
+    return _clean(graph), _hf_tp_plan(model)
+
+
+def test_a_hugging_face_model_s_own_tp_plan_is_honoured():
+    from stepfx.passes.tensor_parallel.plan_tensor_parallel import HF_TP_PLAN_KEY
+
+    graph, hf_plan = _llama_graph(kv_heads=2)
+    assert ("model.layers.*.self_attn.k_proj", "colwise") in hf_plan
+    options = PassOptions(tp_size=2, tp_rank=0, tp_group_name="tp", extra={HF_TP_PLAN_KEY: hf_plan})
+    result = plan_tensor_parallel(graph, options)
+    plan = result.graph.signature.extra[TP_PLAN_KEY]
+    placements = {p.name: p for p in plan.placements}
+    k = placements["model.layers.0.self_attn.k_proj.weight"]
+    assert k.kind == "column" and k.why == "the model's base_model_tp_plan: 'model.layers.*.self_attn.k_proj': colwise"
+    assert placements["model.layers.0.mlp.down_proj.weight"].kind == "row"
+    assert placements["lm_head.weight"].kind == "replicated"  # colwise_gather_output: not implemented, noted
+    assert any("'lm_head': 'colwise_gather_output' is not implemented" in n for n in plan.notes)
+    assert "named by the model's base_model_tp_plan" in result.summary
+
+
+def test_a_hugging_face_plan_that_cannot_apply_leaves_it_to_the_search():
+    # one key/value head cannot be split over 2 ranks: HF's plan fails here, the search replicates k and v
+    from stepfx.passes.tensor_parallel.plan_tensor_parallel import HF_TP_PLAN_KEY
+
+    graph, hf_plan = _llama_graph(kv_heads=1)
+    options = PassOptions(tp_size=2, tp_rank=0, tp_group_name="tp", extra={HF_TP_PLAN_KEY: hf_plan})
+    plan = plan_tensor_parallel(graph, options).graph.signature.extra[TP_PLAN_KEY]
+    placements = {p.name: p for p in plan.placements}
+    assert placements["model.layers.0.self_attn.k_proj.weight"].kind == "replicated"
+    assert placements["model.layers.0.self_attn.q_proj.weight"].kind == "column"
+    assert any("base_model_tp_plan does not apply here" in n for n in plan.notes)

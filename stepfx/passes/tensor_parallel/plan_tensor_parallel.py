@@ -37,12 +37,13 @@ import re
 import torch.fx as fx
 
 from ...config.errors import ConfigError
+from ...config.tensor_parallel import LayerSpec
 from ...graph import META_PHASE, Phase, Role, StepGraph
 from ...graph.tp_layout import TP_PLAN_KEY, Placement, TensorParallelPlan
 from ..manager import PassOptions, PassResult
 from .placements import ATTENTION, POINTWISE, VIEWS, Refused, Sharded, aten, linear_uses, propagate
 
-__all__ = ["plan_tensor_parallel"]
+__all__ = ["plan_tensor_parallel", "HF_TP_PLAN_KEY"]
 
 # what a column's product may pass through on its way to a row weight (the search; propagation decides)
 _CARRIERS = POINTWISE | VIEWS | ATTENTION | frozenset({
@@ -73,8 +74,20 @@ def plan_tensor_parallel(graph: StepGraph, options: PassOptions) -> PassResult:
     found_groups = []
     details: dict[str, tuple[str, str]] = {}
     config = getattr(getattr(options.config, "tensor_parallel", None), "partition_config", None)
+    notes: list[str] = []
+    labels = None
+    if config is None and (options.extra or {}).get(HF_TP_PLAN_KEY):
+        # the Hugging Face model's own plan, where it propagates here; else the search decides
+        config, labels, skipped = _hf_specs(options.extra[HF_TP_PLAN_KEY])
+        notes += skipped
+        try:
+            _specified(g, outputs, tp, config, single, params, {}, labels)
+        except ConfigError as exc:
+            notes.append(f"the model's base_model_tp_plan does not apply here ({str(exc).split(': ', 1)[-1]}); "
+                         "the search decides")
+            config = labels = None
     if config is not None:  # the user's layer_specs split what they match; the search the rest, if asked
-        specified = _specified(g, outputs, tp, config, single, params, details)
+        specified = _specified(g, outputs, tp, config, single, params, details, labels)
         accepted.update(specified)
         if not config["use_default_specs"]:
             groups = []
@@ -120,20 +133,46 @@ def plan_tensor_parallel(graph: StepGraph, options: PassOptions) -> PassResult:
         else:
             kind, reason = why.get(name, ("replicated", "not a matmul weight (embedding, norm or bias)"))
             placements.append(Placement(name, "replicated", None, 1, reason))
-    notes = () if accepted else ("nothing to split: every rank of a tensor-parallel group runs the whole step "
-                                 "(replicated)",)
+    notes = tuple(notes) + (() if accepted else ("nothing to split: every rank of a tensor-parallel group runs the "
+                                                 "whole step (replicated)",))
     plan = TensorParallelPlan(tp, options.tp_rank, tuple(placements), tuple(found_groups), notes)
     sig = graph.signature
     new_sig = dataclasses.replace(sig, extra={**sig.extra, TP_PLAN_KEY: plan})
+    named = ""
+    if config is not None:
+        named = f"; {len(specified)} named by " + ("the model's base_model_tp_plan" if labels else "partition_config")
     summary = (f"{len(plan.sharded)} of {len(params)} parameters split over {tp} ranks in {len(found_groups)} "
-               f"column/row groups" if accepted else notes[0])
+               f"column/row groups found{named}" if accepted else plan.notes[-1])
     return PassResult(graph.replace(signature=new_sig), True, summary)
 
 
 _SPECS = "tensor_parallel.partition_config.layer_specs"
 
 
-def _specified(g, outputs, tp, config, single, params, details) -> dict[str, Sharded]:
+HF_TP_PLAN_KEY = "hf_tp_plan"  # PassOptions.extra: the model's own ``_tp_plan`` items (Hugging Face), if any
+_HF_STYLES = {"colwise": "column", "local_colwise": "column", "rowwise": "row", "local_rowwise": "row"}
+
+
+def _hf_specs(plan) -> tuple[dict, list, list[str]]:
+    """A Hugging Face ``base_model_tp_plan`` (module patterns with ``*`` for
+    a layer index -> style) as layer specs: "colwise" / "rowwise" (and their
+    ``local_`` forms) split the module's weight by output / input features;
+    the other styles (vocabulary-parallel embeddings and heads, sequence
+    parallelism, gathers) are not implemented: those modules are left to the
+    search, with a note."""
+    specs, labels, skipped = [], [], []
+    for pattern, style in plan:
+        kind = _HF_STYLES.get(style)
+        if kind is None:
+            skipped.append(f"base_model_tp_plan: {pattern!r}: {style!r} is not implemented; the search decides there")
+            continue
+        regex = "^" + re.escape(pattern).replace(r"\*", r"\d+") + r"\.weight$"
+        specs.append(LayerSpec(patterns=(regex,), partition_type=kind))
+        labels.append(f"the model's base_model_tp_plan: {pattern!r}: {style}")
+    return {"use_default_specs": True, "layer_specs": tuple(specs)}, labels, skipped
+
+
+def _specified(g, outputs, tp, config, single, params, details, labels=None) -> dict[str, Sharded]:
     """The splits ``layer_specs`` asks for (DeepSpeed's AutoTP partition
     config: a parameter whose name matches an entry's regular expression is
     split by output features, "column", or input features, "row"; a fused
@@ -142,6 +181,10 @@ def _specified(g, outputs, tp, config, single, params, details) -> dict[str, Sha
     entry and the op that refused."""
     seeds: dict[str, Sharded] = {}
     entry_of: dict[str, int] = {}
+
+    def label(i):
+        return labels[i] if labels is not None else f"{_SPECS}[{i}]"
+
     for i, spec in enumerate(config["layer_specs"]):
         patterns = [re.compile(p) for p in spec.patterns]
         matched = [n for n in params if any(p.search(n) for p in patterns)]
@@ -160,10 +203,10 @@ def _specified(g, outputs, tp, config, single, params, details) -> dict[str, Sha
                 if u.bias is not None:
                     seeds[u.bias] = Sharded(0, parts)
                     details[u.bias] = ("column", f"bias of {name}")
-                details[name] = ("column", f"{_SPECS}[{i}]" + (f" ({parts} fused parts)" if parts > 1 else ""))
+                details[name] = ("column", label(i) + (f" ({parts} fused parts)" if parts > 1 else ""))
             else:
                 seeds[name] = Sharded(u.in_dim if spec.partition_dim is None else spec.partition_dim)
-                details[name] = ("row", f"{_SPECS}[{i}]; its output is all-reduced")
+                details[name] = ("row", f"{label(i)}; its output is all-reduced")
     if seeds:
         try:
             propagate(g, dict(seeds), tp, outputs)
