@@ -103,3 +103,19 @@ def test_without_zero_or_with_sgd_there_is_no_offload_candidate():
         model, batch = _gpt(), _batch()
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         stepfx.parallelize(_zero_config(memory_budget_gib=1e-6))(lm_step)(model, opt, *batch)
+
+
+def test_under_zero_3_the_least_offload_ratio_that_fits_is_kept():
+    # a budget between offloading all of Adam's state and offloading none (at the 'all' level): a ratio < 1
+    def config(**options):
+        return {**_zero_config(**options), "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+
+    all_peak = estimate_memory(_zero_step(config(activation_memory_budget=0.0)).plan.graph).peak
+    full = {**config(activation_memory_budget=0.0), "zero_optimization": {
+        "stage": 3, "stage3_param_persistence_threshold": 0, "offload_optimizer": {"device": "cpu"}}}
+    full_peak = estimate_memory(_zero_step(full).plan.graph).peak
+    budget = (all_peak - (all_peak - full_peak) // 3) / GIB  # about a third of the moments must leave
+    step = _zero_step(config(memory_budget_gib=budget))
+    summary = next(r.summary for r in step.plan.records if r.name == "plan_memory")
+    assert summary.startswith(f"budget {budget:g} GiB: recompute 'all' + optimizer offload (ratio 0.5)"), summary
+    assert estimate_memory(step.plan.graph).peak <= budget * GIB

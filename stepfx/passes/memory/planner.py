@@ -22,7 +22,9 @@ optimizer the host cannot update (SGD, amsgrad) has no such candidate, and
 ``explain()`` says why.
 
 Not yet among the candidates: ZeRO stage (when the config leaves it
-"auto"), the offload ratio, parameter offload.
+"auto"), parameter offload. Under ZeRO-3, once offloading all of Adam's state fits,
+smaller ratios are tried (0.5, 0.25: DeepSpeed's partial offload) and the
+least that fits is kept: less host work a step.
 """
 from __future__ import annotations
 
@@ -49,10 +51,12 @@ class Tried:
     peak: int  # predicted peak bytes on this rank
     fits: bool
     offload: bool = False
+    ratio: float = 1.0
 
     @property
     def name(self) -> str:
-        return f"recompute {self.level!r}" + (" + optimizer offload" if self.offload else "")
+        return f"recompute {self.level!r}" + (" + optimizer offload" if self.offload else "") + \
+            (f" (ratio {self.ratio:g})" if self.offload and self.ratio < 1 else "")
 
 
 def memory_budget_bytes(config) -> int | None:
@@ -60,13 +64,16 @@ def memory_budget_bytes(config) -> int | None:
     return None if gib is None else int(gib * GIB)
 
 
-def _with_offload(config):
-    """``config`` with Adam's state offloaded to the host, or None when it has no room for that (no ZeRO, or
-    offload already configured)."""
+RATIOS = (0.5, 0.25)  # under ZeRO-3, once offloading everything fits: the least that still fits (less host work)
+
+
+def _with_offload(config, ratio: float = 1.0):
+    """``config`` with Adam's state offloaded to the host (``ratio`` of it), or None when it has no room for that
+    (no ZeRO, or offload already configured)."""
     zero = getattr(config, "zero_optimization", None)
     if zero is None or not isinstance(zero.stage, int) or zero.stage < 1 or zero.offload_optimizer is not None:
         return None
-    block = OffloadConfig(device="cpu", pin_memory=True)
+    block = OffloadConfig(device="cpu", pin_memory=True, ratio=ratio)
     return dataclasses.replace(config, zero_optimization=dataclasses.replace(zero, offload_optimizer=block))
 
 
@@ -81,14 +88,17 @@ def plan_memory(run: Callable[[PassOptions], list[PassRecord]], options: PassOpt
     records = None
     offloaded = _with_offload(options.config)
     configs = [(False, options.config)] + ([(True, offloaded)] if offloaded is not None else [])
+
+    def attempt(config, level):
+        return run(PassOptions(config=config, world_size=options.world_size, rank=options.rank,
+                               device_type=options.device_type, group_name=options.group_name,
+                               extra={**(options.extra or {}), RECOMPUTE_LEVEL_KEY: level},
+                               tp_size=options.tp_size, tp_rank=options.tp_rank, tp_group_name=options.tp_group_name))
+
     for offload, config in configs:
         for level in CANDIDATES:
             try:
-                candidate = run(PassOptions(config=config, world_size=options.world_size, rank=options.rank,
-                                            device_type=options.device_type, group_name=options.group_name,
-                                            extra={**(options.extra or {}), RECOMPUTE_LEVEL_KEY: level},
-                                            tp_size=options.tp_size, tp_rank=options.tp_rank,
-                                            tp_group_name=options.tp_group_name))
+                candidate = attempt(config, level)
             except ConfigError as exc:
                 if not offload:
                     raise
@@ -100,6 +110,19 @@ def plan_memory(run: Callable[[PassOptions], list[PassRecord]], options: PassOpt
             if peak <= budget:
                 break
         if tried and tried[-1].fits:
+            if offload and config.zero_optimization.stage == 3:  # DeepSpeed's partial offload: stage 3 only
+                for ratio in RATIOS:
+                    partial = attempt(_with_offload(options.config, ratio), tried[-1].level)
+                    peak = estimate_memory(partial[-1].graph).peak
+                    if peak > budget:
+                        tried.append(Tried(tried[-1].level, peak, False, True, ratio))
+                        break
+                    fits = Tried(tried[-1].level, peak, True, True, ratio)
+                    tried.append(fits)
+                    records = partial
+                if not tried[-1].fits:  # the last that fits is the choice (its records are kept): name it last
+                    chosen = next(i for i in range(len(tried) - 1, -1, -1) if tried[i].fits)
+                    tried.append(tried.pop(chosen))
             break
     asked = getattr(options.config.stepfx, "memory_budget_gib", budget / GIB)
     lines = [f"{t.name}: predicted peak {format_bytes(t.peak)}" + ("" if t.fits else " (over the budget)") for t in tried]
