@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import json
 import os
 import resource
 import subprocess
@@ -40,7 +39,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import stepfx  # noqa: E402
-from benchmarks.single_gpu import PEAK_FLOPS, stepfx_step, sync, timed  # noqa: E402
+from benchmarks.single_gpu import PEAK_FLOPS, failure_row, record_row, stepfx_step, sync, timed  # noqa: E402
 from stepfx.testing.models import GPT, gpt_config, lm_loss  # noqa: E402
 
 SYSTEMS = "stepfx,stepfx-z3,stepfx-offload,stepfx-offload-fused,stepfx-offload-z3,deepspeed-offload,deepspeed-offload-torch"
@@ -154,27 +153,15 @@ def main() -> None:
                    "--steps", str(args.steps), "--device", args.device] + (["--out", args.out] if args.out else [])
             done = subprocess.run(cmd, check=False)
             if done.returncode < 0 or done.returncode == 137:  # killed (the host's OOM killer): say so
-                row = {**meta, "system": kind, "error": f"killed (exit {done.returncode})"}
-                print(json.dumps(row), flush=True)
-                if args.out:
-                    with open(os.path.join(args.out, "offload.jsonl"), "a") as f:
-                        f.write(json.dumps(row) + "\n")
+                record_row({**meta, "system": kind, "error": f"killed (exit {done.returncode})"}, args.out, "offload.jsonl")
         return
     kind = systems[0]
     try:
         row = run(kind, args)
-    except torch.OutOfMemoryError as exc:
-        row = {"system": kind, "error": f"out of memory: {str(exc).splitlines()[0][:200]}"}
     except Exception as exc:  # a peer's failure is a result
-        row = {"system": kind, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"}
+        row = failure_row(kind, exc)
     gc.collect()
-    row = {**meta, **row}
-    print(json.dumps(row), flush=True)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "offload.jsonl"), "a") as f:
-            f.write(json.dumps(row) + "\n")
-
+    record_row({**meta, **row}, args.out, "offload.jsonl")
 
 if __name__ == "__main__":
     main()

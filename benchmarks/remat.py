@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import json
 import os
 import subprocess
 import sys
@@ -40,7 +39,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import stepfx  # noqa: E402
-from benchmarks.single_gpu import PEAK_FLOPS, eager_step, stepfx_step, sync, timed  # noqa: E402
+from benchmarks.single_gpu import PEAK_FLOPS, eager_step, failure_row, record_row, stepfx_step, sync, timed  # noqa: E402
 from stepfx.testing.models import GPT, gpt_config  # noqa: E402
 
 
@@ -117,18 +116,10 @@ def main() -> None:
     kind = systems[0]
     try:
         row = run(kind, args)
-    except torch.OutOfMemoryError as exc:
-        row = {"system": kind, "error": f"out of memory: {str(exc).splitlines()[0][:200]}"}
-    except Exception as exc:  # recorded, as a peer's failure is a result
-        row = {"system": kind, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"}
+    except Exception as exc:  # a peer's failure is a result
+        row = failure_row(kind, exc)
     gc.collect()
-    row = {**meta, **row}
-    print(json.dumps(row), flush=True)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "remat.jsonl"), "a") as f:
-            f.write(json.dumps(row) + "\n")
-
+    record_row({**meta, **row}, args.out, "remat.jsonl")
 
 if __name__ == "__main__":
     main()

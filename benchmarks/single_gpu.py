@@ -120,6 +120,22 @@ def profile(kind: str, one_step, args, trace: bool = False) -> dict:
     return out
 
 
+def failure_row(kind: str, exc: BaseException) -> dict:
+    """A system that failed, as its result row (a peer's failure is a result): out of memory or the error's first line."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return {"system": kind, "error": f"out of memory: {str(exc).splitlines()[0][:200]}"}
+    return {"system": kind, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"}
+
+
+def record_row(row: dict, out: str | None, name: str) -> None:
+    """Print ``row`` as a JSON line and append it to ``$OUT/<name>`` when ``out`` is set."""
+    print(json.dumps(row), flush=True)
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, name), "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
 def timed(one_step, steps: int, device) -> tuple[dict, object]:
     """Run ``one_step(i)`` ``steps`` times; (times, the last result). Times:
     ``step_ms`` (wall, start to the device's end, over the steps),

@@ -29,6 +29,7 @@ from typing import Any, Callable
 import torch
 import torch.utils._pytree as pytree
 
+from ..config.errors import ConfigError
 from ..graph import CARRIED_COPIES_KEY, HOST_STATE_KEY, HOST_STATE_NVME_KEY, RUNTIME_INIT_KEY, Role, StepSignature, Storage
 from ..graph.layout import LAYOUT_KEY, Sharding
 from ..graph.signature import TensorSpec, hyperparam_tensor
@@ -67,12 +68,16 @@ class RankStore:
         self.carried.clear()
 
 
-def _file_backed(value: torch.Tensor, directory: str, ident) -> torch.Tensor:
+def _file_backed(value: torch.Tensor, directory: str) -> torch.Tensor:
     """``value`` in a mapped file under ``directory`` (``offload_optimizer.device: nvme``): the page cache
     keeps what fits in memory, the drive the rest. The file is unlinked once mapped, so nothing is left
     behind when the process ends, however it ends."""
-    os.makedirs(directory, exist_ok=True)
-    fd, path = tempfile.mkstemp(prefix=f"stepfx-{os.getpid()}-", suffix=".state", dir=directory)
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fd, path = tempfile.mkstemp(prefix=f"stepfx-{os.getpid()}-", suffix=".state", dir=directory)
+    except OSError as exc:
+        raise ConfigError("zero_optimization.offload_optimizer.nvme_path", f"cannot keep optimizer state there: {exc}",
+                          value=directory, expected="a directory this process may write") from exc
     os.close(fd)
     try:
         mapped = torch.from_file(path, shared=True, size=value.numel(), dtype=value.dtype).view(value.shape)
@@ -227,7 +232,7 @@ class ModuleBinding:
                         # offload_optimizer: state the host keeps between steps moves there on first read
                         value = value.to("cpu", copy=True) if on_host else value.clone()
                     if on_host and nvme is not None:
-                        value = _file_backed(value, nvme, ident)
+                        value = _file_backed(value, nvme)
                     store.tensors[ident] = value
                 return value
 

@@ -107,6 +107,7 @@ def abort_jobs() -> None:
     others (the executor calls this when a step fails)."""
     with _LOCK:
         pending = list(_PENDING)
+        _PENDING.clear()
     for job in pending:
         job.cancel.set()
     for job in pending:
@@ -141,27 +142,16 @@ def host_adam_start(count: int, *flat, step_is_new: bool, eps: float, weight_dec
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(device))
     cancel = threading.Event()
-    holder: list[HostJob] = []
 
     def run():
-        try:
-            if cancel.is_set():
-                raise RuntimeError("stepfx: host optimizer update cancelled (the step failed)")
-            with torch.no_grad():  # grad mode is per thread: the graph's no_grad does not reach this one
-                return _update(device, ready, params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2, grad_factor,
-                               found_inf, step_is_new=step_is_new, eps=eps, weight_decay=weight_decay,
-                               decoupled=decoupled, maximize=maximize, pin=pin_memory, cancel=cancel,
-                               kernel=kernel)
-        finally:
-            with _LOCK:
-                _PENDING.discard(holder[0] if holder else None)
+        with torch.no_grad():  # grad mode is per thread: the graph's no_grad does not reach this one
+            return _update(device, ready, params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2, grad_factor,
+                           found_inf, step_is_new=step_is_new, eps=eps, weight_decay=weight_decay,
+                           decoupled=decoupled, maximize=maximize, pin=pin_memory, cancel=cancel, kernel=kernel)
 
-    worker = _worker()
+    job = HostJob(_worker().submit(run), cancel)
     with _LOCK:
-        job = HostJob(worker.submit(run), cancel)
-        holder.append(job)
-        if not job.future.done():
-            _PENDING.add(job)
+        _PENDING.add(job)  # until its wait reads it, or a failed step aborts it
     return job
 
 
@@ -184,7 +174,7 @@ _SCRATCH = threading.local()
 
 
 def adam_chunked(p, g, m, v, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: float,
-                 grad_factor, decoupled: bool, maximize: bool) -> None:
+                 grad_factor, decoupled: bool, maximize: bool, owned_grad: bool = False) -> None:
     """Adam/AdamW on flat host tensors in place, op for op as
     ``torch.optim.adam._single_tensor_adam`` (``adam_update_reference``), so
     bitwise equal to it (``stepfx.host_adam: "exact"``); chunk by chunk, so
@@ -193,7 +183,8 @@ def adam_chunked(p, g, m, v, *, lr: float, beta1: float, beta2: float, eps: floa
     threads. Ten passes over each chunk: on the H200 machine's 16 cores
     0.56e9 elements/s against the fused kernel's 1.5e9 (2026-12-04); a pool
     of single-threaded Python workers over the chunks was slower still
-    (0.21e9)."""
+    (0.21e9). ``owned_grad`` is :func:`adam_fused`'s; each chunk of the
+    gradient is copied to scratch here anyway."""
     n = p.numel()
     if n == 0:
         return
@@ -251,12 +242,6 @@ def adam_fused(p, g, m, v, *, lr: float, beta1: float, beta2: float, eps: float,
           weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=maximize)
 
 
-def _run_update(p, g, m, v, *, update, owned_grad: bool = False, **kw) -> None:
-    if update is adam_fused:
-        kw["owned_grad"] = owned_grad
-    update(p, g, m, v, **kw)
-
-
 def _update(device, ready, params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2, grad_factor, found_inf, *,
             step_is_new, eps, weight_decay, decoupled, maximize, pin, cancel, kernel):
     if device.type == "cuda":
@@ -278,18 +263,18 @@ def _update(device, ready, params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta
     hyper = dict(lr=_host_scalar(lr), beta1=_host_scalar(beta1), beta2=_host_scalar(beta2), eps=eps,
                  weight_decay=weight_decay, grad_factor=factor, decoupled=decoupled, maximize=maximize)
     steps = [_host_scalar(s) + (0.0 if step_is_new else 1.0) for s in steps]
-    hyper["update"] = adam_fused if kernel == "fused" else adam_chunked
+    update = adam_fused if kernel == "fused" else adam_chunked
     if device.type != "cuda":
         new_params = []
         for p, g, m, v, s in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
             p = p.detach().clone()  # the graph's values are never written
-            _run_update(p.view(-1), g.reshape(-1), m.view(-1), v.view(-1), step=s, **hyper)
+            update(p.view(-1), g.reshape(-1), m.view(-1), v.view(-1), step=s, **hyper)
             new_params.append(p)
         return new_params, list(exp_avgs), list(exp_avg_sqs)
-    return _pipelined(params, grads, exp_avgs, exp_avg_sqs, steps, hyper, down, up, pin)
+    return _pipelined(params, grads, exp_avgs, exp_avg_sqs, steps, hyper, update, down, up, pin)
 
 
-def _pipelined(params, grads, exp_avgs, exp_avg_sqs, steps, hyper, down, up, pin):
+def _pipelined(params, grads, exp_avgs, exp_avg_sqs, steps, hyper, update, down, up, pin):
     """Parameter by parameter: the next one's pieces come down while this one
     is updated, and each goes up as soon as it is; staging buffers go back to
     the pool once their copy up is done (so the host holds a few parameters'
@@ -316,7 +301,7 @@ def _pipelined(params, grads, exp_avgs, exp_avg_sqs, steps, hyper, down, up, pin
             t0 = time.perf_counter()
             ev.synchronize()
             t1 = time.perf_counter()
-            _run_update(hp, hg, exp_avgs[i].view(-1), exp_avg_sqs[i].view(-1), step=steps[i], owned_grad=True, **hyper)
+            update(hp, hg, exp_avgs[i].view(-1), exp_avg_sqs[i].view(-1), step=steps[i], owned_grad=True, **hyper)
             STATS["wait_down_s"] += t1 - t0
             STATS["update_s"] += time.perf_counter() - t1
             STATS["elements"] += hp.numel()
