@@ -201,12 +201,19 @@ def one_rank_fails_mid_step() -> dict:
     good = torch.randint(0, 64, (2, 9))
     step(model, opt, good)
     step(model, opt, good)
+    # a second decorated step in the process shares stepfx's group: the abort must free it anyway
+    # (gloo closes its connections only when the group object goes)
+    other = stepfx.parallelize({"gradient_clipping": 0, "zero_optimization": {"stage": 1}})(lm_step)
+    small = tiny_gpt(n_layers=1)
+    small_opt = torch.optim.SGD(small.parameters(), lr=0.1)
+    other(small, small_opt, good)
     before = [p.detach().clone() for p in model.parameters()]
     bad = good.clone()
     if rank == 1:
         bad[0, 0] = 10_000  # out of vocabulary: fails inside the graph, on rank 1 only
     result = _outcome(lambda: step(model, opt, bad))
     result["params_unchanged"] = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    result["other_step_after"] = _outcome(lambda: other(small, small_opt, good))["message"]
     return result
 
 

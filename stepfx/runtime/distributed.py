@@ -27,8 +27,10 @@ and failing together.
 from __future__ import annotations
 
 import datetime
+import gc
 import hashlib
 import os
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +46,11 @@ __all__ = ["DataParallel", "data_parallel", "collective_fingerprint", "preflight
            "RankMismatchError"]
 
 DEFAULT_TIMEOUT_S = 600.0
+
+
+# every DataParallel that holds groups (abort() makes them all let go) and the fields that hold them
+_LIVE: "weakref.WeakValueDictionary[int, DataParallel]" = weakref.WeakValueDictionary()
+_GROUP_FIELDS = ("group", "tp_group", "dp_group", "pp_group")
 
 
 class RankMismatchError(StepfxError):
@@ -75,6 +82,10 @@ class DataParallel:
     pp_group_name: str | None = None
     pp_ranks: tuple[int, ...] = ()
 
+    def __post_init__(self) -> None:
+        if self.group is not None:
+            _LIVE[id(self)] = self
+
     @property
     def dp_size(self) -> int:
         return self.world_size // (self.tp_size * self.pp_size)
@@ -94,7 +105,14 @@ class DataParallel:
             return
         groups = [self.group] + [g for g in (self.tp_group, self.dp_group, self.pp_group)
                                  if g is not None and g is not self.group]
-        self.group = self.tp_group = self.dp_group = self.pp_group = None
+        # gloo's abort() leaves its connections open: the other ranks' collectives fail only when
+        # the group object is freed and closes them. So every holder lets go: this world's entries
+        # in the group cache and every other step's view of the same groups (a second decorated
+        # step in the process, say), which then reports the abort instead of running.
+        for dp in list(_LIVE.values()) + [self]:
+            if any(getattr(dp, f) is g for f in _GROUP_FIELDS for g in groups):
+                for f in _GROUP_FIELDS:
+                    setattr(dp, f, None)
         for key, value in list(_GROUPS.items()):
             if any(value is g or (isinstance(value, tuple) and g in value) for g in groups):
                 del _GROUPS[key]
@@ -103,9 +121,14 @@ class DataParallel:
             try:
                 if abort is not None:
                     abort()
-                dist.destroy_process_group(group)
             except Exception:  # already broken: nothing more to release
                 pass
+            try:
+                dist.destroy_process_group(group)
+            except Exception:
+                pass
+        del groups, group
+        gc.collect()  # a group held only by a reference cycle is freed (and closes its connections) now
 
 
 def data_parallel(device_type: str, timeout_s: float = DEFAULT_TIMEOUT_S, *, tp_size: int = 1,

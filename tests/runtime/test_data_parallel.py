@@ -156,6 +156,8 @@ def test_a_rank_failing_mid_step_stops_every_rank_quickly(rank_pool):
     assert all(r["seconds"] < 20 for r in results), results
     # the failing step changed nothing
     assert all(r["params_unchanged"] for r in results)
+    # another decorated step of the process shared the aborted group: it says so instead of hanging
+    assert all("aborted stepfx's data-parallel group" in r["other_step_after"] for r in results), results
 
 
 def test_reduce_scatter_false_averages_whole_buckets(rank_pool):
