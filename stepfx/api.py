@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from . import compat
@@ -32,6 +33,7 @@ from .codegen import available as codegen_available
 from .capture.fingerprint import describe_change, fingerprint
 from .capture.initial_state import create_initial_state, drop_state, stepped_params
 from .passes.data_parallel.plan_zero_layout import stays_whole
+from .config.auto import at_stage
 from .config.implicit import fill_auto_clipping, implicit_defaults, unapplied_settings
 from .config import AUTO, Config, ConfigError, check_tensor_parallel, load_config, resolve_batch_sizes, resolve_zero_auto
 from .errors import ExecutionError, StepfxError
@@ -45,7 +47,8 @@ from .passes import PIPELINE, PassManager, PassOptions, PassRecord, dump_records
 from .passes.cleanup.choose_attention_kernels import FLASH_CHECK_KEY
 from .passes.cleanup.unrepeat_kv_heads import GQA_OPS_KEY
 from .passes.tensor_parallel.plan_tensor_parallel import HF_TP_PLAN_KEY
-from .passes.memory.planner import memory_budget_bytes, plan_memory
+from .passes.memory.planner import memory_budget_bytes, plan_memory, planned_stage
+from .passes.memory.recompute_activations import format_bytes
 from .runtime import (
     DataParallel,
     LocalExecutor,
@@ -115,6 +118,7 @@ class Plan:
     cache_note: str = ""  # the plan cache's part in this plan (explain())
     cache_seconds: float = 0.0  # loading it from the cache, or writing it there
     first_call_seconds: float | None = None  # the call that made this plan, start to return
+    planned_stage: int | None = None  # the ZeRO stage the memory planner chose ("auto" in the config)
 
     @property
     def graph(self) -> StepGraph:
@@ -165,6 +169,7 @@ class ParallelStep:
         self._cache = plan_cache.PlanCache(None, "not used (the step's first call opens it)")
         self._progress = Progress(self.__name__, False)  # progress lines (rank 0, stepfx.progress), from the first call
         self._profile: Any = None  # step.profile(steps=N): the runs it measures (stepfx/report)
+        self._stage_search: str | None = None  # the planner's first round when it chose the ZeRO stage
 
     # -- calling --------------------------------------------------------------
     def __call__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *args, **kwargs) -> Any:
@@ -219,6 +224,12 @@ class ParallelStep:
                     dims = self._dynamic_dims(structure, args, kwargs)
                     plan = self._compile(key, model, optimizer, args, kwargs, options, structure=structure,
                                          dynamic_dims=dims)
+                    if plan is None:  # the planner chose the ZeRO stage: this call again, with its state layout
+                        if fresh:
+                            self._drop_fresh_state(model, optimizer, fresh)
+                            self._initial_state_for = None
+                        self._calls -= 1
+                        return self(model, optimizer, *args, **kwargs)
             self._plans.move_to_end(plan.key)
             if fresh and not options.accumulate_only and self._drop_unused_state(plan, model, optimizer, fresh):
                 self._calls -= 1  # the same call, captured anew without that state
@@ -464,6 +475,8 @@ class ParallelStep:
                 plan.key = key = structure + (("dynamic", _frozen_dims(dynamic_dims)),)
         except Exception as exc:  # every rank learns of it in the pre-flight
             error = exc
+        if planned_stage(self.config) and self._choose_stage(plan):
+            return None  # the caller captures again with the chosen stage
         collectives = collective_fingerprint(plan.graph) + _pipeline_fingerprint(plan.executor) if plan else None
         if self._local_recapture(key, collectives, error):
             pass  # the ranks already agreed on these collectives: no exchange (other ranks are not capturing)
@@ -495,6 +508,31 @@ class ParallelStep:
             if not _GC_THAW_REGISTERED:
                 _register_thaw()
         return plan
+
+    def _choose_stage(self, plan: Plan | None) -> bool:
+        """ZeRO stage "auto": the memory planner chose a stage on each rank
+        (their peaks differ where pieces are uneven); every rank takes the
+        highest. The config gets it. True when the step must be captured
+        again: the capture assumed stage 0's state layout (the optimizer's
+        state in the optimizer, parameters whole), which the chosen stage
+        changes, or this rank chose another stage. When any rank failed,
+        nothing changes: the pre-flight reports it."""
+        mine = plan.planned_stage if plan is not None else None
+        everyone = [mine]
+        if self._dp.active:
+            everyone = [None] * self._dp.world_size
+            dist.all_gather_object(everyone, mine, group=self._dp.group)
+        if any(s is None for s in everyone):
+            return False
+        stage = max(everyone)
+        self.config = at_stage(self.config, stage)
+        if stage == 0 and mine == 0:
+            return False
+        log.info("stepfx: %s: the memory planner chose ZeRO stage %d (ranks: %s); capturing again with it",
+                 self.__name__, stage, everyone)
+        self._stage_search = next(r.summary for r in plan.records if r.name == "plan_memory") + \
+            (f"; ZeRO stage {stage} taken (the highest any rank chose: {everyone})" if self._dp.active else "")
+        return True
 
     def _local_recapture(self, key: tuple, collectives: list[str] | None, error: BaseException | None) -> bool:
         """Whether this capture happens on this rank alone, so no pre-flight
@@ -554,17 +592,26 @@ class ParallelStep:
                    **_pipeline_extra(self.config, dp, model)},
         )
         self._progress("captured in %.1f s (%s ops); running %d passes...", capture_seconds,
-                       f"{captured.count_ops():,}", manager.count_running(pass_options))
+                       f"{captured.count_ops():,}", manager.count_running(
+                           dataclasses.replace(pass_options, config=at_stage(self.config, 0))
+                           if planned_stage(self.config) else pass_options))
         start = time.perf_counter()
         budget = memory_budget_bytes(self.config)
         if budget is None:
             records = manager.run(captured, pass_options, first=first)
         else:  # the memory planner: the pipeline per candidate until the predicted peak fits
-            records = plan_memory(lambda opts: manager.run(captured, opts, first=first), pass_options, budget)
+            records, chosen = plan_memory(lambda opts: manager.run(captured, opts, first=first), pass_options, budget)
+            if self._stage_search is not None:  # the second capture, with the stage the first one chose
+                first_round, self._stage_search = self._stage_search, None
+                records[-1] = dataclasses.replace(records[-1], summary=(
+                    f"{first_round}; captured again with that stage's state layout: {chosen.name} (predicted peak "
+                    f"{format_bytes(chosen.peak)})"))
         passes_seconds = time.perf_counter() - start
         final = records[-1].graph
         executor = self._executor(final, model, optimizer, device_type)
         plan = Plan(key, records, executor, capture_seconds, passes_seconds, self._calls, device_type)
+        if budget is not None:
+            plan.planned_stage = chosen.stage
         plan.held = _held_specs(captured, final)
         plan.stepped = stepped_params(captured)
         plan.param_numels = plan_cache.param_numels(captured)
@@ -1237,7 +1284,8 @@ def _resolve_model_sizes(config: Config, model: torch.nn.Module) -> Config:
     keys = ("stage", "reduce_bucket_size", "prefetch_bucket_size", "param_persistence_threshold")
     if not any(getattr(zero, k) is AUTO for k in keys):
         return config
-    resolved = resolve_zero_auto(config, hidden_size=_hidden_size(model))
+    planned = zero.stage is AUTO and config.stepfx.memory_budget_gib is not None  # the planner chooses it
+    resolved = resolve_zero_auto(config, hidden_size=_hidden_size(model), stage_planned=planned)
     log.info("stepfx: resolved ZeRO 'auto' values from the model: %s", {k: getattr(resolved.zero_optimization, k) for k in keys})
     return resolved
 

@@ -438,3 +438,19 @@ def graphs_run(stage: int, graphs_on: bool, codegen: bool, steps: int = 6, devic
     step.sync_model()
     return {"losses": [float(x) for x in losses], "params": [p.detach().cpu().clone() for p in model.parameters()],
             "note": step.plan.executor.graphs_note}
+
+
+def predicted_peaks_by_stage() -> dict:
+    """This rank's predicted peak (bytes) of the tiny GPT's step at each ZeRO stage (the planner's figure)."""
+    from stepfx.graph.accounting import estimate_memory
+
+    peaks = {}
+    for stage in range(4):
+        torch.manual_seed(0)
+        model = tiny_gpt()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        step = stepfx.parallelize({"gradient_clipping": 0, "zero_optimization": {
+            "stage": stage, "reduce_bucket_size": 500, "stage3_param_persistence_threshold": 0}})(lm_step)
+        step(model, opt, torch.randint(0, 64, (2, 9)))
+        peaks[stage] = estimate_memory(step.plan.graph).peak
+    return peaks

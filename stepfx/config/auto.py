@@ -150,19 +150,35 @@ def _resolve_zero(zero: ZeroConfig, fill, missing: list[str], *, hidden_size: in
     return dataclasses.replace(zero, **changes)
 
 
-def resolve_zero_auto(config: Config, *, hidden_size: int | None) -> Config:
+def resolve_zero_auto(config: Config, *, hidden_size: int | None, stage_planned: bool = False) -> Config:
     """Fill only the ``zero_optimization`` AUTO values — the bucket sizes HF
     derives from the model's hidden size, the offload devices and the
     16-bit-save flag (HF/accelerate defaults) — leaving the rest of the
     config as it is. What stepfx does on a step's first call, when it knows
     the model. A ZeRO AUTO value without a source (the stage) is a
-    ConfigError naming the key."""
+    ConfigError naming the key, unless ``stage_planned``: the memory
+    planner chooses the stage (``stepfx.memory_budget_gib``), so it stays
+    AUTO here and the sizes are resolved as for stage 3 (the values only
+    stage 3 reads are unused below it); see :func:`at_stage`."""
     missing: list[str] = []
-    fill = _filler(missing, "set it in the config")
+    fill = _filler(missing, "set it in the config, or set stepfx.memory_budget_gib for the planner to choose it")
     offload = {"offload_optimizer": ("none", None), "offload_param": ("none", None)}
-    zero = _resolve_zero(config.zero_optimization, fill, missing, hidden_size=hidden_size, zero_stage=None,
-                         offload=offload, gather_16bit=False)
+    zero = config.zero_optimization
+    planned = stage_planned and zero.stage is AUTO
+    resolved = _resolve_zero(dataclasses.replace(zero, stage=3) if planned else zero, fill, missing,
+                             hidden_size=hidden_size, zero_stage=None, offload=offload, gather_16bit=False)
+    if planned:
+        resolved = dataclasses.replace(resolved, stage=AUTO, overlap_comm=zero.overlap_comm)
     if missing:
         raise ConfigError(missing[0].split(" ")[0], "'auto' values that cannot be resolved: " + "; ".join(missing),
                           value=AUTO, expected="a value")
-    return dataclasses.replace(config, zero_optimization=zero)
+    return dataclasses.replace(config, zero_optimization=resolved)
+
+
+def at_stage(config: Config, stage: int) -> Config:
+    """``config`` with ZeRO ``stage`` where it was AUTO (the planner's
+    choice), and DeepSpeed's stage-dependent default for ``overlap_comm``
+    (on for stage 3) where the config left it open."""
+    zero = config.zero_optimization
+    overlap = zero.overlap_comm if zero.overlap_comm is not None else stage == 3
+    return dataclasses.replace(config, zero_optimization=dataclasses.replace(zero, stage=stage, overlap_comm=overlap))

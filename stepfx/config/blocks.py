@@ -206,7 +206,9 @@ class StepfxOptions:
         unless DeepSpeed's ``activation_checkpointing`` block is there (then 0).
     memory_budget_gib: the memory planner (passes/memory/planner.py): the
         least recomputation whose predicted per-rank peak fits this many GiB
-        (overrides activation_memory_budget); None = no planning.
+        (overrides activation_memory_budget), then the optimizer offload
+        under ZeRO; with ``zero_optimization.stage`` "auto" it chooses the
+        stage too; None = no planning.
     host_adam: how ``zero_optimization.offload_optimizer`` updates on the
         host (runtime/host_optimizer.py): "fused" (default) runs torch's
         fused CPU Adam/AdamW (one pass over memory; the parameter rounds

@@ -119,3 +119,29 @@ def test_under_zero_3_the_least_offload_ratio_that_fits_is_kept():
     summary = next(r.summary for r in step.plan.records if r.name == "plan_memory")
     assert summary.startswith(f"budget {budget:g} GiB: recompute 'all' + optimizer offload (ratio 0.5)"), summary
     assert estimate_memory(step.plan.graph).peak <= budget * GIB
+
+
+def test_zero_stage_auto_on_one_rank_takes_stage_0_or_the_offload_at_stage_2():
+    auto = {"gradient_clipping": 0, "zero_optimization": {"stage": "auto"}, "stepfx": {"host_adam": "exact"}}
+    generous = _zero_step({**auto, "stepfx": {**auto["stepfx"], "memory_budget_gib": 1.0}})
+    assert generous.config.zero_optimization.stage == 0 and len(generous.plans) == 1
+    # below every recomputation level at stage 0 (sharding over one rank saves nothing): the offload, which
+    # needs ZeRO, at stage 2; the first call captured again with stage 2's state layout, and once only
+    all_peak = estimate_memory(_zero_step({"gradient_clipping": 0, "stepfx": {"activation_memory_budget": 0.0}}).plan.graph).peak
+    step = _zero_step({**auto, "stepfx": {**auto["stepfx"], "memory_budget_gib": (all_peak - 1) / GIB}})
+    assert step.config.zero_optimization.stage == 2 and step.config.zero_optimization.overlap_comm is False
+    summary = next(r.summary for r in step.plan.records if r.name == "plan_memory")
+    assert "ZeRO stage 0, recompute 'all': predicted peak" in summary and "ZeRO stage 1" not in summary
+    assert "captured again with that stage's state layout: recompute" in summary and "+ optimizer offload" in summary
+    assert len(step.plans) == 1 and step.plan.created_at_call == 1
+    torch.manual_seed(0)
+    eager_model = _gpt()
+    lm_step(eager_model, adamw(eager_model), *_batch())
+    ours = step.model_state_dict()
+    assert all(torch.equal(ours[n], p) for n, p in eager_model.named_parameters())
+
+
+def test_zero_stage_auto_without_a_budget_names_the_key():
+    with pytest.raises(stepfx.ConfigError, match=r"zero_optimization.stage: 'auto' values that cannot be resolved: "
+                                                 r".*or set stepfx.memory_budget_gib for the planner to choose it"):
+        _zero_step({"gradient_clipping": 0, "zero_optimization": {"stage": "auto"}})

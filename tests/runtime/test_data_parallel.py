@@ -394,3 +394,20 @@ def test_a_fresh_adam_captures_once_on_every_rank(rank_pool, stage):
     assert report.bitwise and report.steps == 4
     for text in report.explains:
         assert "stepfx plan for ce_step: 1 captured variant(s)" in text, text[:200]
+
+
+def test_the_memory_planner_chooses_the_zero_stage_when_it_is_auto(rank_pool):
+    # a budget that stage 3 meets and stage 2 does not, on either rank: "auto" becomes 3, the step is
+    # captured again with stage 3's state layout, and it is the eager step's bits
+    peaks = rank_pool(2).run(W.predicted_peaks_by_stage)
+    assert all(p[0] >= p[1] >= p[2] > p[3] for p in peaks), peaks
+    budget = max(p[3] for p in peaks)
+    config = {"gradient_clipping": 0, "stepfx": {"memory_budget_gib": budget / 2**30}, "zero_optimization": {
+        "stage": "auto", "reduce_bucket_size": 500, "stage3_param_persistence_threshold": 0}}
+    report = assert_data_parallel_equivalent(rank_pool(2), lm_step, tiny_gpt, adamw, dp_batches(2), config=config,
+                                             exact=True)
+    assert report.bitwise
+    for text in report.explains:
+        assert "ZeRO stage 3, recompute 'none' (predicted peak" in text, text
+        assert "ZeRO stage 3 taken (the highest any rank chose: [3, 3])" in text, text
+        assert "ZeRO stage 2, recompute 'none': predicted peak" in text and "(over the budget)" in text
