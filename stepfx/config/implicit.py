@@ -51,12 +51,5 @@ def implicit_defaults(config: Config) -> list[str]:
 def unapplied_settings(config: Config) -> list[str]:
     """One sentence per setting stepfx reads and accepts but does not apply
     yet (memory placement only: what the step computes is unchanged)."""
-    zero = config.zero_optimization
-    notes = []
-    param = getattr(zero, "offload_param", None)
-    if param is not None and param.device != "none":
-        notes.append(
-            f"zero_optimization.offload_param (device {param.device!r}) is not applied yet: parameters stay on the "
-            "device (under ZeRO-3 each rank holds 1/N of them); remove the block to silence this"
-        )
+    notes: list[str] = []
     return notes

@@ -53,6 +53,9 @@ ASSERT_OPS = frozenset({aten._assert_async.msg, aten._assert_async.default, aten
 # no_grad: ``detach`` (autograd bookkeeping), ``alias``, and
 # ``lift_fresh_copy`` of a constant nobody mutates.
 ALIAS_OPS = frozenset({aten.detach.default, aten.alias.default, aten.lift_fresh_copy.default})
+# Python functions the runtime puts in graphs whose result is storage their first argument made or is
+# (runtime/host_params.py registers its fetch wait and its copy into a host tensor): they allocate nothing.
+RESULT_OF_FIRST_ARG: set = set()
 
 # Matrix products and convolutions: every tensor operand must have one
 # dtype. Their fake kernels do not check it (the CPU/CUDA kernels do), so a
@@ -188,7 +191,7 @@ def allocates_nothing(node: fx.Node) -> bool:
     collective (its result is the collective's buffer)."""
     if node.op != "call_function":
         return False
-    if (node.target in ALIAS_OPS or node.target is operator.getitem
+    if (node.target in ALIAS_OPS or node.target is operator.getitem or node.target in RESULT_OF_FIRST_ARG
             or node.target is torch.ops._c10d_functional.wait_tensor.default or is_view(node)):
         return True
     schema = _schema(node)

@@ -17,6 +17,7 @@ from .cleanup.unrepeat_kv_heads import unrepeat_kv_heads
 from .cleanup.choose_attention_kernels import choose_attention_kernels
 from .data_parallel.fuse_bucket_packing import fuse_bucket_packing
 from .memory.offload_optimizer import offload_optimizer, offload_settings
+from .memory.offload_parameters import offload_parameters, param_offload_settings
 from .memory.recompute_activations import recompute_activations
 from .data_parallel.hold_accumulated_gradients import accumulation_steps, hold_accumulated_gradients
 from .data_parallel.place_gradients_early import place_gradients_early
@@ -306,6 +307,13 @@ PIPELINE: tuple[PipelineEntry, ...] = (
         fuse_generic_regions,
         "last: what stepfx's own kernels did not take is generic, and goes to inductor",
         applies=regions_apply,
+    ),
+    PipelineEntry(
+        "offload_parameters",
+        offload_parameters,
+        "after every pass that reads the stage-3 pieces (the fusions, the carried 16-bit copies, the host update): "
+        "each device reader gets its fetch, and before partition_stages (which refuses it anyway)",
+        applies=lambda options: param_offload_settings(options) is not None,
     ),
     PipelineEntry(
         "partition_stages",

@@ -125,6 +125,8 @@ class ModuleBinding:
                 self._carried[s.ident] = self.store.carried[s.ident]
         # offload_optimizer: rank-held slots whose values live on the host
         self._host_state = frozenset(signature.extra.get(HOST_STATE_KEY, ()))
+        # offload_param with pin_memory: host-held pieces the device copies up from while it computes
+        self._pinned = frozenset(signature.extra.get("host_pinned", ())) if torch.cuda.is_available() else frozenset()
         self._readers: list[Callable[[], Any] | None] = []
         self._batch_positions: list[int] = []
         for i, slot in enumerate(signature.inputs):
@@ -215,6 +217,7 @@ class ModuleBinding:
             source = self._user_tensor(slot, params)
             store, ident, piece, split = self.store, slot.ident, slot.piece, slot.split
             on_host = slot.ident in self._host_state
+            pinned = slot.ident in self._pinned
             nvme = self.signature.extra.get(HOST_STATE_NVME_KEY)
 
             def read_rank():
@@ -233,6 +236,8 @@ class ModuleBinding:
                         value = value.to("cpu", copy=True) if on_host else value.clone()
                     if on_host and nvme is not None:
                         value = _file_backed(value, nvme)
+                    elif pinned and not value.is_pinned():
+                        value = value.pin_memory()
                     store.tensors[ident] = value
                 return value
 

@@ -126,17 +126,18 @@ def _host_scalar(value) -> float | None:
 
 
 def host_adam_start(count: int, *flat, step_is_new: bool, eps: float, weight_decay: float, decoupled: bool,
-                    maximize: bool, pin_memory: bool, kernel: str = "fused") -> HostJob:
+                    maximize: bool, pin_memory: bool, kernel: str = "fused", params_on_host: bool = False) -> HostJob:
     """Start the update of ``count`` parameter pieces on the host. ``flat``:
     the pieces (on the device), their gradients (device), exp_avgs and
     exp_avg_sqs (host), their step counters (before this step's increment
     unless ``step_is_new``), then lr, beta1, beta2, grad_factor, found_inf as
     ``graph_ops.adam_step`` takes them (factor and flag may be None).
     ``kernel``: "fused" (torch's fused CPU Adam) or "exact"
-    (:func:`adam_chunked`)."""
+    (:func:`adam_chunked`). ``params_on_host``: the pieces are host tensors
+    (``offload_param``), updated in place and returned as they are."""
     params, grads, exp_avgs, exp_avg_sqs, steps = (list(flat[i * count:(i + 1) * count]) for i in range(5))
     lr, beta1, beta2, grad_factor, found_inf = flat[5 * count:5 * count + 5]
-    device = params[0].device if params else torch.device("cpu")
+    device = grads[0].device if grads else torch.device("cpu")
     ready = None
     if device.type == "cuda":
         ready = torch.cuda.Event()
@@ -147,7 +148,8 @@ def host_adam_start(count: int, *flat, step_is_new: bool, eps: float, weight_dec
         with torch.no_grad():  # grad mode is per thread: the graph's no_grad does not reach this one
             return _update(device, ready, params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2, grad_factor,
                            found_inf, step_is_new=step_is_new, eps=eps, weight_decay=weight_decay,
-                           decoupled=decoupled, maximize=maximize, pin=pin_memory, cancel=cancel, kernel=kernel)
+                           decoupled=decoupled, maximize=maximize, pin=pin_memory, cancel=cancel, kernel=kernel,
+                           in_place=params_on_host)
 
     job = HostJob(_worker().submit(run), cancel)
     with _LOCK:
@@ -243,7 +245,7 @@ def adam_fused(p, g, m, v, *, lr: float, beta1: float, beta2: float, eps: float,
 
 
 def _update(device, ready, params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2, grad_factor, found_inf, *,
-            step_is_new, eps, weight_decay, decoupled, maximize, pin, cancel, kernel):
+            step_is_new, eps, weight_decay, decoupled, maximize, pin, cancel, kernel, in_place=False):
     if device.type == "cuda":
         torch.cuda.set_device(device)  # this thread's current device (ranks other than 0 use other GPUs)
         down, up = _streams(device)
@@ -267,14 +269,14 @@ def _update(device, ready, params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta
     if device.type != "cuda":
         new_params = []
         for p, g, m, v, s in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
-            p = p.detach().clone()  # the graph's values are never written
+            p = p.detach() if in_place else p.detach().clone()  # the graph's values are written only if host-held
             update(p.view(-1), g.reshape(-1), m.view(-1), v.view(-1), step=s, **hyper)
             new_params.append(p)
         return new_params, list(exp_avgs), list(exp_avg_sqs)
-    return _pipelined(params, grads, exp_avgs, exp_avg_sqs, steps, hyper, update, down, up, pin)
+    return _pipelined(params, grads, exp_avgs, exp_avg_sqs, steps, hyper, update, down, up, pin, in_place)
 
 
-def _pipelined(params, grads, exp_avgs, exp_avg_sqs, steps, hyper, update, down, up, pin):
+def _pipelined(params, grads, exp_avgs, exp_avg_sqs, steps, hyper, update, down, up, pin, in_place=False):
     """Parameter by parameter: the next one's pieces come down while this one
     is updated, and each goes up as soon as it is; staging buffers go back to
     the pool once their copy up is done (so the host holds a few parameters'
@@ -282,9 +284,10 @@ def _pipelined(params, grads, exp_avgs, exp_avg_sqs, steps, hyper, update, down,
     def fetch(i):
         p, g = params[i], grads[i]
         with torch.cuda.stream(down):
-            hp = POOL.take(p.numel(), p.dtype, pin)
+            hp = p.view(-1) if in_place else POOL.take(p.numel(), p.dtype, pin)  # host-held: updated where it is
             hg = POOL.take(g.numel(), g.dtype, pin)
-            hp.copy_(p.reshape(-1), non_blocking=True)
+            if not in_place:
+                hp.copy_(p.reshape(-1), non_blocking=True)
             hg.copy_(g.reshape(-1), non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(down)
@@ -296,7 +299,7 @@ def _pipelined(params, grads, exp_avgs, exp_avg_sqs, steps, hyper, update, down,
         nxt = fetch(0) if params else None
         for i, p in enumerate(params):
             hp, hg, ev = nxt
-            in_flight.append((None, (hp, hg)))
+            in_flight.append((None, (hg,) if in_place else (hp, hg)))  # the pool's staging buffers
             nxt = fetch(i + 1) if i + 1 < len(params) else None
             t0 = time.perf_counter()
             ev.synchronize()
@@ -305,18 +308,22 @@ def _pipelined(params, grads, exp_avgs, exp_avg_sqs, steps, hyper, update, down,
             STATS["wait_down_s"] += t1 - t0
             STATS["update_s"] += time.perf_counter() - t1
             STATS["elements"] += hp.numel()
-            with torch.cuda.stream(up):
-                out = torch.empty_like(p)
-                out.view(-1).copy_(hp, non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(up)
-            in_flight[-1] = (done, (hp, hg))
-            new_params.append(out)
+            if in_place:
+                in_flight[-1] = (ev, (hg,))
+                new_params.append(p)
+            else:
+                with torch.cuda.stream(up):
+                    out = torch.empty_like(p)
+                    out.view(-1).copy_(hp, non_blocking=True)
+                    done = torch.cuda.Event()
+                    done.record(up)
+                in_flight[-1] = (done, (hp, hg))
+                new_params.append(out)
             while in_flight and in_flight[0][0] is not None and in_flight[0][0].query():
                 for t in in_flight.pop(0)[1]:
                     POOL.give(t, pin)
         if nxt is not None:
-            in_flight.append((nxt[2], nxt[:2]))
+            in_flight.append((nxt[2], nxt[1:2] if in_place else nxt[:2]))
         STATS["jobs"] += 1
         t0 = time.perf_counter()
     finally:

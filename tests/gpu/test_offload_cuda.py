@@ -74,3 +74,32 @@ def test_bf16_training_tracks_the_device_update():
     rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
     print(f"bf16 ZeRO-2, 6 steps: losses {losses} vs {ref_losses}, max rel {rel:.3g}")
     assert rel <= 1e-3
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("codegen", [False, True], ids=["ops", "codegen"])
+def test_parameter_pieces_on_the_host_are_the_device_step_bitwise(codegen):
+    # offload_param alone: the same device arithmetic on pieces fetched from pinned host memory (exact copies),
+    # so the step is bitwise; the pieces stay on the host between steps, and the device holds less
+    extra = {"stepfx": {"codegen": codegen}, "bf16": {"enabled": True}}
+    config = _config(3, False, **extra)
+    config["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True, "buffer_count": 3}
+    torch.cuda.reset_peak_memory_stats()
+    step, model, opt, losses = _run(config, steps=3)
+    peak = torch.cuda.max_memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    ref, _, _, ref_losses = _run(_config(3, False, **extra), steps=3)
+    ref_peak = torch.cuda.max_memory_allocated()
+    assert losses == ref_losses
+    ours, theirs = step.model_state_dict(), ref.model_state_dict()
+    assert all(torch.equal(ours[n], theirs[n]) for n in theirs)
+    pieces = [t for k, t in step._store.tensors.items() if k[0] is Role.PARAM]
+    assert pieces and all(t.device.type == "cpu" and t.is_pinned() for t in pieces)
+    print(f"offload_param codegen {codegen}: peak {peak / 2**20:.1f} MiB against {ref_peak / 2**20:.1f} MiB")
+    # with the optimizer offloaded too, the host update works on the host pieces: nothing goes up but the fetches
+    config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    both, _, _, both_losses = _run(config, steps=3)
+    assert abs(both_losses[-1] - ref_losses[-1]) <= 1e-3 * abs(ref_losses[-1])
+    starts = [n for n in both.plan.graph.gm.graph.nodes if n.target is host_adam_start]
+    assert starts and all(n.kwargs.get("params_on_host") for n in starts)

@@ -145,3 +145,15 @@ def test_zero_stage_auto_without_a_budget_names_the_key():
     with pytest.raises(stepfx.ConfigError, match=r"zero_optimization.stage: 'auto' values that cannot be resolved: "
                                                  r".*or set stepfx.memory_budget_gib for the planner to choose it"):
         _zero_step({"gradient_clipping": 0, "zero_optimization": {"stage": "auto"}})
+
+
+def test_under_zero_3_parameter_offload_comes_after_the_optimizer_offload():
+    config = {**_zero_config(), "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    both = {**config, "stepfx": {**config["stepfx"], "activation_memory_budget": 0.0}, "zero_optimization": {
+        **config["zero_optimization"], "offload_optimizer": {"device": "cpu"}}}
+    optimizer_only = estimate_memory(_zero_step(both).plan.graph).peak
+    step = _zero_step({**config, "stepfx": {**config["stepfx"], "memory_budget_gib": (optimizer_only - 1) / GIB}})
+    summary = next(r.summary for r in step.plan.records if r.name == "plan_memory")
+    assert "+ optimizer offload + parameter offload (predicted peak" in summary, summary
+    assert estimate_memory(step.plan.graph).peak < optimizer_only
+    assert any(r.name == "offload_parameters" and r.changed for r in step.plan.records)

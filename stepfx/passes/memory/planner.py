@@ -34,7 +34,9 @@ as one already over the budget. The ranks take the highest stage any of
 them chose (the api does, before its pre-flight) and, where that is not
 stage 0, capture once more with that stage's state layout.
 
-Not yet among the candidates: parameter offload.
+Last, under ZeRO-3 (configured, or "auto" over two or more ranks): the
+parameters' pieces on the host too (``offload_param``, with the optimizer
+offload where the optimizer allows it), fetched ahead of each use.
 """
 from __future__ import annotations
 
@@ -63,11 +65,12 @@ class Tried:
     offload: bool = False
     ratio: float = 1.0
     stage: int | None = None  # the ZeRO stage the planner chose (None: the config's)
+    params: bool = False  # the parameters' pieces offloaded too (stage 3)
 
     @property
     def name(self) -> str:
         return (f"ZeRO stage {self.stage}, " if self.stage is not None else "") + f"recompute {self.level!r}" + \
-            (" + optimizer offload" if self.offload else "") + \
+            (" + optimizer offload" if self.offload else "") + (" + parameter offload" if self.params else "") + \
             (f" (ratio {self.ratio:g})" if self.offload and self.ratio < 1 else "")
 
 
@@ -108,6 +111,13 @@ def _with_offload(config, ratio: float = 1.0):
         return None
     block = OffloadConfig(device="cpu", pin_memory=True, ratio=ratio)
     return dataclasses.replace(config, zero_optimization=dataclasses.replace(zero, offload_optimizer=block))
+
+
+def _with_param_offload(config):
+    """``config`` with ZeRO-3's parameter pieces at rest on the host (``offload_param: {device: cpu}``)."""
+    zero = config.zero_optimization
+    block = OffloadConfig(device="cpu", pin_memory=True)
+    return dataclasses.replace(config, zero_optimization=dataclasses.replace(zero, offload_param=block))
 
 
 def _candidates(options: PassOptions) -> list[tuple[int | None, str]]:
@@ -153,7 +163,7 @@ def plan_memory(run: Callable[[PassOptions], list[PassRecord]], options: PassOpt
                                extra={**(options.extra or {}), RECOMPUTE_LEVEL_KEY: level},
                                tp_size=options.tp_size, tp_rank=options.tp_rank, tp_group_name=options.tp_group_name))
 
-    def search(pairs, config_of, offload: bool) -> bool:
+    def search(pairs, config_of, offload: bool, params: bool = False) -> bool:
         nonlocal records
         failed: list[tuple[int | None, str]] = []
         for stage, level in pairs:
@@ -161,7 +171,7 @@ def plan_memory(run: Callable[[PassOptions], list[PassRecord]], options: PassOpt
                 continue
             candidate = attempt(config_of(stage), level)
             peak = estimate_memory(candidate[-1].graph).peak
-            tried.append(Tried(level, peak, peak <= budget, offload, stage=stage))
+            tried.append(Tried(level, peak, peak <= budget, offload, stage=stage, params=params))
             records = candidate
             if peak <= budget:
                 return True
@@ -191,6 +201,18 @@ def plan_memory(run: Callable[[PassOptions], list[PassRecord]], options: PassOpt
                     chosen = next(i for i in range(len(tried) - 1, -1, -1) if tried[i].fits)
                     tried.append(tried.pop(chosen))
             break
+    if not fitted:  # last: ZeRO-3's pieces on the host too (ZeRO-Infinity), fetched ahead of each use
+        stage = 3 if planned and 3 in stage_candidates(options) else None
+        base = at_stage(options.config, 3) if stage == 3 else options.config
+        zero = getattr(base, "zero_optimization", None)
+        if zero is not None and zero.stage == 3 and zero.offload_param is None:
+            with_optimizer = _with_offload(base) if not notes else None
+            config = _with_param_offload(with_optimizer or base)
+            try:
+                fitted = search([(stage, level) for level in CANDIDATES], lambda s, c=config: c,
+                                config.zero_optimization.offload_optimizer is not None, True)
+            except ConfigError as exc:
+                notes.append(f"parameter offload not possible: {exc}")
     asked = getattr(options.config.stepfx, "memory_budget_gib", budget / GIB)
     lines = [f"{t.name}: predicted peak {format_bytes(t.peak)}" + ("" if t.fits else " (over the budget)") for t in tried]
     lines += notes
