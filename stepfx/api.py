@@ -1078,15 +1078,20 @@ class ParallelStep:
 
     def _gather_params(self) -> dict[str, torch.Tensor]:
         out = {}
+        # ZeRO-3: the pieces over the data-parallel group first (under tensor parallelism they make this
+        # rank's Megatron shard of a split parameter, gathered over the TP group next)
+        layout = self.plan.graph.signature.extra.get(LAYOUT_KEY)
+        zero = {}
+        if layout is not None and any(b.sharding is Sharding.PARAMETERS for b in layout.buckets):
+            zero = gather_sharded_params(layout, self._store, self._dp)
         if self._dp is not None and self._dp.tp_size > 1:  # the Megatron shards of split parameters
-            split = gather_tensor_parallel(self.plan.graph.signature, self._store, self._dp, Role.PARAM)
+            split = gather_tensor_parallel(self.plan.graph.signature, self._store, self._dp, Role.PARAM,
+                                           local={name: {None: value} for name, value in zero.items()})
             out.update({name: keys[None] for name, keys in split.items()})
+            zero = {name: value for name, value in zero.items() if name not in split}
         # pipeline stages: what other stages keep, from them (whole, after their tensor-parallel gather)
         out.update({name: value for (name, _), value in self._gather_from_stages(Role.PARAM, local=out).items()})
-        layout = self.plan.graph.signature.extra.get(LAYOUT_KEY)
-        if layout is None or not any(b.sharding is Sharding.PARAMETERS for b in layout.buckets):
-            return out
-        return {**out, **gather_sharded_params(layout, self._store, self._dp)}
+        return {**out, **zero}
 
 
 def _hidden_size(model: torch.nn.Module) -> int | None:
@@ -1142,14 +1147,6 @@ def _tensor_parallel_degree(config: Config, model: torch.nn.Module) -> int:
         ("num_attention_heads", "num_attention_heads"), ("num_key_value_heads", "num_key_value_heads"),
         ("num_attention_heads", "n_heads"), ("num_attention_heads", "n_head")) if getattr(cfg, attr, None)}
     tp = check_tensor_parallel(tp_config, world, heads)
-    zero = config.zero_optimization.stage
-    if isinstance(zero, int) and zero > 2:
-        # shard_parameters would have to cut pieces of each rank's Megatron shard at rest and gather
-        # them over the data-parallel group only, before the tensor-parallel collectives read them
-        raise ConfigError("zero_optimization.stage", f"tensor parallelism (autotp_size {tp}) does not compose with "
-                          f"ZeRO stage {zero} yet: it needs the parameters at rest as pieces of each rank's "
-                          "Megatron shard, gathered over the data-parallel group before use (DeepSpeed's AutoTP "
-                          "refuses ZeRO-3 too)", value=zero, expected="0, 1 or 2 with tensor_parallel.autotp_size > 1")
     return tp
 
 

@@ -118,7 +118,7 @@ def test_async_save_completes_and_resumes_bitwise(rank_pool, tmp_path):
 # (saved by: world, TP degree, ZeRO stage) -> (loaded by: world, TP degree, ZeRO stage, into a running step)
 TP_CASES = [
     ((2, 2, 0), (2, 2, 0, True)),
-    ((4, 2, 1), (1, 1, 0, False)),
+    ((4, 2, 3), (1, 1, 0, False)),  # ZeRO-3: pieces of each rank's shard of the parameters too
     ((1, 1, 0), (4, 2, 2, True)),
 ]
 

@@ -64,20 +64,24 @@ def shard_parameters(graph: StepGraph, options: PassOptions) -> PassResult:
     sig = graph.signature
     rank, n = options.rank, options.world_size
     placeholders = {node.meta["slot"].ident: node for node in g.nodes if node.op == "placeholder"}
+    # by name: under tensor parallelism a split parameter is already the rank's Megatron shard (a rank-held
+    # slot with its ``split``); its ZeRO-3 piece is cut from that shard and gathered over the data-parallel group
+    params = {node.meta["slot"].name: node for node in g.nodes if node.op == "placeholder"
+              and node.meta["slot"].role is Role.PARAM and node.meta["slot"].piece is None}
     inputs = list(sig.inputs)
     replaced: list[tuple[str, fx.Node]] = []
 
     reuse = _reused_buckets(g, buckets, placeholders, _max_reuse_distance(options))
     regathered = 0
     for bucket in buckets:
-        whole = {p.name: placeholders[Slot(Role.PARAM, p.name).ident] for p in bucket.params}
+        whole = {p.name: params[p.name] for p in bucket.params}
         pieces: dict[str, fx.Node] = {}
         for p in bucket.params:
             a, b, _ = bucket.piece(p, rank)
             old = whole[p.name]
             old_slot = old.meta["slot"]
             if b > a:
-                slot = Slot(Role.PARAM, p.name, storage=Storage.RANK, piece=(a, b))
+                slot = Slot(Role.PARAM, p.name, storage=Storage.RANK, piece=(a, b), split=old_slot.split)
                 with g.inserting_before(old.next):
                     ph = g.placeholder(f"{old.name}_piece")
                 ph.meta.update(slot=slot, val=fake_like(old.meta["val"], (b - a,)))
