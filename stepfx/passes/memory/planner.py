@@ -26,8 +26,8 @@ tried (0.5, 0.25: DeepSpeed's partial offload) and the least that fits is
 kept: less host work a step.
 
 When ``zero_optimization.stage`` is "auto", the stage is a candidate too
-(0-3 over two or more data-parallel ranks; 0-2 with tensor parallelism;
-over one rank sharding saves nothing, so 0, and 2 for the offload): the
+(0-3 over two or more data-parallel ranks; over one rank sharding saves
+nothing, so 0, and 2 for the offload): the
 (stage, level) pairs are tried in the order of what they add to a step
 (``STAGE_COST`` + ``LEVEL_COST``), skipping any that keeps at least as much
 as one already over the budget. The ranks take the highest stage any of
@@ -97,10 +97,8 @@ def planned_stage(config) -> bool:
 
 def stage_candidates(options: PassOptions) -> tuple[int, ...]:
     """The stages the planner may choose: sharding over one data-parallel rank saves nothing (stage 0, and
-    stage 2 for the optimizer offload, which needs ZeRO); tensor parallelism composes with 0-2."""
-    if options.world_size <= 1:
-        return (0,)
-    return (0, 1, 2) if options.tp_size > 1 else (0, 1, 2, 3)
+    stage 2 for the optimizer offload, which needs ZeRO)."""
+    return (0,) if options.world_size <= 1 else (0, 1, 2, 3)
 
 
 def _with_offload(config, ratio: float = 1.0):
