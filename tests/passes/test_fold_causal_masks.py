@@ -133,13 +133,18 @@ def _llama_without_cache():
     return LlamaForCausalLM(cfg)
 
 
-def test_hugging_face_masks_built_because_of_tracing_are_folded():
+def test_hugging_face_masks_built_because_of_tracing_are_folded(monkeypatch):
     """transformers cannot rule out packed sequences under tracing, so with
     use_cache=False it builds the causal mask itself; eager calls SDPA with
     is_causal. After the pass no attention reads a mask, and explain()
-    says so next to the library's tracing path."""
+    says so next to the library's tracing path. The layers' masks are
+    computed alike: evaluated once."""
+    from stepfx.passes.cleanup import fold_causal_masks as pass_module
     from tests.steps import hf_step, token_batches
 
+    evaluated = []
+    real = pass_module._evaluate
+    monkeypatch.setattr(pass_module, "_evaluate", lambda *a, **k: evaluated.append(a[3]) or real(*a, **k))
     torch.manual_seed(0)
     model = _llama_without_cache()
     step = stepfx.parallelize({"gradient_clipping": 0})(hf_step)
@@ -148,6 +153,8 @@ def test_hugging_face_masks_built_because_of_tracing_are_folded():
         step(model, opt, *batch)
     calls = _attention_calls(step)
     assert len(calls) == 4 and all(_get(n, "attn_mask") is None and _get(n, "is_causal") is True for n in calls)
+    folded = next(r.summary for r in step.plan.records if r.name == "fold_causal_masks")
+    assert folded.startswith("2 causal mask(s) folded") and len(evaluated) == 1, (folded, evaluated)
     text = step.explain()
     assert "undone where it built SDPA's causal mask" in text
     sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1)

@@ -153,7 +153,23 @@ def _is_causal_mask(value: torch.Tensor) -> bool:
     return bool(((value == 0) == causal).all() and ((value <= MASKED_AT_MOST) == ~causal).all())
 
 
-def _why_not_causal(graph: StepGraph, mask: fx.Node, readers: list[fx.Node], ops: dict) -> str | None:
+def _structure(nodes: list[fx.Node], leaves: list[fx.Node], mask: fx.Node) -> tuple:
+    """What a mask's computation is, without its node names: each op with its arguments (other nodes of
+    the subgraph by position, leaves as sizes by expression), the result's shape. Masks with the same
+    structure (transformers builds one per layer) evaluate alike: evaluated once."""
+    index = {n: ("leaf", compat.size_expr(leaf.meta["val"])) for n, leaf in ((leaf, leaf) for leaf in leaves)}
+    index.update({n: ("node", i) for i, n in enumerate(nodes)})
+
+    def key(a):
+        return fx.node.map_arg(a, lambda n: index[n])
+
+    ops = tuple((n.op, str(n.target), repr(key(n.args)), repr(key(n.kwargs))) for n in nodes)
+    shape = tuple(str(compat.size_expr(s)) for s in mask.meta["val"].shape)
+    return ops, shape, str(mask.meta["val"].dtype), index[mask]
+
+
+def _why_not_causal(graph: StepGraph, mask: fx.Node, readers: list[fx.Node], ops: dict,
+                    evaluated: dict | None = None) -> str | None:
     val = mask.meta.get("val")
     if not isinstance(val, torch.Tensor) or val.dim() < 2:
         return "not a tensor of at least 2 dims"
@@ -174,6 +190,17 @@ def _why_not_causal(graph: StepGraph, mask: fx.Node, readers: list[fx.Node], ops
     if isinstance(found, str):
         return found
     nodes, leaves = found
+    if any(n.op == "get_attr" for n in nodes):  # a constant's values are not in the structure
+        return _evaluate(graph, nodes, leaves, mask, val)
+    key = _structure(nodes, leaves, mask)
+    if evaluated is None:
+        return _evaluate(graph, nodes, leaves, mask, val)
+    if key not in evaluated:
+        evaluated[key] = _evaluate(graph, nodes, leaves, mask, val)
+    return evaluated[key]
+
+
+def _evaluate(graph: StepGraph, nodes: list[fx.Node], leaves: list[fx.Node], mask: fx.Node, val) -> str | None:
     hints = [compat.size_hint(leaf.meta["val"]) for leaf in leaves]
     trials = [hints] + ([[size] * len(leaves) for size in _TRIAL_SIZES] if leaves else [])
     try:
@@ -203,7 +230,8 @@ def fold_causal_masks(graph: StepGraph, options: PassOptions) -> PassResult:
                 readers.setdefault(mask, []).append(node)
     if not readers:
         return PassResult(graph, False)
-    verdicts = {mask: _why_not_causal(graph, mask, users, ops) for mask, users in readers.items()}
+    evaluated: dict = {}  # a mask's structure -> its verdict (one evaluation per distinct computation)
+    verdicts = {mask: _why_not_causal(graph, mask, users, ops, evaluated) for mask, users in readers.items()}
     kept = {why for why in verdicts.values() if why is not None}
     folded = [mask for mask, why in verdicts.items() if why is None]
     if not folded:
