@@ -47,7 +47,7 @@ from .passes import PIPELINE, PassManager, PassOptions, PassRecord, dump_records
 from .passes.cleanup.choose_attention_kernels import FLASH_CHECK_KEY
 from .passes.cleanup.unrepeat_kv_heads import GQA_OPS_KEY
 from .passes.tensor_parallel.plan_tensor_parallel import HF_TP_PLAN_KEY
-from .passes.memory.planner import memory_budget_bytes, plan_memory, planned_stage
+from .passes.memory.planner import PLANNED_CHOICE_KEY, memory_budget_bytes, plan_memory, planned_stage
 from .passes.memory.recompute_activations import format_bytes
 from .runtime import (
     DataParallel,
@@ -119,6 +119,7 @@ class Plan:
     cache_seconds: float = 0.0  # loading it from the cache, or writing it there
     first_call_seconds: float | None = None  # the call that made this plan, start to return
     planned_stage: int | None = None  # the ZeRO stage the memory planner chose ("auto" in the config)
+    planned_choice: Any = None  # the memory planner's choice (passes/memory/planner.Tried)
 
     @property
     def graph(self) -> StepGraph:
@@ -170,6 +171,7 @@ class ParallelStep:
         self._progress = Progress(self.__name__, False)  # progress lines (rank 0, stepfx.progress), from the first call
         self._profile: Any = None  # step.profile(steps=N): the runs it measures (stepfx/report)
         self._stage_search: str | None = None  # the planner's first round when it chose the ZeRO stage
+        self._stage_choice: Any = None  # and what it chose there
 
     # -- calling --------------------------------------------------------------
     def __call__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *args, **kwargs) -> Any:
@@ -530,6 +532,7 @@ class ParallelStep:
             return False
         log.info("stepfx: %s: the memory planner chose ZeRO stage %d (ranks: %s); capturing again with it",
                  self.__name__, stage, everyone)
+        self._stage_choice = plan.planned_choice
         self._stage_search = next(r.summary for r in plan.records if r.name == "plan_memory") + \
             (f"; ZeRO stage {stage} taken (the highest any rank chose: {everyone})" if self._dp.active else "")
         return True
@@ -600,6 +603,9 @@ class ParallelStep:
         if budget is None:
             records = manager.run(captured, pass_options, first=first)
         else:  # the memory planner: the pipeline per candidate until the predicted peak fits
+            if self._stage_search is not None:  # the first round's choice is tried first (it fits unless the ranks differ)
+                pass_options = dataclasses.replace(pass_options, extra={**pass_options.extra,
+                                                                         PLANNED_CHOICE_KEY: self._stage_choice})
             records, chosen = plan_memory(lambda opts: manager.run(captured, opts, first=first), pass_options, budget)
             if self._stage_search is not None:  # the second capture, with the stage the first one chose
                 first_round, self._stage_search = self._stage_search, None
@@ -611,7 +617,7 @@ class ParallelStep:
         executor = self._executor(final, model, optimizer, device_type)
         plan = Plan(key, records, executor, capture_seconds, passes_seconds, self._calls, device_type)
         if budget is not None:
-            plan.planned_stage = chosen.stage
+            plan.planned_stage, plan.planned_choice = chosen.stage, chosen
         plan.held = _held_specs(captured, final)
         plan.stepped = stepped_params(captured)
         plan.param_numels = plan_cache.param_numels(captured)

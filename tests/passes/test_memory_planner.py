@@ -18,7 +18,7 @@ GIB = 2**30
 
 
 def _gpt():
-    return tiny_gpt(seq_len=128, d_model=64, n_layers=3)
+    return tiny_gpt(seq_len=128, d_model=64, n_layers=2)
 
 
 def _batch():

@@ -51,7 +51,11 @@ from ...graph.accounting import estimate_memory
 from ..manager import PassOptions, PassRecord
 from .recompute_activations import LEVELS, RECOMPUTE_LEVEL_KEY, format_bytes
 
-__all__ = ["CANDIDATES", "Tried", "memory_budget_bytes", "plan_memory", "planned_stage", "stage_candidates"]
+__all__ = ["CANDIDATES", "PLANNED_CHOICE_KEY", "Tried", "memory_budget_bytes", "plan_memory", "planned_stage",
+           "stage_candidates"]
+# options.extra: a Tried the planner chose in an earlier round (the api's first capture, when it chose the ZeRO
+# stage): tried first, and kept if it fits
+PLANNED_CHOICE_KEY = "planned_choice"
 
 CANDIDATES = ("none", *LEVELS)
 GIB = 2**30
@@ -176,7 +180,22 @@ def plan_memory(run: Callable[[PassOptions], list[PassRecord]], options: PassOpt
             failed.append((stage, level))
         return False
 
-    fitted = search(_candidates(options), lambda s: options.config if s is None else at_stage(options.config, s), False)
+    hint = (options.extra or {}).get(PLANNED_CHOICE_KEY)
+    fitted = False
+    if hint is not None and not planned:  # the earlier round's choice at the stage it chose
+        config = options.config
+        if hint.offload:
+            config = _with_offload(config, hint.ratio) or config
+        if hint.params and config.zero_optimization.offload_param is None:
+            config = _with_param_offload(config)
+        candidate = attempt(config, hint.level)
+        peak = estimate_memory(candidate[-1].graph).peak
+        if peak <= budget:
+            tried.append(dataclasses.replace(hint, peak=peak, stage=None))
+            records, fitted = candidate, True
+    if not fitted:
+        fitted = search(_candidates(options), lambda s: options.config if s is None else at_stage(options.config, s),
+                        False)
     for stage, config in ([] if fitted else offload_configs):
         try:
             fitted = search([(stage, level) for level in CANDIDATES], lambda s, c=config: c, True)
