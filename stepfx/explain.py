@@ -12,7 +12,7 @@ import collections
 import torch
 
 from . import compat
-from .graph import CARRIED_COPIES_KEY, META_DONATED, META_PHASE, Role, format_graph
+from .graph import CARRIED_COPIES_KEY, HOST_STATE_KEY, META_DONATED, META_PHASE, Role, format_graph
 from .graph.accounting import Sizes, communication, estimate_memory, size_values
 from .graph.layout import LAYOUT_KEY
 from .graph.tp_layout import TP_PLAN_KEY
@@ -71,8 +71,11 @@ def _zero_section(graph, world: int, values: dict) -> list[str]:
         lines.append(f"  {'carried copies at rest':<24} {format_bytes(size):>12}  (16-bit parameter copies)")
     lines.append(f"  {'peak during the step':<24} {format_bytes(mem.peak):>12}  (at {mem.peak_node}){_expr(mem.peak_expr)}")
     if mem.host:
-        lines.append(f"  {'host memory at rest':<24} {format_bytes(mem.host):>12}  (offload_optimizer: Adam's moments; "
-                     "not in the figures above)")
+        held = set(graph.signature.extra.get(HOST_STATE_KEY, ()))
+        roles = {n.meta["slot"].role for n in graph.gm.graph.nodes if n.op == "placeholder" and n.meta["slot"].ident in held}
+        what = "; ".join(w for role, w in ((Role.OPTIMIZER_STATE, "offload_optimizer: Adam's moments"),
+                                           (Role.PARAM, "offload_param: the parameters' pieces")) if role in roles)
+        lines.append(f"  {'host memory at rest':<24} {format_bytes(mem.host):>12}  ({what}; not in the figures above)")
     comm = communication(graph, world, values)
     if comm:
         lines.append("communication per step on this rank:")

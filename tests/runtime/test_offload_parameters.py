@@ -72,6 +72,8 @@ def test_equals_the_step_without_offloading_bitwise(optimizer, bf16, clip):
     assert ours.peak < theirs.peak
     summary = next(r.summary for r in step.plan.records if r.name == "offload_parameters")
     assert f"{len(pieces)} parameter pieces" in summary and "pinned host memory" in summary
+    held = ("offload_optimizer: Adam's moments; " if optimizer is not None else "") + "offload_param: the parameters' pieces"
+    assert f"({held}; not in the figures above)" in step.explain()
     if optimizer is not None:  # the host update reads and writes the host pieces themselves
         starts = [n for n in graph.gm.graph.nodes if n.target is host_adam_start]
         assert starts and all(n.kwargs["params_on_host"] for n in starts)
