@@ -40,6 +40,7 @@ from .errors import ExecutionError, StepfxError
 from .monitor import PHASES, Monitor, dense_flops_per_token, loss_of, tokens_in
 from .graph import Role, StepGraph, Storage, TensorSpec
 from .graph.layout import LAYOUT_KEY, Sharding
+from .graph.accounting import estimate_memory
 from .optimizer_builder import build_optimizer
 from . import plan_cache
 from .progress import Progress
@@ -47,7 +48,7 @@ from .passes import PIPELINE, PassManager, PassOptions, PassRecord, dump_records
 from .passes.cleanup.choose_attention_kernels import FLASH_CHECK_KEY
 from .passes.cleanup.unrepeat_kv_heads import GQA_OPS_KEY
 from .passes.tensor_parallel.plan_tensor_parallel import HF_TP_PLAN_KEY
-from .passes.memory.planner import PLANNED_CHOICE_KEY, memory_budget_bytes, plan_memory, planned_stage
+from .passes.memory.planner import PLANNED_CHOICE_KEY, host_budget_bytes, memory_budget_bytes, plan_memory, planned_stage
 from .passes.memory.recompute_activations import format_bytes
 from .runtime import (
     DataParallel,
@@ -614,6 +615,14 @@ class ParallelStep:
                     f"{format_bytes(chosen.peak)})"))
         passes_seconds = time.perf_counter() - start
         final = records[-1].graph
+        host_budget = host_budget_bytes(self.config)
+        if budget is None and host_budget is not None:  # the configured offload, checked before it allocates
+            held = estimate_memory(final).host
+            if held > host_budget:
+                raise ConfigError("stepfx.host_memory_budget_gib", f"the offloaded state needs "
+                                  f"{format_bytes(held)} of host memory on rank {dp.rank} (zero_optimization's "
+                                  "offload blocks), more than the budget", value=self.config.stepfx.host_memory_budget_gib,
+                                  expected=f">= {held / 2**30:.6g}, or less offloaded (offload_optimizer.ratio)")
         executor = self._executor(final, model, optimizer, device_type)
         plan = Plan(key, records, executor, capture_seconds, passes_seconds, self._calls, device_type)
         if budget is not None:

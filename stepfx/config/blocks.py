@@ -209,6 +209,11 @@ class StepfxOptions:
         (overrides activation_memory_budget), then the optimizer offload
         under ZeRO; with ``zero_optimization.stage`` "auto" it chooses the
         stage too; None = no planning.
+    host_memory_budget_gib: what offloaded state (optimizer moments,
+        parameter pieces) may take in host memory on each rank: the planner
+        rejects candidates over it (under ZeRO-3 it takes a smaller offload
+        ratio); without ``memory_budget_gib`` the step's own offload is
+        checked against it before the first step.
     host_adam: how ``zero_optimization.offload_optimizer`` updates on the
         host (runtime/host_optimizer.py): "fused" (default) runs torch's
         fused CPU Adam/AdamW (one pass over memory; the parameter rounds
@@ -234,6 +239,7 @@ class StepfxOptions:
     cast_inputs: bool | None = spec(None, Optional(Bool()))
     activation_memory_budget: float | None = spec(None, Optional(Float(ge=0.0, le=1.0)))
     memory_budget_gib: float | None = spec(None, Optional(Float(gt=0.0)))
+    host_memory_budget_gib: float | None = spec(None, Optional(Float(gt=0.0)))
     pipeline: Any = spec(None, Optional(PipelineOptionsCheck()))
     host_adam: str = spec("fused", Choice(("fused", "exact")))
 

@@ -4,6 +4,7 @@ what the step really allocates, and a clear error for a budget no plan meets."""
 from __future__ import annotations
 
 import gc
+import re
 
 import pytest
 import torch
@@ -157,3 +158,26 @@ def test_under_zero_3_parameter_offload_comes_after_the_optimizer_offload():
     assert "+ optimizer offload + parameter offload (predicted peak" in summary, summary
     assert estimate_memory(step.plan.graph).peak < optimizer_only
     assert any(r.name == "offload_parameters" and r.changed for r in step.plan.records)
+
+
+def test_a_host_budget_takes_a_smaller_offload_ratio_or_names_the_least_host_memory():
+    def config(**options):
+        return {**_zero_config(**options), "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+
+    all_peak = estimate_memory(_zero_step(config(activation_memory_budget=0.0)).plan.graph).peak
+    full = {**config(activation_memory_budget=0.0), "zero_optimization": {
+        "stage": 3, "stage3_param_persistence_threshold": 0, "offload_optimizer": {"device": "cpu"}}}
+    offloaded = estimate_memory(_zero_step(full).plan.graph)
+    budget = (offloaded.peak + 0.75 * (all_peak - offloaded.peak)) / GIB  # most of the moments must leave the device
+    # ...but the host may take only 60% of them: a ratio < 1 (after recomputing enough to make room for the rest)
+    step = _zero_step(config(memory_budget_gib=budget, host_memory_budget_gib=0.6 * offloaded.host / GIB))
+    summary = next(r.summary for r in step.plan.records if r.name == "plan_memory")
+    assert "optimizer offload: predicted peak" in summary and "(over the host budget)" in summary, summary
+    assert re.match(rf"budget {budget:g} GiB: recompute '\w+' \+ optimizer offload \(ratio 0\.(5|25)\)", summary), summary
+    assert estimate_memory(step.plan.graph).host <= 0.6 * offloaded.host
+    with pytest.raises(stepfx.ConfigError, match=r"stepfx.host_memory_budget_gib: 1e-06 GiB of host memory cannot "
+                                                 r"hold what fitting .* needs on rank 0: the least is"):
+        _zero_step(config(memory_budget_gib=(all_peak - 1) / GIB, host_memory_budget_gib=1e-6))
+    # without the planner, the configured offload is checked against it
+    with pytest.raises(stepfx.ConfigError, match=r"stepfx.host_memory_budget_gib: the offloaded state needs"):
+        _zero_step({**full, "stepfx": {**full["stepfx"], "host_memory_budget_gib": 1e-6}})

@@ -34,6 +34,13 @@ as one already over the budget. The ranks take the highest stage any of
 them chose (the api does, before its pre-flight) and, where that is not
 stage 0, capture once more with that stage's state layout.
 
+``stepfx.host_memory_budget_gib`` bounds what offloaded state may take in
+host memory: a candidate over it is rejected (and named so in explain());
+under ZeRO-3 smaller offload ratios are tried at that level first, then
+more recomputation (which makes room on the device for a smaller ratio).
+A host budget no candidate meets is a ConfigError naming it and the least
+host memory a device-fitting candidate needed.
+
 Last, under ZeRO-3 (configured, or "auto" over two or more ranks): the
 parameters' pieces on the host too (``offload_param``, with the optimizer
 offload where the optimizer allows it), fetched ahead of each use.
@@ -51,8 +58,8 @@ from ...graph.accounting import estimate_memory
 from ..manager import PassOptions, PassRecord
 from .recompute_activations import LEVELS, RECOMPUTE_LEVEL_KEY, format_bytes
 
-__all__ = ["CANDIDATES", "PLANNED_CHOICE_KEY", "Tried", "memory_budget_bytes", "plan_memory", "planned_stage",
-           "stage_candidates"]
+__all__ = ["CANDIDATES", "PLANNED_CHOICE_KEY", "Tried", "host_budget_bytes", "memory_budget_bytes", "plan_memory",
+           "planned_stage", "stage_candidates"]
 # options.extra: a Tried the planner chose in an earlier round (the api's first capture, when it chose the ZeRO
 # stage): tried first, and kept if it fits
 PLANNED_CHOICE_KEY = "planned_choice"
@@ -70,6 +77,13 @@ class Tried:
     ratio: float = 1.0
     stage: int | None = None  # the ZeRO stage the planner chose (None: the config's)
     params: bool = False  # the parameters' pieces offloaded too (stage 3)
+    host: int = 0  # predicted bytes held in host memory (offloaded state)
+    over_host: bool = False  # fits the device budget, not stepfx.host_memory_budget_gib
+
+    def line(self) -> str:
+        host = f", host {format_bytes(self.host)}" if self.host else ""
+        why = "" if self.fits else " (over the host budget)" if self.over_host else " (over the budget)"
+        return f"{self.name}: predicted peak {format_bytes(self.peak)}{host}{why}"
 
     @property
     def name(self) -> str:
@@ -80,6 +94,12 @@ class Tried:
 
 def memory_budget_bytes(config) -> int | None:
     gib = getattr(getattr(config, "stepfx", None), "memory_budget_gib", None)
+    return None if gib is None else int(gib * GIB)
+
+
+def host_budget_bytes(config) -> int | None:
+    """``stepfx.host_memory_budget_gib`` in bytes: what offloaded state may take in host memory (per rank)."""
+    gib = getattr(getattr(config, "stepfx", None), "host_memory_budget_gib", None)
     return None if gib is None else int(gib * GIB)
 
 
@@ -165,6 +185,13 @@ def plan_memory(run: Callable[[PassOptions], list[PassRecord]], options: PassOpt
                                extra={**(options.extra or {}), RECOMPUTE_LEVEL_KEY: level},
                                tp_size=options.tp_size, tp_rank=options.tp_rank, tp_group_name=options.tp_group_name))
 
+    host_budget = host_budget_bytes(options.config)
+
+    def judged(level, est, offload, ratio=1.0, stage=None, params=False) -> Tried:
+        over_host = host_budget is not None and est.host > host_budget
+        return Tried(level, est.peak, est.peak <= budget and not over_host, offload, ratio, stage, params, est.host,
+                     over_host and est.peak <= budget)
+
     def search(pairs, config_of, offload: bool, params: bool = False) -> bool:
         nonlocal records
         failed: list[tuple[int | None, str]] = []
@@ -172,11 +199,10 @@ def plan_memory(run: Callable[[PassOptions], list[PassRecord]], options: PassOpt
             if _dominated(stage, level, failed):
                 continue
             candidate = attempt(config_of(stage), level)
-            peak = estimate_memory(candidate[-1].graph).peak
-            tried.append(Tried(level, peak, peak <= budget, offload, stage=stage, params=params))
+            tried.append(judged(level, estimate_memory(candidate[-1].graph), offload, stage=stage, params=params))
             records = candidate
-            if peak <= budget:
-                return True
+            if tried[-1].fits or tried[-1].over_host:  # more recomputation would not bring the host's bytes down
+                return tried[-1].fits
             failed.append((stage, level))
         return False
 
@@ -189,34 +215,52 @@ def plan_memory(run: Callable[[PassOptions], list[PassRecord]], options: PassOpt
         if hint.params and config.zero_optimization.offload_param is None:
             config = _with_param_offload(config)
         candidate = attempt(config, hint.level)
-        peak = estimate_memory(candidate[-1].graph).peak
-        if peak <= budget:
-            tried.append(dataclasses.replace(hint, peak=peak, stage=None))
+        again = judged(hint.level, estimate_memory(candidate[-1].graph), hint.offload, hint.ratio, None, hint.params)
+        if again.fits:
+            tried.append(again)
             records, fitted = candidate, True
     if not fitted:
         fitted = search(_candidates(options), lambda s: options.config if s is None else at_stage(options.config, s),
                         False)
+    def offload_search(stage, config) -> bool:
+        """The levels with the optimizer offloaded: the first whose device peak fits, then (stage 3) the least
+        ratio that still fits; where the host budget is exceeded, smaller ratios at that level, then more
+        recomputation (which makes room on the device for a smaller ratio)."""
+        nonlocal records
+        base = options.config if stage is None else at_stage(options.config, stage)
+        partial_ok = config.zero_optimization.stage == 3  # DeepSpeed's partial offload: stage 3 only
+        for level in CANDIDATES:
+            candidate = attempt(config, level)
+            tried.append(judged(level, estimate_memory(candidate[-1].graph), True, stage=stage))
+            if tried[-1].peak > budget:
+                continue
+            fitted = tried[-1].fits
+            if fitted:
+                records = candidate
+            if partial_ok and (fitted or tried[-1].over_host):
+                for ratio in RATIOS:  # less offloaded: less host work and memory, more device memory
+                    partial = attempt(_with_offload(base, ratio), level)
+                    tried.append(judged(level, estimate_memory(partial[-1].graph), True, ratio, stage))
+                    if tried[-1].peak > budget:
+                        break
+                    if tried[-1].fits:
+                        records, fitted = partial, True
+            if fitted:
+                if not tried[-1].fits:  # the last that fits is the choice (its records are kept): name it last
+                    chosen = next(i for i in range(len(tried) - 1, -1, -1) if tried[i].fits)
+                    tried.append(tried.pop(chosen))
+                return True
+            if not partial_ok and tried[-1].over_host:
+                return False  # more recomputation would not bring the host's bytes down
+        return False
+
     for stage, config in ([] if fitted else offload_configs):
         try:
-            fitted = search([(stage, level) for level in CANDIDATES], lambda s, c=config: c, True)
+            fitted = offload_search(stage, config)
         except ConfigError as exc:
             notes.append(f"optimizer offload not possible: {exc}")
             break
         if fitted:
-            zero = config.zero_optimization
-            if zero.stage == 3:  # DeepSpeed's partial offload: stage 3 only
-                base = options.config if stage is None else at_stage(options.config, stage)
-                for ratio in RATIOS:
-                    partial = attempt(_with_offload(base, ratio), tried[-1].level)
-                    peak = estimate_memory(partial[-1].graph).peak
-                    if peak > budget:
-                        tried.append(Tried(tried[-1].level, peak, False, True, ratio, stage))
-                        break
-                    tried.append(Tried(tried[-1].level, peak, True, True, ratio, stage))
-                    records = partial
-                if not tried[-1].fits:  # the last that fits is the choice (its records are kept): name it last
-                    chosen = next(i for i in range(len(tried) - 1, -1, -1) if tried[i].fits)
-                    tried.append(tried.pop(chosen))
             break
     if not fitted:  # last: ZeRO-3's pieces on the host too (ZeRO-Infinity), fetched ahead of each use
         stage = 3 if planned and 3 in stage_candidates(options) else None
@@ -231,9 +275,15 @@ def plan_memory(run: Callable[[PassOptions], list[PassRecord]], options: PassOpt
             except ConfigError as exc:
                 notes.append(f"parameter offload not possible: {exc}")
     asked = getattr(options.config.stepfx, "memory_budget_gib", budget / GIB)
-    lines = [f"{t.name}: predicted peak {format_bytes(t.peak)}" + ("" if t.fits else " (over the budget)") for t in tried]
-    lines += notes
+    lines = [t.line() for t in tried] + notes
     if not tried[-1].fits:
+        if any(t.over_host for t in tried):  # the device budget was met, only with more host memory than allowed
+            host_asked = options.config.stepfx.host_memory_budget_gib
+            least = min((t for t in tried if t.over_host), key=lambda t: t.host)
+            raise ConfigError("stepfx.host_memory_budget_gib", f"{host_asked:g} GiB of host memory cannot hold what "
+                              f"fitting {asked:g} GiB on the device needs on rank {options.rank}: the least is "
+                              f"{format_bytes(least.host)} ({least.name}); tried " + "; ".join(lines),
+                              value=host_asked, expected=f">= {least.host / GIB:.6g}")
         best = min(tried, key=lambda t: t.peak)
         raise ConfigError(config_path, f"{asked:g} GiB cannot be met on rank {options.rank}: the smallest "
                           f"predicted peak is {format_bytes(best.peak)} ({best.name}); tried "
