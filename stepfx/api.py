@@ -578,6 +578,8 @@ class ParallelStep:
             model=model, optimizer=optimizer, config=self.config, mesh=plan_cache.mesh_of(dp),
             device=_device_of(model, device_type), dynamic_dims=dynamic_dims,
             batch_shapes=batch_shapes, batch=[v for s, v in zip(inputs.slots, inputs.values) if s.role is Role.BATCH])
+        if planned_stage(self.config):  # the planner's first round (stage 0's state layout) is never kept
+            lookup = plan_cache.Lookup(None, None, "not used while the memory planner chooses the ZeRO stage")
         if lookup.entry is not None:
             return self._plan_from_cache(lookup, key, model, optimizer, device_type, start)
         self._progress("capturing the step (plan cache: %s)...", lookup.note)
