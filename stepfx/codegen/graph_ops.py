@@ -148,6 +148,16 @@ def add_layer_norm(input, residual, normalized_shape, weight, bias, eps):
     return _kernels("norm_kernels").add_layer_norm_forward(input, residual, normalized_shape, weight, bias, eps)
 
 
+def rms_norm(input, normalized_shape, weight, eps):
+    """``aten._fused_rms_norm``'s contract: (out, rstd), by stepfx's kernel (``fuse_rms_norm``)."""
+    return _kernels("norm_kernels").rms_norm_forward(input, normalized_shape, weight, eps)
+
+
+def rms_norm_backward(grad_out, input, normalized_shape, rstd, weight, output_mask):
+    """``aten._fused_rms_norm_backward``'s contract: (grad_input, grad_weight), by stepfx's kernel."""
+    return _kernels("norm_kernels").rms_norm_backward(grad_out, input, normalized_shape, rstd, weight, output_mask)
+
+
 def layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask, *, residual_grad=None,
                         grad_input_sum=None):
     """``aten.native_layer_norm_backward``'s contract: (grad_input, grad_weight, grad_bias);

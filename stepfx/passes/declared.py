@@ -36,6 +36,7 @@ from .fusion.fuse_layer_norm import fuse_layer_norm
 from .fusion.fuse_linear_cross_entropy import fuse_linear_cross_entropy
 from .fusion.fuse_optimizer_update import fuse_optimizer_update
 from .fusion.fuse_residual_layer_norm import fuse_residual_layer_norm
+from .fusion.fuse_rms_norm import fuse_rms_norm
 from .fusion.fuse_sum_squares import fuse_sum_squares
 from .manager import PipelineEntry
 from .precision.batch_parameter_casts import batch_parameter_casts
@@ -226,6 +227,13 @@ PIPELINE: tuple[PipelineEntry, ...] = (
         "fuse_layer_norm",
         fuse_layer_norm,
         "codegen, after the graph's structure is final: a swap by identity that changes no dependency",
+        applies=codegen_enabled,
+    ),
+    PipelineEntry(
+        "fuse_rms_norm",
+        fuse_rms_norm,
+        "codegen, with the other norms, before fuse_generic_regions (which would take the written-out ops as regions) "
+        "and before the casts are fused (it matches the norm's own casts)",
         applies=codegen_enabled,
     ),
     PipelineEntry(

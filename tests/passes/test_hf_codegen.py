@@ -39,6 +39,7 @@ FAMILIES = {
     "opt": ("OPTConfig", "OPTForCausalLM", dict(ffn_dim=24, word_embed_proj_dim=16, dropout=0.0)),
 }
 HAS_ROTARY = {"llama", "mistral", "qwen2", "phi3", "gemma", "gpt_neox"}
+HAS_RMS_NORM = {"llama", "mistral", "qwen2", "phi3", "gemma"}
 CONFIG = {"stepfx": {"codegen": True}, "gradient_clipping": 0}
 
 
@@ -84,6 +85,9 @@ def test_hugging_face_family_with_codegen_equals_eager(regions_as_their_ops, fam
     # a region is one phase: nothing computed in forward for the backward's sake (a full-size fp32 tensor kept)
     for r in regions:  # each output keeps the phase of the op it was
         assert {g.meta.get("phase") for g in r.users} == {r.meta.get("phase")}, r.name
+    if family in HAS_RMS_NORM:  # every RMSNorm, forward and backward, on stepfx's kernels
+        assert names.count("rms_norm") == names.count("rms_norm_backward") == model.config.num_hidden_layers * 2 + 1
+        assert not any(n.target is aten.rsqrt.default for n in nodes)
     if family in HAS_ROTARY:
         from stepfx.codegen.regions import REGIONS
 

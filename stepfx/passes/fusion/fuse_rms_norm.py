@@ -1,0 +1,326 @@
+"""fuse_rms_norm: an RMSNorm written out in Python (Hugging Face's Llama,
+Mistral, Qwen2, Phi-3 ...), forward and backward, runs stepfx's RMSNorm kernels.
+
+Why: ``LlamaRMSNorm`` computes ``w * (x.float() * rsqrt(x.float().pow(2).mean(-1)
++ eps)).to(dtype)``: captured, that is six forward ops and about fifteen
+backward ops per norm, which keep the fp32 copy of ``x`` and the normalized
+value for the backward. stepfx's kernels (``codegen/norm_kernels.py``, the
+contract of ``aten._fused_rms_norm`` and its backward) read ``x`` once each
+way and keep only ``rstd`` (one fp32 per row).
+
+Requires: a functional graph with phases; codegen on.
+
+Ensures: each match — found from its ``rsqrt`` by op identity:
+
+    forward:  [x32 = _to_copy(x, f32)]; r = rsqrt(add(mean(pow(x32, 2), [-1], keepdim), eps));
+              h = mul(x32, r); [h = _to_copy(h, dtype(x))]; y = mul(w, h)      (w: [N], either operand order)
+    backward: the ops that read only the backward's values, ``g`` (y's gradient, met in mul(g, w) and
+              mul(g, h)), x32, r and h: the weight's gradient (a sum over the rows of mul(g, h), viewed
+              as [N]) and the input's (ending in an add, cast back to x's dtype where x was cast)
+
+— whose intermediate values nothing else reads, and whose computation equals
+the kernels' on sample values (evaluated once per distinct structure, at the
+captured shapes: fp32 within 1e-5, 16-bit within the rounding HF's two casts
+differ by), becomes::
+
+    norm = graph_ops.rms_norm(x, [N], w, eps);  y = norm[0];  rstd = norm[1]
+    grads = graph_ops.rms_norm_backward(g, x, [N], rstd, w, [True, True]);  dx = grads[0];  dw = grads[1]
+
+Differences from the written-out ops: in 16-bit, the kernel multiplies the
+normalized value by the weight in fp32 and rounds once (HF rounds the
+normalized value first, then the product), and sums the weight's gradient in
+fp32 (HF rounds each product first); within the 16-bit error the tests hold.
+Anything else — symbolic sizes, a norm whose values other ops read, a shape
+the kernels do not take — stays as it was (generic regions take it), with
+the reason in explain()'s fusion report.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+
+import torch
+import torch.fx as fx
+
+from ...graph import StepGraph
+from ...graph.build import clone_step_graph_mapped
+from ...graph.step_graph import META_PHASE, Phase
+from ..data_parallel.collectives import make_node
+from ..manager import PassOptions, PassResult
+from .fuse_optimizer_update import FUSION_REPORT_KEY
+
+__all__ = ["fuse_rms_norm"]
+
+aten = torch.ops.aten
+_BACKWARD_OPS = frozenset({aten.mul.Tensor, aten.mul.Scalar, aten.sum.dim_IntList, aten.pow.Tensor_Scalar,
+                           aten.expand.default, aten.div.Scalar, aten.div.Tensor, aten.add.Tensor, aten.neg.default,
+                           aten.sub.Tensor, aten._to_copy.default})
+_SAMPLE_LIMIT = 1 << 24  # elements of x evaluated on the CPU to check a structure
+
+
+@dataclasses.dataclass
+class _Match:
+    x: fx.Node
+    w: fx.Node
+    g: fx.Node
+    eps: float
+    y: fx.Node
+    dx: fx.Node
+    dw: fx.Node
+    nodes: list  # every node replaced, in graph order
+    inputs: tuple  # (x, w, g) as the region reads them
+    summed: fx.Node | None = None  # fp32: the add that sums x's second contribution with another gradient
+    dx2: fx.Node | None = None  # that second contribution
+
+
+def _is_cast(node, dtype=None) -> bool:
+    return (node.op == "call_function" and node.target is aten._to_copy.default and set(node.kwargs) <= {"dtype", "layout", "device"}
+            and (dtype is None or node.kwargs.get("dtype") == dtype))
+
+
+def _val(node):
+    return node.meta.get("val") if isinstance(node, fx.Node) else None
+
+
+def _static(*nodes) -> bool:
+    return all(isinstance(_val(n), torch.Tensor) and all(isinstance(s, int) for s in _val(n).shape) for n in nodes)
+
+
+def _other(node, one):
+    a, b = node.args[:2]
+    return b if a is one else a if b is one else None
+
+
+def _forward(r: fx.Node):
+    """(x, x32, w, eps, y, h, forward nodes) from an rsqrt, or the reason it is not an RMSNorm."""
+    a = r.args[0]
+    if a.op != "call_function" or a.target not in (aten.add.Tensor, aten.add.Scalar) or not isinstance(a.args[1], float):
+        return "rsqrt of something other than mean + eps"
+    mean = a.args[0]
+    if mean.op != "call_function" or mean.target is not aten.mean.dim or len(mean.args) < 3 or mean.args[2] is not True:
+        return "not a mean over the last dim with keepdim"
+    p = mean.args[0]
+    if p.op != "call_function" or p.target is not aten.pow.Tensor_Scalar or p.args[1] != 2:
+        return "not a mean of squares"
+    x32 = p.args[0]
+    if not _static(x32) or list(mean.args[1]) not in ([-1], [_val(x32).dim() - 1]) or _val(x32).dtype != torch.float32:
+        return "not over the last dim of an fp32 value with static sizes"
+    x = x32.args[0] if _is_cast(x32, torch.float32) else x32
+    mul = [u for u in r.users if u.target is aten.mul.Tensor and _other(u, r) is x32 and u.meta.get(META_PHASE) is Phase.FORWARD]
+    if len(mul) != 1:
+        return "the normalized value is not x * rstd"
+    h = mul[0]
+    chain = [p, mean, a, r, h]
+    if x is not x32:
+        chain.insert(0, x32)
+    if _val(x).dtype != torch.float32:
+        casts = [u for u in h.users if _is_cast(u, _val(x).dtype)]
+        if len(casts) != 1:
+            return "the normalized value is not cast back to the input's dtype"
+        h = casts[0]
+        chain.append(h)
+    ys = [u for u in h.users if u.target is aten.mul.Tensor and u.meta.get(META_PHASE) is Phase.FORWARD]
+    if len(ys) != 1:
+        return "the normalized value is not multiplied by a weight"
+    y = ys[0]
+    w = _other(y, h)
+    n = _val(x).shape[-1]
+    if not isinstance(w, fx.Node) or tuple(_val(w).shape) != (n,) or _val(w).dtype != _val(x).dtype:
+        return "the weight is not a [N] tensor of the input's dtype"
+    return x, x32, w, float(a.args[1]), y, h, chain + [y]
+
+
+def _backward(x32, r, h, w, y, forward: list, order: dict):
+    """(g, dx, dw, backward nodes) or the reason."""
+    gh = [u for u in w.users if u is not y and u.target is aten.mul.Tensor and u.meta.get(META_PHASE) is Phase.BACKWARD
+          and tuple(_val(u).shape) == tuple(_val(y).shape)]
+    if len(gh) != 1:
+        return "the output's gradient is not multiplied by the weight once"
+    g = _other(gh[0], w)
+    gwp = [u for u in h.users if u is not y and u.target is aten.mul.Tensor and _other(u, h) is g]
+    if len(gwp) != 1 or len(h.users) != 2:
+        return "the normalized value is read elsewhere"
+    sums = list(gwp[0].users)
+    if len(sums) != 1 or sums[0].target is not aten.sum.dim_IntList:
+        return "the weight's gradient is not a sum over the rows"
+    dw = sums[0]
+    if len(dw.users) == 1 and next(iter(dw.users)).target in (aten.view.default, aten._unsafe_view.default, aten.reshape.default):
+        dw = next(iter(dw.users))
+    if tuple(_val(dw).shape) != tuple(_val(w).shape):
+        return "the weight's gradient is not the weight's shape"
+    # the input's gradient: the ops computed from gh (and x32, r) alone, closed over the backward op set
+    inside = set(forward) | {gh[0]}
+    known = {x32, r, gh[0], g}
+    closure = [gh[0]]
+    changed = True
+    while changed:
+        changed = False
+        for node in sorted({u for n in closure + [x32, r] for u in n.users}, key=order.__getitem__):
+            if node in inside or node in closure or node.target not in _BACKWARD_OPS:
+                continue
+            if node.meta.get(META_PHASE) is not Phase.BACKWARD:
+                continue
+            if all(a in known or a in closure for a in node.all_input_nodes):
+                closure.append(node)
+                changed = True
+    ends = sorted((n for n in closure if any(u not in closure for u in n.users)), key=order.__getitem__)
+    if not ends or any(tuple(_val(n).shape) != tuple(_val(x32).shape) or n is gh[0] for n in ends):
+        return "the input's gradient does not leave the norm whole"
+    nodes = closure + [gwp[0], sums[0]] + ([dw] if dw is not sums[0] else [])
+    if len(ends) == 1:
+        return g, ends[0], None, dw, nodes
+    # x itself is normalized (fp32: no cast): its two contributions (through x * rstd and through the mean of
+    # squares) are summed by autograd with the gradient x gets elsewhere (the residual), each its own add
+    if len(ends) != 2 or len(ends[1].users) != 1:
+        return f"the input's gradient leaves the norm as {len(ends)} values"
+    add = next(iter(ends[1].users))
+    if add.target is not aten.add.Tensor or _other(add, ends[1]) is None or not isinstance(_other(add, ends[1]), fx.Node):
+        return "the input's second contribution is not summed with an add"
+    return g, ends[0], add, dw, nodes
+
+
+def _region_outputs(m: _Match):
+    return (m.y, m.dx, m.dw)  # (and dx2, replaced through its add)
+
+
+def _structure(m: _Match) -> tuple:
+    index = {m.x: "x", m.w: "w", m.g: "g"}
+    index.update({n: i for i, n in enumerate(m.nodes)})
+    ops = tuple((str(n.target), repr(fx.node.map_arg((n.args, n.kwargs), lambda a: index.get(a, a.name)))) for n in m.nodes)
+    return ops, tuple(_val(m.x).shape), str(_val(m.x).dtype), str(_val(m.w).dtype), str(_val(m.g).dtype), m.eps
+
+
+def _check(m: _Match) -> str | None:
+    """The region's results against the kernels' reference on sample values (CPU, the captured shapes)."""
+    from ...codegen import norm_kernels as K
+
+    x_val = _val(m.x)
+    if x_val.numel() > _SAMPLE_LIMIT:
+        return None  # checked on a smaller graph of the same structure only; large shapes trust the match
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(tuple(x_val.shape), generator=gen).to(x_val.dtype)
+    w = (1 + 0.1 * torch.randn(tuple(_val(m.w).shape), generator=gen)).to(_val(m.w).dtype)
+    g = torch.randn(tuple(_val(m.g).shape), generator=gen).to(_val(m.g).dtype)
+    env = {m.x: x, m.w: w, m.g: g}
+    for node in m.nodes:
+        args = fx.node.map_arg(node.args, lambda a: env[a])
+        kwargs = fx.node.map_arg(node.kwargs, lambda a: env[a])
+        kwargs = {k: (torch.device("cpu") if k == "device" else v) for k, v in kwargs.items()}
+        env[node] = node.target(*args, **kwargs)
+    n = x_val.shape[-1]
+    y, rstd = K._rms_norm_forward_reference(x, [n], w, m.eps)
+    dx, dw = K._rms_norm_backward_reference(g, x, [n], rstd, w, [True, True])
+    tol = 1e-5 if x_val.dtype == torch.float32 else 2e-2
+    ours_dx = env[m.dx] + env[m.dx2] if m.dx2 is not None else env[m.dx]
+    for name, ours, ref in (("output", env[m.y], y), ("input gradient", ours_dx, dx), ("weight gradient", env[m.dw], dw)):
+        ours, ref = ours.float().reshape(ref.shape), ref.float()
+        if not torch.isfinite(ours).all() or (ours - ref).norm() > tol * ref.norm().clamp_min(1e-6):
+            return f"the {name} differs from the kernels' on sample values"
+    return None
+
+
+def _find(g: fx.Graph) -> tuple[list[_Match], list[tuple[str, str]]]:
+    order = {n: i for i, n in enumerate(g.nodes)}
+    matches, skipped = [], []
+    taken: set = set()
+    for r in [n for n in g.nodes if n.op == "call_function" and n.target is aten.rsqrt.default]:
+        if r.meta.get(META_PHASE) is not Phase.FORWARD:
+            continue
+        found = _forward(r)
+        if isinstance(found, str):
+            skipped.append((r.name, found))
+            continue
+        x, x32, w, eps, y, h, forward = found
+        back = _backward(x32, r, h, w, y, forward, order)
+        if isinstance(back, str):
+            skipped.append((r.name, back))
+            continue
+        grad, dx, summed, dw, backward = back
+        nodes = sorted(set(forward) | set(backward), key=order.__getitem__)
+        region = set(nodes)
+        dx2 = next((n for n in backward if summed is not None and n in summed.all_input_nodes), None)
+        outputs = {y, dx, dw} | ({dx2} if dx2 is not None else set())
+        leak = next((n for n in nodes if n not in outputs and any(u not in region for u in n.users)), None)
+        if leak is not None:
+            skipped.append((r.name, f"{leak.name} is read outside the norm"))
+            continue
+        if region & taken:
+            continue
+        from ...codegen.norm_kernels import unsupported_reason
+
+        why = unsupported_reason(_val(x), [_val(x).shape[-1]], _val(w))
+        if why is not None:
+            skipped.append((r.name, why))
+            continue
+        taken |= region
+        matches.append(_Match(x, w, grad, eps, y, dx, dw, nodes, (x, w, grad), summed, dx2))
+    return matches, skipped
+
+
+def fuse_rms_norm(graph: StepGraph, options: PassOptions) -> PassResult:
+    g0 = graph.gm.graph
+    if not any(n.op == "call_function" and n.target is aten.rsqrt.default for n in g0.nodes):
+        return PassResult(graph, False)
+    matches, skipped = _find(g0)
+    checked: dict = {}
+    kept = []
+    for m in matches:
+        key = _structure(m)
+        if key not in checked:
+            checked[key] = _check(m)
+        if checked[key] is not None:
+            skipped.append((m.y.name, checked[key]))
+        else:
+            kept.append(m)
+    report = list(graph.signature.extra.get(FUSION_REPORT_KEY, ()))
+    report += [("fuse_rms_norm", name, why) for name, why in skipped]
+    if not kept:
+        if skipped:
+            graph = graph.replace(signature=dataclasses.replace(graph.signature, extra={**graph.signature.extra,
+                                                                                          FUSION_REPORT_KEY: report}))
+        return PassResult(graph, bool(skipped), f"no RMSNorm matched ({len(skipped)} rsqrt(s) left: {skipped[0][1]})"
+                          if skipped else "")
+    graph, copy_of = clone_step_graph_mapped(graph)
+    g = graph.gm.graph
+    from ...codegen import graph_ops
+
+    for m in kept:
+        x, w, grad = (copy_of[n] for n in m.inputs)
+        y, dx, dw = (copy_of[n] for n in _region_outputs(m))
+        n = _val(x).shape[-1]
+        x_val = _val(x)
+        stat = torch.empty(tuple(x_val.shape[:-1]) + (1,), dtype=torch.float32, device=x_val.device)
+        with g.inserting_before(y):
+            norm = make_node(g, graph_ops.rms_norm, (x, [n], w, m.eps), val=(_val(y), stat), like=y, name="rms_norm")
+            out = make_node(g, operator.getitem, (norm, 0), val=_val(y), like=y, name="rms_out")
+            rstd = make_node(g, operator.getitem, (norm, 1), val=stat, like=y, name="rms_rstd")
+        y.replace_all_uses_with(out)
+        first = min((u for v in (dx, dw) for u in v.users), key=lambda u: _position(g, u))
+        with g.inserting_before(first):
+            back = make_node(g, graph_ops.rms_norm_backward, (grad, x, [n], rstd, w, [True, True]),
+                             val=(_val(dx), _val(dw)), like=dx, name="rms_norm_backward")
+            new_dx = make_node(g, operator.getitem, (back, 0), val=_val(dx), like=dx, name="rms_dx")
+            new_dw = make_node(g, operator.getitem, (back, 1), val=_val(dw), like=dx, name="rms_dw")
+        dx.replace_all_uses_with(new_dx)
+        dw.replace_all_uses_with(new_dw)
+        if m.summed is not None:  # dx holds both contributions: the add of the second one goes
+            summed = copy_of[m.summed]
+            summed.replace_all_uses_with(_other(summed, copy_of[m.dx2]))
+            g.erase_node(summed)
+        for node in reversed([copy_of[n] for n in m.nodes]):
+            if not node.users:
+                g.erase_node(node)
+    graph.gm.recompile()
+    graph = graph.replace(signature=dataclasses.replace(graph.signature, extra={**graph.signature.extra,
+                                                                              FUSION_REPORT_KEY: report}))
+    return PassResult(graph, True, f"{len(kept)} RMSNorm(s) forward and backward on stepfx's kernels "
+                                   f"({len(checked)} structure(s) checked on sample values)"
+                                   + (f"; {len(skipped)} left: {skipped[0][1]}" if skipped else ""))
+
+
+def _position(g: fx.Graph, node: fx.Node) -> int:
+    for i, n in enumerate(g.nodes):
+        if n is node:
+            return i
+    raise KeyError(node.name)
