@@ -37,7 +37,6 @@ the reason in explain()'s fusion report.
 from __future__ import annotations
 
 import dataclasses
-import math
 import operator
 
 import torch
