@@ -71,6 +71,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import stepfx  # noqa: E402
 from single_gpu import stepfx_step, sync, timed  # noqa: E402
+from train_gpt import init_distributed  # noqa: E402
 from stepfx.testing.models import GPT, gpt_config, lm_loss  # noqa: E402
 
 PEAK_FLOPS = 989e12  # H200 dense bf16
@@ -392,14 +393,7 @@ def main() -> None:
     args.batch = args.batch or (1 if args.mode == "pp" else 4)
     cfg = gpt_config(args.size, **({} if small and args.seq is None else {"seq_len": args.seq or 2048}))
     args.seq = cfg.seq_len
-    if args.device == "cuda":
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
-        dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=10))
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=10))
+    device = init_distributed(args.device)
     rank, world = dist.get_rank(), dist.get_world_size()
     meta = {"date": datetime.date.today().isoformat(), "torch": torch.__version__, "world": world,
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "mode": args.mode,

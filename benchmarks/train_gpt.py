@@ -242,6 +242,17 @@ def summary(rows: list[dict]) -> list[str]:
     return lines
 
 
+def init_distributed(kind: str) -> torch.device:
+    """torchrun's process group (NCCL on this rank's GPU, gloo on CPU); this rank's device."""
+    if kind == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=10))
+        return torch.device("cuda", local)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=10))
+    return torch.device("cpu")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--size", default="1.3B")
@@ -266,14 +277,7 @@ def main() -> None:
     cfg = gpt_config(args.size, **({} if small and args.seq is None else {"seq_len": args.seq or 2048}))
     args.seq = cfg.seq_len
 
-    if args.device == "cuda":
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
-        dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=10))
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=10))
+    device = init_distributed(args.device)
     rank, world = dist.get_rank(), dist.get_world_size()
     meta = {"date": datetime.date.today().isoformat(), "torch": torch.__version__, "world": world,
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "size": args.size,
