@@ -400,7 +400,7 @@ def test_the_memory_planner_chooses_the_zero_stage_when_it_is_auto(rank_pool):
     # a budget that stage 3 meets and stage 2 does not, on either rank: "auto" becomes 3, the step is
     # captured again with stage 3's state layout, and it is the eager step's bits
     peaks = rank_pool(2).run(W.predicted_peaks_by_stage)
-    assert all(p[0] >= p[1] >= p[2] > p[3] for p in peaks), peaks
+    assert all(p[2] > p[3] for p in peaks), peaks
     budget = max(p[3] for p in peaks)
     config = {"gradient_clipping": 0, "stepfx": {"memory_budget_gib": budget / 2**30}, "zero_optimization": {
         "stage": "auto", "reduce_bucket_size": 500, "stage3_param_persistence_threshold": 0}}
