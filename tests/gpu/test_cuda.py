@@ -390,3 +390,34 @@ def test_grouped_query_attention_on_cuda_reads_k_v_unrepeated():
             assert heads == {2}
     print("losses unrepeated / repeated:", losses[False], losses[True])
     assert all(abs(a - b) <= 2e-2 * abs(b) for a, b in zip(losses[False], losses[True]))
+
+
+@gpu
+@pytest.mark.gpu
+def test_hugging_face_rms_norms_run_stepfx_kernels_on_cuda():
+    """A Hugging Face Llama in bf16 with codegen: every RMSNorm, forward and
+    backward, on stepfx's kernels (fuse_rms_norm, checked on the GPU at the
+    captured shapes); the losses track the step with the norms left to
+    inductor's regions (the pass disabled)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def make():
+        cfg = LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                          attn_implementation="sdpa", use_cache=False, bos_token_id=0, eos_token_id=0)
+        return LlamaForCausalLM(cfg).cuda()
+
+    losses = {}
+    for disable in ([], ["fuse_rms_norm"]):
+        torch.manual_seed(0)
+        model = make()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        step = stepfx.parallelize({"bf16": {"enabled": True}, "gradient_clipping": 1.0,
+                                   "stepfx": {"codegen": True, "disable": disable}})(hf_step)
+        losses[bool(disable)] = [step(model, opt, batch[0].cuda()).item()
+                                 for batch in token_batches(4, batch=2, seq=128, vocab=128)]
+        names = [getattr(n.target, "__name__", "") for n in step.plan.graph.gm.graph.nodes]
+        if not disable:
+            assert names.count("rms_norm") == names.count("rms_norm_backward") == 5, names.count("rms_norm")
+    print("losses with the RMSNorm kernels / with regions:", losses[False], losses[True])
+    assert all(abs(a - b) <= 2e-2 * abs(b) for a, b in zip(losses[False], losses[True]))
