@@ -153,9 +153,11 @@ def rms_norm(input, normalized_shape, weight, eps):
     return _kernels("norm_kernels").rms_norm_forward(input, normalized_shape, weight, eps)
 
 
-def rms_norm_backward(grad_out, input, normalized_shape, rstd, weight, output_mask):
-    """``aten._fused_rms_norm_backward``'s contract: (grad_input, grad_weight), by stepfx's kernel."""
-    return _kernels("norm_kernels").rms_norm_backward(grad_out, input, normalized_shape, rstd, weight, output_mask)
+def rms_norm_backward(grad_out, input, normalized_shape, rstd, weight, output_mask, grad_weight_dtype=None):
+    """``aten._fused_rms_norm_backward``'s contract: (grad_input, grad_weight), by stepfx's kernel; the
+    weight's gradient in ``grad_weight_dtype`` where given (an fp32 weight of a 16-bit input)."""
+    return _kernels("norm_kernels").rms_norm_backward(grad_out, input, normalized_shape, rstd, weight, output_mask,
+                                                      grad_weight_dtype)
 
 
 def layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask, *, residual_grad=None,

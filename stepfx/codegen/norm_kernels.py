@@ -397,7 +397,7 @@ def _rms_norm_forward_reference(input, normalized_shape, weight, eps):
     return out.to(input.dtype), rstd
 
 
-def _rms_norm_backward_reference(grad_out, input, normalized_shape, rstd, weight, output_mask):
+def _rms_norm_backward_reference(grad_out, input, normalized_shape, rstd, weight, output_mask, grad_weight_dtype=None):
     """RMSNorm backward in plain torch ops, fp32 accumulation."""
     axis = input.dim() - len(normalized_shape)
     dims = list(range(axis, input.dim()))
@@ -410,7 +410,7 @@ def _rms_norm_backward_reference(grad_out, input, normalized_shape, rstd, weight
         grad_input = ((g - xhat * (g * xhat).mean(dim=dims, keepdim=True)) * r).to(input.dtype)
     if output_mask[1] and weight is not None:
         dw = (dy * xhat).sum(dim=list(range(axis))) if axis else dy * xhat
-        grad_weight = dw.to(input.dtype)
+        grad_weight = dw.to(grad_weight_dtype or input.dtype)
     return grad_input, grad_weight
 
 
@@ -532,15 +532,16 @@ def rms_norm_forward(input, normalized_shape, weight, eps):
 @register("rms_norm_backward", reference=_rms_norm_backward_reference,
           jit=(_rms_norm_bwd_kernel, _sum_partials_kernel),
           what="RMSNorm backward: dx and dw in one pass over (dy, x), dw from per-program partials")
-def rms_norm_backward(grad_out, input, normalized_shape, rstd, weight, output_mask):
-    """``aten._fused_rms_norm_backward``: ``(grad_input, grad_weight)``, grad_weight in the input's dtype."""
+def rms_norm_backward(grad_out, input, normalized_shape, rstd, weight, output_mask, grad_weight_dtype=None):
+    """``aten._fused_rms_norm_backward``: ``(grad_input, grad_weight)``, grad_weight in the input's dtype
+    (or ``grad_weight_dtype``: an fp32 weight applied to a 16-bit input, as Gemma's ``1 + weight``)."""
     m, n = _check(input, normalized_shape, weight)
     _check_like("grad_out", grad_out, input)
     _check_like("rstd", rstd, input, numel=m)
     do_dx = bool(output_mask[0])
     do_dw = bool(output_mask[1]) and weight is not None
     dx = torch.empty_like(input) if do_dx else None
-    dw = torch.empty(weight.shape, dtype=input.dtype, device=input.device) if do_dw else None
+    dw = torch.empty(weight.shape, dtype=grad_weight_dtype or input.dtype, device=input.device) if do_dw else None
     if m == 0 or not (do_dx or do_dw):
         return dx, dw.zero_() if do_dw else None
     block_n, rows, num_warps = _config(n, **_BWD)

@@ -365,3 +365,21 @@ def test_layer_norm_backward_sums_its_grad_input(shape, k, dtype, residual):
 
 
 EPS32 = torch.finfo(torch.float32).eps
+
+
+def test_rms_norm_an_fp32_weight_of_a_16_bit_input_gets_an_fp32_gradient():
+    """Gemma multiplies the normalized fp32 value by ``1 + weight`` in fp32
+    before the cast: the kernels take the fp32 weight, round the output
+    once, and give the weight's gradient in fp32 (``grad_weight_dtype``)."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(6, 7, 40, generator=g).to(DEVICE, torch.bfloat16)
+    dy = torch.randn(6, 7, 40, generator=g).to(DEVICE, torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(40, generator=g)).to(DEVICE)
+    out, rstd = nk.rms_norm_forward(x, [40], w, 1e-6)
+    ref = (x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6) * w.double())
+    assert out.dtype == torch.bfloat16 and torch.allclose(out.double(), ref, rtol=8e-3, atol=1e-3)
+    dx, dw = nk.rms_norm_backward(dy, x, [40], rstd, w, [True, True], torch.float32)
+    ref_dx, ref_dw = nk._rms_norm_backward_reference(dy, x, [40], rstd, w, [True, True], torch.float32)
+    assert dw.dtype == torch.float32 and dx.dtype == torch.bfloat16
+    assert torch.allclose(dw, ref_dw, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(dx.float(), ref_dx.float(), rtol=8e-3, atol=1e-2)

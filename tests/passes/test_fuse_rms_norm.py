@@ -32,13 +32,28 @@ class RMSNorm(nn.Module):
         return out + normed.sum() * 0 if self.leak else out  # leak: the normalized value read elsewhere
 
 
+class GemmaRMSNorm(nn.Module):
+    """transformers' GemmaRMSNorm: the fp32 normalized value times ``1 + weight`` in fp32, then the cast."""
+
+    def __init__(self, width: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(0.1 * torch.randn(width))
+        self.eps = eps
+
+    def _norm(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def forward(self, x):
+        return (self._norm(x.float()) * (1.0 + self.weight.float())).type_as(x)
+
+
 class Net(nn.Module):
-    def __init__(self, width=13, leak=False):
+    def __init__(self, width=13, leak=False, norm=RMSNorm):
         super().__init__()
         self.inp = nn.Linear(5, width)
-        self.norm1 = RMSNorm(width, leak=leak)
+        self.norm1 = RMSNorm(width, leak=leak) if norm is RMSNorm else norm(width)
         self.mid = nn.Linear(width, width)
-        self.norm2 = RMSNorm(width, eps=1e-5)
+        self.norm2 = norm(width, eps=1e-5)
         self.out = nn.Linear(width, 3)
 
     def forward(self, x):
@@ -87,12 +102,13 @@ def test_hand_written_rms_norms_run_the_kernels_and_equal_eager(shape):
     assert report.steps == 3
 
 
-def test_bf16_norms_are_matched_with_their_casts_and_track_the_unfused_bf16_step():
+@pytest.mark.parametrize("norm", [RMSNorm, GemmaRMSNorm], ids=["llama", "gemma"])
+def test_bf16_norms_are_matched_with_their_casts_and_track_the_unfused_bf16_step(norm):
     bf16 = {**CODEGEN, "bf16": {"enabled": True}}
     unfused = {**bf16, "stepfx": {"codegen": True, "disable": ["fuse_rms_norm"]}}
     fp32 = {**CODEGEN, "stepfx": {"codegen": False}}
     batches = _batches((4, 9), n=4)
-    runs = [_fused(c, lambda: Net(13), batches) for c in (bf16, unfused, fp32)]
+    runs = [_fused(c, lambda: Net(13, norm=norm), batches) for c in (bf16, unfused, fp32)]
     assert next(r for r in runs[0].plan.records if r.name == "fuse_rms_norm").summary.startswith("2 RMSNorm(s)")
     states = [r.model_state_dict() for r in runs]
 

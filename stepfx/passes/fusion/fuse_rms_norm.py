@@ -14,6 +14,8 @@ Ensures: each match — found from its ``rsqrt`` by op identity:
 
     forward:  [x32 = _to_copy(x, f32)]; r = rsqrt(add(mean(pow(x32, 2), [-1], keepdim), eps));
               h = mul(x32, r); [h = _to_copy(h, dtype(x))]; y = mul(w, h)      (w: [N], either operand order)
+              or Gemma's: y = _to_copy(mul(h, w), dtype(x)) with an fp32 w (``1 + weight``): one rounding,
+              as the kernel's; the weight's gradient then in fp32
     backward: the ops that read only the backward's values, ``g`` (y's gradient, met in mul(g, w) and
               mul(g, h)), x32, r and h: the weight's gradient (a sum over the rows of mul(g, h), viewed
               as [N]) and the input's (ending in an add, cast back to x's dtype where x was cast)
@@ -31,7 +33,7 @@ normalized value by the weight in fp32 and rounds once (HF rounds the
 normalized value first, then the product), and sums the weight's gradient in
 fp32 (HF rounds each product first); within the 16-bit error the tests hold.
 Anything else — symbolic sizes, a norm whose values other ops read, a shape
-the kernels do not take — stays as it was (generic regions take it), with
+the kernels do not take, recomputed copies (remat) — stays as it was (generic regions take it), with
 the reason in explain()'s fusion report.
 """
 from __future__ import annotations
@@ -113,21 +115,31 @@ def _forward(r: fx.Node):
     chain = [p, mean, a, r, h]
     if x is not x32:
         chain.insert(0, x32)
+    late_cast = False  # Gemma: the fp32 normalized value times an fp32 weight, then cast (one rounding)
     if _val(x).dtype != torch.float32:
         casts = [u for u in h.users if _is_cast(u, _val(x).dtype)]
-        if len(casts) != 1:
-            return "the normalized value is not cast back to the input's dtype"
-        h = casts[0]
-        chain.append(h)
+        if len(casts) == 1:
+            h = casts[0]
+            chain.append(h)
+        else:
+            late_cast = True
     ys = [u for u in h.users if u.target is aten.mul.Tensor and u.meta.get(META_PHASE) is Phase.FORWARD]
     if len(ys) != 1:
         return "the normalized value is not multiplied by a weight"
     y = ys[0]
     w = _other(y, h)
     n = _val(x).shape[-1]
-    if not isinstance(w, fx.Node) or tuple(_val(w).shape) != (n,) or _val(w).dtype != _val(x).dtype:
-        return "the weight is not a [N] tensor of the input's dtype"
-    return x, x32, w, float(a.args[1]), y, h, chain + [y]
+    if not isinstance(w, fx.Node) or tuple(_val(w).shape) != (n,):
+        return "the weight is not a [N] tensor"
+    out = y
+    if late_cast:
+        casts = [u for u in y.users if _is_cast(u, _val(x).dtype)]
+        if len(casts) != 1 or len(y.users) != 1 or _val(w).dtype != torch.float32:
+            return "the normalized value is not cast back to the input's dtype"
+        out = casts[0]
+    elif _val(w).dtype != _val(x).dtype:
+        return "the weight is not of the input's dtype"
+    return x, x32, w, float(a.args[1]), y, h, chain + [y] + ([out] if out is not y else []), out
 
 
 def _backward(x32, r, h, w, y, forward: list, order: dict):
@@ -212,7 +224,8 @@ def _check(m: _Match) -> str | None:
             env[node] = node.target(*args, **kwargs)
     n = x_val.shape[-1]
     y, rstd = K._rms_norm_forward_reference(x, [n], w, m.eps)
-    dx, dw = K._rms_norm_backward_reference(g, x, [n], rstd, w, [True, True])
+    dx, dw = K._rms_norm_backward_reference(g, x, [n], rstd, w, [True, True],
+                                            _val(m.w).dtype if _val(m.w).dtype != x_val.dtype else None)
     tol = 1e-5 if x_val.dtype == torch.float32 else 2e-2
     ours_dx = env[m.dx] + env[m.dx2] if m.dx2 is not None else env[m.dx]
     for name, ours, ref in (("output", env[m.y], y), ("input gradient", ours_dx, dx), ("weight gradient", env[m.dw], dw)):
@@ -233,7 +246,7 @@ def _find(g: fx.Graph) -> tuple[list[_Match], list[tuple[str, str]]]:
         if isinstance(found, str):
             skipped.append((r.name, found))
             continue
-        x, x32, w, eps, y, h, forward = found
+        x, x32, w, eps, y, h, forward, out = found
         back = _backward(x32, r, h, w, y, forward, order)
         if isinstance(back, str):
             skipped.append((r.name, back))
@@ -242,7 +255,7 @@ def _find(g: fx.Graph) -> tuple[list[_Match], list[tuple[str, str]]]:
         nodes = sorted(set(forward) | set(backward), key=order.__getitem__)
         region = set(nodes)
         dx2 = next((n for n in backward if summed is not None and n in summed.all_input_nodes), None)
-        outputs = {y, dx, dw} | ({dx2} if dx2 is not None else set())
+        outputs = {out, dx, dw} | ({dx2} if dx2 is not None else set())
         leak = next((n for n in nodes if n not in outputs and any(u not in region for u in n.users)), None)
         if leak is not None:
             skipped.append((r.name, f"{leak.name} is read outside the norm"))
@@ -256,7 +269,7 @@ def _find(g: fx.Graph) -> tuple[list[_Match], list[tuple[str, str]]]:
             skipped.append((r.name, why))
             continue
         taken |= region
-        matches.append(_Match(x, w, grad, eps, y, dx, dw, nodes, (x, w, grad), summed, dx2))
+        matches.append(_Match(x, w, grad, eps, out, dx, dw, nodes, (x, w, grad), summed, dx2))
     return matches, skipped
 
 
@@ -300,7 +313,8 @@ def fuse_rms_norm(graph: StepGraph, options: PassOptions) -> PassResult:
         y.replace_all_uses_with(out)
         first = min((u for v in (dx, dw) for u in v.users), key=lambda u: _position(g, u))
         with g.inserting_before(first):
-            back = make_node(g, graph_ops.rms_norm_backward, (grad, x, [n], rstd, w, [True, True]),
+            wdtype = _val(w).dtype if _val(w).dtype != x_val.dtype else None  # Gemma's fp32 (1 + weight)
+            back = make_node(g, graph_ops.rms_norm_backward, (grad, x, [n], rstd, w, [True, True], wdtype),
                              val=(_val(dx), _val(dw)), like=dx, name="rms_norm_backward")
             new_dx = make_node(g, operator.getitem, (back, 0), val=_val(dx), like=dx, name="rms_dx")
             new_dw = make_node(g, operator.getitem, (back, 1), val=_val(dw), like=dx, name="rms_dw")
