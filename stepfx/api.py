@@ -119,7 +119,6 @@ class Plan:
     cache_note: str = ""  # the plan cache's part in this plan (explain())
     cache_seconds: float = 0.0  # loading it from the cache, or writing it there
     first_call_seconds: float | None = None  # the call that made this plan, start to return
-    planned_stage: int | None = None  # the ZeRO stage the memory planner chose ("auto" in the config)
     planned_choice: Any = None  # the memory planner's choice (passes/memory/planner.Tried)
 
     @property
@@ -171,8 +170,8 @@ class ParallelStep:
         self._cache = plan_cache.PlanCache(None, "not used (the step's first call opens it)")
         self._progress = Progress(self.__name__, False)  # progress lines (rank 0, stepfx.progress), from the first call
         self._profile: Any = None  # step.profile(steps=N): the runs it measures (stepfx/report)
-        self._stage_search: str | None = None  # the planner's first round when it chose the ZeRO stage
-        self._stage_choice: Any = None  # and what it chose there
+        # the planner's first round when it chose the ZeRO stage: (its summary, its choice)
+        self._first_round: tuple[str, Any] | None = None
 
     # -- calling --------------------------------------------------------------
     def __call__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *args, **kwargs) -> Any:
@@ -520,7 +519,7 @@ class ParallelStep:
         state in the optimizer, parameters whole), which the chosen stage
         changes, or this rank chose another stage. When any rank failed,
         nothing changes: the pre-flight reports it."""
-        mine = plan.planned_stage if plan is not None else None
+        mine = plan.planned_choice.stage if plan is not None and plan.planned_choice is not None else None
         everyone = [mine]
         if self._dp.active:
             everyone = [None] * self._dp.world_size
@@ -533,9 +532,9 @@ class ParallelStep:
             return False
         log.info("stepfx: %s: the memory planner chose ZeRO stage %d (ranks: %s); capturing again with it",
                  self.__name__, stage, everyone)
-        self._stage_choice = plan.planned_choice
-        self._stage_search = next(r.summary for r in plan.records if r.name == "plan_memory") + \
+        summary = next(r.summary for r in plan.records if r.name == "plan_memory") + \
             (f"; ZeRO stage {stage} taken (the highest any rank chose: {everyone})" if self._dp.active else "")
+        self._first_round = (summary, plan.planned_choice)
         return True
 
     def _local_recapture(self, key: tuple, collectives: list[str] | None, error: BaseException | None) -> bool:
@@ -606,14 +605,15 @@ class ParallelStep:
         if budget is None:
             records = manager.run(captured, pass_options, first=first)
         else:  # the memory planner: the pipeline per candidate until the predicted peak fits
-            if self._stage_search is not None:  # the first round's choice is tried first (it fits unless the ranks differ)
+            first_round = self._first_round
+            if first_round is not None:  # the second capture, with the stage the first one chose: its choice first
+                self._first_round = None
                 pass_options = dataclasses.replace(pass_options, extra={**pass_options.extra,
-                                                                         PLANNED_CHOICE_KEY: self._stage_choice})
+                                                                         PLANNED_CHOICE_KEY: first_round[1]})
             records, chosen = plan_memory(lambda opts: manager.run(captured, opts, first=first), pass_options, budget)
-            if self._stage_search is not None:  # the second capture, with the stage the first one chose
-                first_round, self._stage_search = self._stage_search, None
+            if first_round is not None:
                 records[-1] = dataclasses.replace(records[-1], summary=(
-                    f"{first_round}; captured again with that stage's state layout: {chosen.name} (predicted peak "
+                    f"{first_round[0]}; captured again with that stage's state layout: {chosen.name} (predicted peak "
                     f"{format_bytes(chosen.peak)})"))
         passes_seconds = time.perf_counter() - start
         final = records[-1].graph
@@ -628,7 +628,7 @@ class ParallelStep:
         executor = self._executor(final, model, optimizer, device_type)
         plan = Plan(key, records, executor, capture_seconds, passes_seconds, self._calls, device_type)
         if budget is not None:
-            plan.planned_stage, plan.planned_choice = chosen.stage, chosen
+            plan.planned_choice = chosen
         plan.held = _held_specs(captured, final)
         plan.stepped = stepped_params(captured)
         plan.param_numels = plan_cache.param_numels(captured)

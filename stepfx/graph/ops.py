@@ -29,6 +29,7 @@ __all__ = [
     "is_collective",
     "allocates_nothing",
     "storage_root",
+    "result_of_first_arg",
     "dtype_cast",
     "SYMBOLIC_SCALAR_FUNCTIONS",
 ]
@@ -53,9 +54,13 @@ ASSERT_OPS = frozenset({aten._assert_async.msg, aten._assert_async.default, aten
 # no_grad: ``detach`` (autograd bookkeeping), ``alias``, and
 # ``lift_fresh_copy`` of a constant nobody mutates.
 ALIAS_OPS = frozenset({aten.detach.default, aten.alias.default, aten.lift_fresh_copy.default})
-# Python functions the runtime puts in graphs whose result is storage their first argument made or is
-# (runtime/host_params.py registers its fetch wait and its copy into a host tensor): they allocate nothing.
-RESULT_OF_FIRST_ARG: set = set()
+
+
+def result_of_first_arg(fn):
+    """Marks a Python function the runtime puts in graphs whose result is storage its first argument made
+    or is (runtime/host_params.py: the fetch's wait, the copy into a host tensor): it allocates nothing."""
+    fn.stepfx_result_of_first_arg = True
+    return fn
 
 # Matrix products and convolutions: every tensor operand must have one
 # dtype. Their fake kernels do not check it (the CPU/CUDA kernels do), so a
@@ -191,7 +196,8 @@ def allocates_nothing(node: fx.Node) -> bool:
     collective (its result is the collective's buffer)."""
     if node.op != "call_function":
         return False
-    if (node.target in ALIAS_OPS or node.target is operator.getitem or node.target in RESULT_OF_FIRST_ARG
+    if (node.target in ALIAS_OPS or node.target is operator.getitem
+            or getattr(node.target, "stepfx_result_of_first_arg", False)
             or node.target is torch.ops._c10d_functional.wait_tensor.default or is_view(node)):
         return True
     schema = _schema(node)

@@ -30,7 +30,8 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..config.errors import ConfigError
-from ..graph import CARRIED_COPIES_KEY, HOST_STATE_KEY, HOST_STATE_NVME_KEY, RUNTIME_INIT_KEY, Role, StepSignature, Storage
+from ..graph import (CARRIED_COPIES_KEY, HOST_PINNED_KEY, HOST_STATE_KEY, HOST_STATE_NVME_KEY, RUNTIME_INIT_KEY, Role,
+                     StepSignature, Storage)
 from ..graph.layout import LAYOUT_KEY, Sharding
 from ..graph.signature import TensorSpec, hyperparam_tensor
 from .carried import CarriedCopy
@@ -68,15 +69,16 @@ class RankStore:
         self.carried.clear()
 
 
-def _file_backed(value: torch.Tensor, directory: str) -> torch.Tensor:
-    """``value`` in a mapped file under ``directory`` (``offload_optimizer.device: nvme``): the page cache
-    keeps what fits in memory, the drive the rest. The file is unlinked once mapped, so nothing is left
-    behind when the process ends, however it ends."""
+def _file_backed(value: torch.Tensor, directory: str, role: Role) -> torch.Tensor:
+    """``value`` in a mapped file under ``directory`` (``offload_optimizer`` / ``offload_param`` with
+    ``device: nvme``): the page cache keeps what fits in memory, the drive the rest. The file is unlinked
+    once mapped, so nothing is left behind when the process ends, however it ends."""
     try:
         os.makedirs(directory, exist_ok=True)
         fd, path = tempfile.mkstemp(prefix=f"stepfx-{os.getpid()}-", suffix=".state", dir=directory)
     except OSError as exc:
-        raise ConfigError("zero_optimization.offload_optimizer.nvme_path", f"cannot keep optimizer state there: {exc}",
+        block, what = ("offload_param", "parameters") if role is Role.PARAM else ("offload_optimizer", "optimizer state")
+        raise ConfigError(f"zero_optimization.{block}.nvme_path", f"cannot keep {what} there: {exc}",
                           value=directory, expected="a directory this process may write") from exc
     os.close(fd)
     try:
@@ -126,7 +128,7 @@ class ModuleBinding:
         # offload_optimizer: rank-held slots whose values live on the host
         self._host_state = frozenset(signature.extra.get(HOST_STATE_KEY, ()))
         # offload_param with pin_memory: host-held pieces the device copies up from while it computes
-        self._pinned = frozenset(signature.extra.get("host_pinned", ())) if torch.cuda.is_available() else frozenset()
+        self._pinned = frozenset(signature.extra.get(HOST_PINNED_KEY, ())) if torch.cuda.is_available() else frozenset()
         self._readers: list[Callable[[], Any] | None] = []
         self._batch_positions: list[int] = []
         for i, slot in enumerate(signature.inputs):
@@ -235,7 +237,7 @@ class ModuleBinding:
                         # offload_optimizer: state the host keeps between steps moves there on first read
                         value = value.to("cpu", copy=True) if on_host else value.clone()
                     if on_host and nvme is not None:
-                        value = _file_backed(value, nvme)
+                        value = _file_backed(value, nvme, slot.role)
                     elif pinned and not value.is_pinned():
                         value = value.pin_memory()
                     store.tensors[ident] = value

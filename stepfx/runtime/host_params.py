@@ -29,7 +29,7 @@ import threading
 
 import torch
 
-from ..graph.ops import RESULT_OF_FIRST_ARG
+from ..graph.ops import result_of_first_arg
 
 __all__ = ["host_fetch_start", "host_fetch_wait", "host_store", "FetchHandle"]
 
@@ -67,6 +67,7 @@ def host_fetch_start(piece: torch.Tensor, *, device: str) -> FetchHandle:
     return FetchHandle(value, event)
 
 
+@result_of_first_arg
 def host_fetch_wait(handle: FetchHandle) -> torch.Tensor:
     """The device copy, ready for the compute stream."""
     value = handle.value
@@ -77,6 +78,7 @@ def host_fetch_wait(handle: FetchHandle) -> torch.Tensor:
     return value
 
 
+@result_of_first_arg
 def host_store(dest: torch.Tensor, value: torch.Tensor, *, last: bool = False) -> torch.Tensor:
     """Copy the updated piece ``value`` into the host tensor ``dest`` (in
     place); returns ``dest``. On CUDA the copy runs on the parameter stream
@@ -96,5 +98,3 @@ def host_store(dest: torch.Tensor, value: torch.Tensor, *, last: bool = False) -
         stream.synchronize()
     return dest
 
-
-RESULT_OF_FIRST_ARG.update({host_fetch_wait, host_store})

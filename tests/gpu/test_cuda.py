@@ -355,6 +355,16 @@ def test_symbolic_lengths_run_flash_attention():
     assert worst <= 3e-2
 
 
+def _cuda_llama():
+    """A Hugging Face Llama with 4 query / 2 key-value heads, use_cache=False, on the GPU."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      attn_implementation="sdpa", use_cache=False, bos_token_id=0, eos_token_id=0)
+    return LlamaForCausalLM(cfg).cuda()
+
+
 @gpu
 @pytest.mark.gpu
 def test_grouped_query_attention_on_cuda_reads_k_v_unrepeated():
@@ -364,21 +374,13 @@ def test_grouped_query_attention_on_cuda_reads_k_v_unrepeated():
     losses track the step without the pass."""
     from stepfx import compat
     from stepfx.passes.cleanup.fold_causal_masks import _get, attention_ops
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     ops = compat.attention_ops_taking_grouped_kv(torch.device("cuda"))
     print("attention ops taking grouped K/V heads:", sorted(str(op) for op in ops))
-
-    def make():
-        cfg = LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                          attn_implementation="sdpa", use_cache=False, bos_token_id=0, eos_token_id=0)
-        return LlamaForCausalLM(cfg).cuda()
 
     losses = {}
     for disable in ([], ["unrepeat_kv_heads"]):
         torch.manual_seed(0)
-        model = make()
+        model = _cuda_llama()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         step = stepfx.parallelize({"bf16": {"enabled": True}, "gradient_clipping": 1.0,
                                    "stepfx": {"disable": disable}})(hf_step)
@@ -399,18 +401,10 @@ def test_hugging_face_rms_norms_run_stepfx_kernels_on_cuda():
     backward, on stepfx's kernels (fuse_rms_norm, checked on the GPU at the
     captured shapes); the losses track the step with the norms left to
     inductor's regions (the pass disabled)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    def make():
-        cfg = LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                          attn_implementation="sdpa", use_cache=False, bos_token_id=0, eos_token_id=0)
-        return LlamaForCausalLM(cfg).cuda()
-
     losses = {}
     for disable in ([], ["fuse_rms_norm"]):
         torch.manual_seed(0)
-        model = make()
+        model = _cuda_llama()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         step = stepfx.parallelize({"bf16": {"enabled": True}, "gradient_clipping": 1.0,
                                    "stepfx": {"codegen": True, "disable": disable}})(hf_step)

@@ -157,7 +157,7 @@ def _structure(nodes: list[fx.Node], leaves: list[fx.Node], mask: fx.Node) -> tu
     """What a mask's computation is, without its node names: each op with its arguments (other nodes of
     the subgraph by position, leaves as sizes by expression), the result's shape. Masks with the same
     structure (transformers builds one per layer) evaluate alike: evaluated once."""
-    index = {n: ("leaf", compat.size_expr(leaf.meta["val"])) for n, leaf in ((leaf, leaf) for leaf in leaves)}
+    index = {leaf: ("leaf", compat.size_expr(leaf.meta["val"])) for leaf in leaves}
     index.update({n: ("node", i) for i, n in enumerate(nodes)})
 
     def key(a):
@@ -168,8 +168,9 @@ def _structure(nodes: list[fx.Node], leaves: list[fx.Node], mask: fx.Node) -> tu
     return ops, shape, str(mask.meta["val"].dtype), index[mask]
 
 
-def _why_not_causal(graph: StepGraph, mask: fx.Node, readers: list[fx.Node], ops: dict,
-                    evaluated: dict | None = None) -> str | None:
+def _why_not_causal(graph: StepGraph, mask: fx.Node, readers: list[fx.Node], ops: dict, evaluated: dict) -> str | None:
+    """Why ``mask`` is not SDPA's causal mask for ``readers``, or None; ``evaluated``: verdicts by
+    mask structure (one evaluation per distinct computation)."""
     val = mask.meta.get("val")
     if not isinstance(val, torch.Tensor) or val.dim() < 2:
         return "not a tensor of at least 2 dims"
@@ -193,8 +194,6 @@ def _why_not_causal(graph: StepGraph, mask: fx.Node, readers: list[fx.Node], ops
     if any(n.op == "get_attr" for n in nodes):  # a constant's values are not in the structure
         return _evaluate(graph, nodes, leaves, mask, val)
     key = _structure(nodes, leaves, mask)
-    if evaluated is None:
-        return _evaluate(graph, nodes, leaves, mask, val)
     if key not in evaluated:
         evaluated[key] = _evaluate(graph, nodes, leaves, mask, val)
     return evaluated[key]

@@ -70,7 +70,6 @@ class _Match:
     dx: fx.Node
     dw: fx.Node
     nodes: list  # every node replaced, in graph order
-    inputs: tuple  # (x, w, g) as the region reads them
     summed: fx.Node | None = None  # fp32: the add that sums x's second contribution with another gradient
     dx2: fx.Node | None = None  # that second contribution
 
@@ -94,7 +93,8 @@ def _other(node, one):
 
 
 def _forward(r: fx.Node):
-    """(x, x32, w, eps, y, h, forward nodes) from an rsqrt, or the reason it is not an RMSNorm."""
+    """(x, x32, w, eps, y, h, forward nodes, out) from an rsqrt, or the reason it is not an RMSNorm: ``y``
+    multiplies ``h`` by ``w``; ``out`` is the norm's result (``y``, or Gemma's cast of it)."""
     a = r.args[0]
     if a.op != "call_function" or a.target not in (aten.add.Tensor, aten.add.Scalar) or not isinstance(a.args[1], float):
         return "rsqrt of something other than mean + eps"
@@ -143,7 +143,7 @@ def _forward(r: fx.Node):
 
 
 def _backward(x32, r, h, w, y, forward: list, order: dict):
-    """(g, dx, dw, backward nodes) or the reason."""
+    """(g, dx, the add of dx's second part or None, dw, backward nodes) or the reason."""
     gh = [u for u in w.users if u is not y and u.target is aten.mul.Tensor and u.meta.get(META_PHASE) is Phase.BACKWARD
           and tuple(_val(u).shape) == tuple(_val(y).shape)]
     if len(gh) != 1:
@@ -191,10 +191,6 @@ def _backward(x32, r, h, w, y, forward: list, order: dict):
     return g, ends[0], add, dw, nodes
 
 
-def _region_outputs(m: _Match):
-    return (m.y, m.dx, m.dw)  # (and dx2, replaced through its add)
-
-
 def _structure(m: _Match) -> tuple:
     index = {m.x: "x", m.w: "w", m.g: "g"}
     index.update({n: i for i, n in enumerate(m.nodes)})
@@ -204,7 +200,7 @@ def _structure(m: _Match) -> tuple:
 
 def _check(m: _Match) -> str | None:
     """The region's results against the kernels' reference on sample values (the captured shapes)."""
-    from ...codegen import norm_kernels as K
+    from ...codegen import norm_kernels as K  # triton: imported when codegen runs, as the other fusions do
 
     x_val = _val(m.x)
     # on the step's device (a CUDA step's norms in milliseconds); on a CPU device up to a size
@@ -236,6 +232,8 @@ def _check(m: _Match) -> str | None:
 
 
 def _find(g: fx.Graph) -> tuple[list[_Match], list[tuple[str, str]]]:
+    from ...codegen.norm_kernels import unsupported_reason
+
     order = {n: i for i, n in enumerate(g.nodes)}
     matches, skipped = [], []
     taken: set = set()
@@ -262,14 +260,12 @@ def _find(g: fx.Graph) -> tuple[list[_Match], list[tuple[str, str]]]:
             continue
         if region & taken:
             continue
-        from ...codegen.norm_kernels import unsupported_reason
-
         why = unsupported_reason(_val(x), [_val(x).shape[-1]], _val(w))
         if why is not None:
             skipped.append((r.name, why))
             continue
         taken |= region
-        matches.append(_Match(x, w, grad, eps, out, dx, dw, nodes, (x, w, grad), summed, dx2))
+        matches.append(_Match(x, w, grad, eps, out, dx, dw, nodes, summed, dx2))
     return matches, skipped
 
 
@@ -296,13 +292,12 @@ def fuse_rms_norm(graph: StepGraph, options: PassOptions) -> PassResult:
                                                                                           FUSION_REPORT_KEY: report}))
         return PassResult(graph, bool(skipped), f"no RMSNorm matched ({len(skipped)} rsqrt(s) left: {skipped[0][1]})"
                           if skipped else "")
-    graph, copy_of = clone_step_graph_mapped(graph)
-    g = graph.gm.graph
     from ...codegen import graph_ops
 
+    graph, copy_of = clone_step_graph_mapped(graph)
+    g = graph.gm.graph
     for m in kept:
-        x, w, grad = (copy_of[n] for n in m.inputs)
-        y, dx, dw = (copy_of[n] for n in _region_outputs(m))
+        x, w, grad, y, dx, dw = (copy_of[n] for n in (m.x, m.w, m.g, m.y, m.dx, m.dw))
         n = _val(x).shape[-1]
         x_val = _val(x)
         stat = torch.empty(tuple(x_val.shape[:-1]) + (1,), dtype=torch.float32, device=x_val.device)
@@ -311,7 +306,8 @@ def fuse_rms_norm(graph: StepGraph, options: PassOptions) -> PassResult:
             out = make_node(g, operator.getitem, (norm, 0), val=_val(y), like=y, name="rms_out")
             rstd = make_node(g, operator.getitem, (norm, 1), val=stat, like=y, name="rms_rstd")
         y.replace_all_uses_with(out)
-        first = min((u for v in (dx, dw) for u in v.users), key=lambda u: _position(g, u))
+        pos = {n: i for i, n in enumerate(g.nodes)}
+        first = min((u for v in (dx, dw) for u in v.users), key=pos.__getitem__)
         with g.inserting_before(first):
             wdtype = _val(w).dtype if _val(w).dtype != x_val.dtype else None  # Gemma's fp32 (1 + weight)
             back = make_node(g, graph_ops.rms_norm_backward, (grad, x, [n], rstd, w, [True, True], wdtype),
@@ -334,9 +330,3 @@ def fuse_rms_norm(graph: StepGraph, options: PassOptions) -> PassResult:
                                    f"({len(checked)} structure(s) checked on sample values)"
                                    + (f"; {len(skipped)} left: {skipped[0][1]}" if skipped else ""))
 
-
-def _position(g: fx.Graph, node: fx.Node) -> int:
-    for i, n in enumerate(g.nodes):
-        if n is node:
-            return i
-    raise KeyError(node.name)

@@ -63,19 +63,22 @@ from ..fusion.fuse_optimizer_update import (check_update_region, find_update_reg
 from ..manager import PassOptions, PassResult
 from .recompute_activations import format_bytes
 
-__all__ = ["offload_optimizer", "offload_settings", "HOST_STATE_KEY", "META_HOST_RESULTS"]
+__all__ = ["offload_optimizer", "offload_settings", "offload_block", "HOST_STATE_KEY", "META_HOST_RESULTS"]
 
 _PATH = "zero_optimization.offload_optimizer"
 _ROLES = ("param", "exp_avg", "exp_avg_sq")
 
 
+def offload_block(options: PassOptions, slot: str):
+    """``zero_optimization``'s ``slot`` block (``offload_optimizer`` / ``offload_param``) when it moves
+    something off the device, else None."""
+    block = getattr(getattr(options.config, "zero_optimization", None), slot, None)
+    return None if block is None or block.device == "none" else block
+
+
 def offload_settings(options: PassOptions):
     """The ``offload_optimizer`` block when it moves the optimizer off the device, else None."""
-    zero = getattr(options.config, "zero_optimization", None)
-    block = getattr(zero, "offload_optimizer", None)
-    if block is None or block.device == "none":
-        return None
-    return block
+    return offload_block(options, "offload_optimizer")
 
 
 def offload_optimizer(graph: StepGraph, options: PassOptions) -> PassResult:

@@ -46,35 +46,34 @@ import torch.fx as fx
 from ...config.errors import ConfigError, join
 from ...config.values import AUTO
 from ...errors import PassError
-from ...graph import HOST_STATE_KEY, HOST_STATE_NVME_KEY, Role, StepGraph, Storage
+from ...graph import HOST_PINNED_KEY, HOST_STATE_KEY, HOST_STATE_NVME_KEY, Role, StepGraph, Storage
 from ...graph.step_graph import META_HOST_RESULTS, META_PHASE
 from ...graph.build import clone_step_graph
 from ...runtime.host_optimizer import host_adam_start, host_adam_wait
 from ...runtime.host_params import host_fetch_start, host_fetch_wait, host_store
+from .offload_optimizer import offload_block, offload_settings
 from ..data_parallel.collectives import make_node
 from ..manager import PassOptions, PassResult
 from .recompute_activations import format_bytes
 
-__all__ = ["offload_parameters", "param_offload_settings", "HOST_PINNED_KEY"]
+__all__ = ["offload_parameters", "param_offload_settings"]
 
 _PATH = "zero_optimization.offload_param"
-HOST_PINNED_KEY = "host_pinned"  # StepSignature.extra: host-held slots the binding keeps in pinned memory
 DEFAULT_BUFFERS = 5  # DeepSpeed's offload_param.buffer_count default
 
 
 def param_offload_settings(options: PassOptions):
     """The ``offload_param`` block when it moves parameters off the device, else None."""
-    zero = getattr(options.config, "zero_optimization", None)
-    block = getattr(zero, "offload_param", None)
-    if block is None or block.device == "none":
-        return None
-    return block
+    return offload_block(options, "offload_param")
+
+
+def _tier(block) -> tuple:
+    return block.device, str(block.nvme_path) if block.device == "nvme" else None
 
 
 def _refuse_unsupported(block, options: PassOptions) -> None:
     from ..data_parallel.plan_zero_layout import zero_settings
     from ..pipeline.partition_stages import pipeline_settings
-    from .offload_optimizer import offload_settings
 
     if zero_settings(options)[0] != 3:
         raise ConfigError(_PATH, "needs ZeRO stage 3 (the parameters at rest are the rank's pieces; DeepSpeed "
@@ -87,8 +86,7 @@ def _refuse_unsupported(block, options: PassOptions) -> None:
         raise ConfigError(join(_PATH, "nvme_path"), "device 'nvme' needs the directory the parameters are kept in",
                           value=block.nvme_path, expected="a directory on the NVMe drive")
     opt = offload_settings(options)
-    if opt is not None and (opt.device == "nvme") != (block.device == "nvme") or (
-            opt is not None and block.device == "nvme" and str(opt.nvme_path) != str(block.nvme_path)):
+    if opt is not None and _tier(opt) != _tier(block):  # the binding backs every host slot by one tier
         raise ConfigError(join(_PATH, "device"), f"{block.device!r} with offload_optimizer on {opt.device!r}"
                           f"{' under ' + str(opt.nvme_path) if opt.device == 'nvme' else ''}: both tiers must be the "
                           "same (one directory for the files) in this version", value=block.device,
@@ -100,14 +98,11 @@ def offload_parameters(graph: StepGraph, options: PassOptions) -> PassResult:
     if block is None:
         return PassResult(graph, False)
     _refuse_unsupported(block, options)
-    host = [n for n in graph.gm.graph.nodes if n.op == "placeholder" and n.meta["slot"].role is Role.PARAM
-            and n.meta["slot"].storage is Storage.RANK]
-    if not host:
+    if not _pieces(graph.gm.graph):
         return PassResult(graph, False, "no parameter is held in pieces by this rank (all under the persistence threshold)")
     graph = clone_step_graph(graph)
     g = graph.gm.graph
-    host = [n for n in g.nodes if n.op == "placeholder" and n.meta["slot"].role is Role.PARAM
-            and n.meta["slot"].storage is Storage.RANK]
+    host = _pieces(g)
     depth = block.buffer_count if isinstance(block.buffer_count, int) and block.buffer_count > 0 else DEFAULT_BUFFERS
     nodes = list(g.nodes)
     output = nodes[-1]
@@ -165,20 +160,21 @@ def offload_parameters(graph: StepGraph, options: PassOptions) -> PassResult:
     nodes = list(g.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     out_args = list(output.args[0])
+    by_ident = {p.meta["slot"].ident: p for p in host}
     stores = []
     for j, slot in enumerate(graph.signature.outputs):
         value = out_args[j]
-        piece = next((p for p in host if p.meta["slot"].ident == slot.ident), None)
+        piece = by_ident.get(slot.ident)
         if piece is None or not isinstance(value, fx.Node) or value in host_values:
             continue
         readers = [u for n in _aliases(piece) for u in n.users if u is not output]
-        after = max([value, *readers], key=pos.__getitem__)
+        after = max([value, *readers], key=pos.__getitem__)  # nodes there before the stores: positions hold
         with g.inserting_after(after):
             store = make_node(g, host_store, (piece, value), val=piece.meta["val"], like=value, name="stored")
         out_args[j] = store
         stores.append(store)
-        pos = {n: i for i, n in enumerate(g.nodes)}
     if stores:
+        pos = {n: i for i, n in enumerate(g.nodes)}
         max(stores, key=pos.__getitem__).kwargs = {"last": True}
         output.args = (tuple(out_args),) + tuple(output.args[1:])
     graph.gm.recompile()
@@ -196,6 +192,12 @@ def offload_parameters(graph: StepGraph, options: PassOptions) -> PassResult:
     return PassResult(graph, True, f"{len(host)} parameter pieces ({format_bytes(at_rest)}) at rest in {where}; "
                                    f"{fetched} fetches up a step ({format_bytes(moved)}), at most {depth} ahead of "
                                    f"their readers; {len(stores)} updated pieces copied back down")
+
+
+def _pieces(g: fx.Graph) -> list[fx.Node]:
+    """The placeholders of the parameter pieces this rank holds (ZeRO-3)."""
+    return [n for n in g.nodes if n.op == "placeholder" and n.meta["slot"].role is Role.PARAM
+            and n.meta["slot"].storage is Storage.RANK]
 
 
 def _first_op(g: fx.Graph) -> fx.Node:

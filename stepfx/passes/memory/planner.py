@@ -29,8 +29,7 @@ When ``zero_optimization.stage`` is "auto", the stage is a candidate too
 (0-3 over two or more data-parallel ranks; over one rank sharding saves
 nothing, so 0, and 2 for the offload): the
 (stage, level) pairs are tried in the order of what they add to a step
-(``STAGE_COST`` + ``LEVEL_COST``), skipping any that keeps at least as much
-as one already over the budget. The ranks take the highest stage any of
+(``STAGE_COST`` + ``LEVEL_COST``). The ranks take the highest stage any of
 them chose (the api does, before its pre-flight) and, where that is not
 stage 0, capture once more with that stage's state layout.
 
@@ -150,13 +149,6 @@ def _candidates(options: PassOptions) -> list[tuple[int | None, str]]:
     return sorted(pairs, key=lambda p: (STAGE_COST[p[0]] + LEVEL_COST[p[1]], p[0]))
 
 
-def _dominated(stage: int | None, level: str, failed: list[tuple[int | None, str]]) -> bool:
-    """A candidate that keeps at least as much as one already over the budget (a lower or equal stage
-    and recomputing no more) cannot fit: not tried."""
-    rank = CANDIDATES.index
-    return any((stage or 0) <= (s or 0) and rank(level) <= rank(lv) for s, lv in failed)
-
-
 def plan_memory(run: Callable[[PassOptions], list[PassRecord]], options: PassOptions, budget: int,
                 *, config_path: str = "stepfx.memory_budget_gib") -> tuple[list[PassRecord], Tried]:
     """Run the pipeline (``run(options)``) per candidate until one's predicted
@@ -194,34 +186,14 @@ def plan_memory(run: Callable[[PassOptions], list[PassRecord]], options: PassOpt
 
     def search(pairs, config_of, offload: bool, params: bool = False) -> bool:
         nonlocal records
-        failed: list[tuple[int | None, str]] = []
         for stage, level in pairs:
-            if _dominated(stage, level, failed):
-                continue
             candidate = attempt(config_of(stage), level)
             tried.append(judged(level, estimate_memory(candidate[-1].graph), offload, stage=stage, params=params))
             records = candidate
             if tried[-1].fits or tried[-1].over_host:  # more recomputation would not bring the host's bytes down
                 return tried[-1].fits
-            failed.append((stage, level))
         return False
 
-    hint = (options.extra or {}).get(PLANNED_CHOICE_KEY)
-    fitted = False
-    if hint is not None and not planned:  # the earlier round's choice at the stage it chose
-        config = options.config
-        if hint.offload:
-            config = _with_offload(config, hint.ratio) or config
-        if hint.params and config.zero_optimization.offload_param is None:
-            config = _with_param_offload(config)
-        candidate = attempt(config, hint.level)
-        again = judged(hint.level, estimate_memory(candidate[-1].graph), hint.offload, hint.ratio, None, hint.params)
-        if again.fits:
-            tried.append(again)
-            records, fitted = candidate, True
-    if not fitted:
-        fitted = search(_candidates(options), lambda s: options.config if s is None else at_stage(options.config, s),
-                        False)
     def offload_search(stage, config) -> bool:
         """The levels with the optimizer offloaded: the first whose device peak fits, then (stage 3) the least
         ratio that still fits; where the host budget is exceeded, smaller ratios at that level, then more
@@ -254,6 +226,22 @@ def plan_memory(run: Callable[[PassOptions], list[PassRecord]], options: PassOpt
                 return False  # more recomputation would not bring the host's bytes down
         return False
 
+    hint = (options.extra or {}).get(PLANNED_CHOICE_KEY)
+    fitted = False
+    if hint is not None and not planned:  # the earlier round's choice at the stage it chose
+        config = options.config
+        if hint.offload:
+            config = _with_offload(config, hint.ratio) or config
+        if hint.params and config.zero_optimization.offload_param is None:
+            config = _with_param_offload(config)
+        candidate = attempt(config, hint.level)
+        again = judged(hint.level, estimate_memory(candidate[-1].graph), hint.offload, hint.ratio, None, hint.params)
+        if again.fits:
+            tried.append(again)
+            records, fitted = candidate, True
+    if not fitted:
+        fitted = search(_candidates(options), lambda s: options.config if s is None else at_stage(options.config, s),
+                        False)
     for stage, config in ([] if fitted else offload_configs):
         try:
             fitted = offload_search(stage, config)
