@@ -8,6 +8,7 @@ import torch.distributed as dist
 import stepfx
 from stepfx.graph.tp_layout import TP_PLAN_KEY
 from stepfx.passes.data_parallel.collectives import COLLECTIVE_OPS
+from stepfx.testing.equivalence import _rank_seed
 
 
 def tp_run(step_fn, make_model, make_optimizer, batches_per_dp, config) -> dict:
@@ -21,13 +22,17 @@ def tp_run(step_fn, make_model, make_optimizer, batches_per_dp, config) -> dict:
     model = make_model()
     opt = make_optimizer(model)
     step = stepfx.parallelize(config)(step_fn)
-    losses = [step(model, opt, *batch).item() for batch in batches_per_dp[rank // tp]]
+    losses = []
+    for i, batch in enumerate(batches_per_dp[rank // tp]):
+        # the reference's seed per step and data-parallel rank: a TP group draws alike (replicated dropout)
+        torch.manual_seed(_rank_seed(0, i, rank // tp, world // tp))
+        losses.append(step(model, opt, *batch).item())
     graph = step.plan.graph
     counts: dict[str, int] = {}
     for node in graph.gm.graph.nodes:
         if node.op == "call_function" and node.target is torch.ops._c10d_functional.all_reduce.default:
-            tp_group = node.name.startswith("tp_")
-            key = f"{'tp' if tp_group else 'dp'} {node.meta['phase']}"
+            group = "vocab" if node.name.startswith("tp_vocab") else "tp" if node.name.startswith("tp_") else "dp"
+            key = f"{group} {node.meta['phase']}"
             counts[key] = counts.get(key, 0) + 1
     # each kind of collective in the final graph: (op, "tp" or "dp" group, phase, the dtype it moves)
     collectives = sorted({(node.target.__name__.split(".")[0], "tp" if node.name.startswith("tp_") else "dp",

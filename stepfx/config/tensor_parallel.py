@@ -6,12 +6,14 @@ is an error) and its ``partition_config``
 (``module_inject/autotp_config.py``: ``use_default_specs`` and a list of
 ``layer_specs``, each with ``patterns``, ``partition_type`` "row" or
 "column", optional ``shape`` and ``partition_dim``). ``vocab_parallel_lm_head``
-is accepted here for the vocabulary-parallel head of issue 19.
+(DeepSpeed's default false) is unset here unless given: unset, the search
+splits embeddings and LM heads over the vocabulary where that propagates;
+false keeps heads replicated; true requires a head to split.
 
 What stepfx honours today (``applied.py``): ``autotp_size`` (Megatron pairs
 found on the graph, ``passes/tensor_parallel``) and ``partition_config``
 (its layer_specs split what they match; with ``use_default_specs`` the
-search splits the rest). The rest is validated and listed in
+search splits the rest) and ``vocab_parallel_lm_head``. The rest is validated and listed in
 ``Config.not_applied``.
 
 The checks that need the world and the model (``autotp_size`` divides the
@@ -65,7 +67,7 @@ class TensorParallelConfig:
     autotp_size: int = spec(0, Int(ge=0))
     tp_overlap_comm: bool = spec(False, Bool())
     preset_model: str | None = spec(None, Optional(Str()))
-    vocab_parallel_lm_head: bool = spec(False, Bool())
+    vocab_parallel_lm_head: bool | None = spec(None, Optional(Bool()))  # None: the search decides
     partition_config: FrozenMap | None = spec(None, Optional(AnyMap()))
     # DeepSpeed's other keys, read by its inference / injection paths: kept, not acted on
     dtype: Any = spec(None, Anything())

@@ -184,8 +184,9 @@ def test_a_hugging_face_model_s_own_tp_plan_is_honoured():
     k = placements["model.layers.0.self_attn.k_proj.weight"]
     assert k.kind == "column" and k.why == "the model's base_model_tp_plan: 'model.layers.*.self_attn.k_proj': colwise"
     assert placements["model.layers.0.mlp.down_proj.weight"].kind == "row"
-    assert placements["lm_head.weight"].kind == "replicated"  # colwise_gather_output: not implemented, noted
-    assert any("'lm_head': 'colwise_gather_output' is not implemented" in n for n in plan.notes)
+    # HF's vocabulary-parallel head and embedding: the vocabulary search's split, without HF's gather of the logits
+    assert placements["lm_head.weight"].kind == "vocabulary" == placements["model.embed_tokens.weight"].kind
+    assert any("'lm_head': 'colwise_gather_output': left to the vocabulary search" in n for n in plan.notes)
     assert "named by the model's base_model_tp_plan" in result.summary
 
 
@@ -200,3 +201,77 @@ def test_a_hugging_face_plan_that_cannot_apply_leaves_it_to_the_search():
     assert placements["model.layers.0.self_attn.k_proj.weight"].kind == "replicated"
     assert placements["model.layers.0.self_attn.q_proj.weight"].kind == "column"
     assert any("base_model_tp_plan does not apply here" in n for n in plan.notes)
+
+
+# -- the vocabulary-parallel embedding, LM head and cross-entropy ------------------------------------------
+
+
+def lm_step_returning_logits(model, optimizer, idx):
+    from tests.steps import lm_loss
+
+    logits = model(idx[:, :-1])
+    loss = lm_loss(logits, idx[:, 1:])
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss, logits
+
+
+def _gpt_graph(step=None):
+    from stepfx.capture import capture_step
+    from tests.steps import lm_step, tiny_gpt, token_batches
+
+    torch.manual_seed(0)
+    model = tiny_gpt(n_layers=1, vocab_size=80)  # a width no other value of the step has
+    batch = token_batches(1, vocab=80)[0]
+    graph = capture_step(step or lm_step, model, torch.optim.SGD(model.parameters(), lr=0.1), batch, {})
+    return _clean(graph)
+
+
+def _vocab_options(value, tp_rank=1):
+    from stepfx.config import load_config
+
+    block = {"autotp_size": 2} if value is None else {"autotp_size": 2, "vocab_parallel_lm_head": value}
+    return PassOptions(config=load_config({"tensor_parallel": block}), tp_size=2, tp_rank=tp_rank, tp_group_name="tp")
+
+
+def test_the_cross_entropy_runs_on_each_rank_s_slice_of_the_logits():
+    """The tied embedding / LM head splits by rows over the vocabulary: no
+    value of the step is as wide as the vocabulary (the logits are never
+    gathered), the log-softmax all-reduces a max and a sum per row, the
+    negative log-likelihood picks this rank's targets (rank 1 holds tokens
+    40..79) and ignores the rest locally."""
+    planned = plan_tensor_parallel(_gpt_graph(), _vocab_options(None)).graph
+    tok = next(p for p in planned.signature.extra[TP_PLAN_KEY].placements if p.name == "tok.weight")
+    assert (tok.kind, tok.split_dim) == ("vocabulary", 0)
+    g = shard_tensor_parallel(planned, _vocab_options(None)).graph.gm.graph
+    widths = {n.meta["val"].shape[-1] for n in g.nodes if isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim()}
+    assert 80 not in widths and 40 in widths
+    vocab = [n.args[1] for n in g.nodes if n.target is torch.ops._c10d_functional.all_reduce.default
+             and n.name.startswith("tp_vocab")]
+    assert vocab == ["max", "sum", "sum"]  # log-softmax forward (max, sum of exponentials), backward (row sums)
+    assert not [n for n in g.nodes if "all_gather" in str(n.target)]
+    offset = next(n for n in g.nodes if n.name.startswith("vocab_local_index"))
+    assert offset.args[1] == 40
+    nll = next(n for n in g.nodes if n.target is torch.ops.aten.nll_loss_forward.default)
+    assert nll.args[3:] == (2, -1)  # this rank's sum; targets held elsewhere ignored locally
+
+
+def test_vocab_parallel_lm_head_false_keeps_the_head_replicated():
+    plan = plan_tensor_parallel(_gpt_graph(), _vocab_options(False)).graph.signature.extra[TP_PLAN_KEY]
+    tok = next(p for p in plan.placements if p.name == "tok.weight")
+    assert tok.kind == "replicated" and "vocab_parallel_lm_head is false" in tok.why
+
+
+def test_vocab_parallel_lm_head_true_refuses_a_step_that_returns_the_logits():
+    import pytest
+
+    from stepfx.config import ConfigError
+
+    graph = _gpt_graph(lm_step_returning_logits)
+    plan = plan_tensor_parallel(graph, _vocab_options(None)).graph.signature.extra[TP_PLAN_KEY]
+    tok = next(p for p in plan.placements if p.name == "tok.weight")
+    assert tok.kind == "replicated" and "a split value is returned" in tok.why  # the search keeps it whole
+    with pytest.raises(ConfigError, match=r"tensor_parallel\.vocab_parallel_lm_head: is true but no LM head splits "
+                                          r"over the vocabulary: tok\.weight: a split value is returned"):
+        plan_tensor_parallel(graph, _vocab_options(True))

@@ -3,8 +3,9 @@ vocabulary sizes, some not divisible by the TP degree, with and without
 biases), the Megatron search finds the pairs it should and only those:
 attention's fused q/k/v (3 parts) -> output projection when the heads
 divide by the degree, else attention stays replicated; the MLP's up -> down
-pair always (its width divides); embeddings, norms and the tied head
-replicated. Equality of the split step with the reference is the rank
+pair always (its width divides); the tied embedding and LM head split
+over the vocabulary when the vocabulary divides, else replicated; norms
+and position embeddings replicated. Equality of the split step with the reference is the rank
 tests' (tests/runtime/test_tensor_parallel.py): this property is the
 search's, on the captured graph, without ranks."""
 from __future__ import annotations
@@ -43,5 +44,8 @@ def test_the_search_finds_the_megatron_pairs_of_generated_shapes(heads, head_dim
     assert kinds["blocks.0.fc.weight"][0] == "column" and kinds["blocks.0.fc_out.weight"][0] == "row", kinds
     if bias:
         assert kinds["blocks.0.fc.bias"][0] == "column" and kinds["blocks.0.fc_out.bias"][0] == "replicated", kinds
+    assert kinds["tok.weight"][0] == ("vocabulary" if vocab % tp == 0 else "replicated"), kinds
+    assert kinds["pos.weight"][0] == "replicated", kinds
     split = {n for n, (k, _) in kinds.items() if k != "replicated"}
-    assert split <= {f"blocks.0.{m}.{w}" for m in ("qkv", "proj", "fc", "fc_out") for w in ("weight", "bias")}, split
+    assert split <= {f"blocks.0.{m}.{w}" for m in ("qkv", "proj", "fc", "fc_out") for w in ("weight", "bias")} | {
+        "tok.weight"}, split

@@ -17,14 +17,27 @@ import torch
 
 import stepfx
 from stepfx.testing.equivalence import data_parallel_reference
-from tests.steps import MLP, adamw, ce_step, hf_llama, hf_step, lm_step, mlp_batches, one_block_gpt, token_batches
+from tests.steps import (MLP, adamw, ce_step, hf_gpt2, hf_llama, hf_step, lm_step, mlp_batches, one_block_gpt, padded_batch,
+                         padded_step, token_batches)
 from tests.tp_workers import tp_run
 
 TP2 = {"gradient_clipping": 0, "tensor_parallel": {"autotp_size": 2}}
 CLIP = 0.5  # below the first step's gradient norm of both models (checked where used): the clip bites
+
+def with_head(blocks: dict) -> dict:
+    """The all-reduces of the blocks plus those of the vocabulary-parallel
+    embedding and LM head: forward, the lookup's and the loss's (partial
+    sums) and the log-softmax's max and sum; backward, the log-softmax's
+    gradient row sums and the head's input gradient (Megatron's f)."""
+    out = {**blocks, "vocab forward": 2, "vocab backward": 1}
+    out["tp forward"] = out.get("tp forward", 0) + 2
+    out["tp backward"] = out.get("tp backward", 0) + 1
+    return out
+
+
 # Megatron without sequence parallelism, per model (see the tests below for the why of Llama's)
-GPT_COUNTS = {"tp forward": 2, "tp backward": 2}
-LLAMA_COUNTS = {"tp forward": 4, "tp backward": 8}
+GPT_COUNTS = with_head({"tp forward": 2, "tp backward": 2})
+LLAMA_COUNTS = with_head({"tp forward": 4, "tp backward": 8})
 
 
 def sgd_momentum(model):
@@ -65,15 +78,15 @@ def test_gpt_tp2_equals_the_reference_with_megatron_collectives(rank_pool):
     results = rank_pool(2).run(tp_run, lm_step, one_block_gpt, sgd_plain, batches, TP2, timeout=300)
     _check(results, lm_step, one_block_gpt, sgd_plain, batches, tp=2)
     assert results[0]["captures"] == 1
-    # Megatron without sequence parallelism: 2 all-reduces forward and 2 backward per block
-    assert results[0]["counts"] == {"tp forward": 2, "tp backward": 2}
+    # Megatron without sequence parallelism: 2 all-reduces forward and 2 backward per block, and the head's
+    assert results[0]["counts"] == GPT_COUNTS
     assert results[0]["module_emptied"]  # the user's module is not silently stale: sync_model() fills it
     placements = "\n".join(results[0]["placements"])
     assert "blocks.0.qkv.weight: column (dim 0, 3 parts)" in placements
     assert "blocks.0.proj.weight: row (dim 1)" in placements
     assert "blocks.0.fc_out.weight: row (dim 1)" in placements
-    assert "tok.weight: replicated" in placements
-    assert "tensor parallelism: degree 2, this rank 0 of its group; 6 parameters split" in results[0]["explain"]
+    assert "tok.weight: vocabulary (dim 0): tied embedding and LM head split over the vocabulary" in placements
+    assert "tensor parallelism: degree 2, this rank 0 of its group; 7 parameters split" in results[0]["explain"]
     assert "blocks.0.proj.weight: row (dim 1): reads the split features" in results[0]["explain"]
 
 
@@ -91,7 +104,47 @@ def test_llama_tp2_equals_the_reference(rank_pool):
     assert "model.layers.0.mlp.down_proj.weight: row (dim 1)" in placements
     # per layer: 2 forward (o, down); backward: the input gradient of q and of gate/up, plus k's and v's
     # partial gradients (multi-query)
-    assert results[0]["counts"] == {"tp forward": 4, "tp backward": 8}
+    assert results[0]["counts"] == LLAMA_COUNTS
+
+
+def hf_gpt2_without_dropout():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(cfg)
+
+
+@pytest.mark.xdist_group("tensor_parallel")
+@pytest.mark.parametrize("make_model", [hf_gpt2_without_dropout, hf_gpt2], ids=["no-dropout", "dropout"])
+def test_hf_gpt2_tp2_splits_its_conv1d_pairs_and_the_tied_vocabulary(rank_pool, make_model):
+    """GPT-2's Conv1D weights are [in, out]: columns split on dim 1, the
+    fused q/k/v in 3 parts. With dropout, each step draws as the reference
+    does (tp_run seeds it per step): dropout on replicated values draws
+    alike on both ranks; attention's dropout draws over all heads, so
+    attention stays replicated there (the MLP and the vocabulary still split)."""
+    batches = [token_batches(2, seed=1)]
+    results = rank_pool(2).run(tp_run, hf_step, make_model, sgd_momentum, batches, TP2, timeout=300)
+    _check(results, hf_step, make_model, sgd_momentum, batches, tp=2)
+    placements = "\n".join(results[0]["placements"])
+    assert "transformer.wte.weight: vocabulary (dim 0)" in placements
+    assert "transformer.wpe.weight: replicated" in placements
+    assert "transformer.h.1.mlp.c_fc.weight: column (dim 1)" in placements
+    assert "transformer.h.1.mlp.c_proj.weight: row (dim 0)" in placements
+    attention = "transformer.h.1.attn.c_attn.weight: column (dim 1, 3 parts)" in placements
+    assert attention == (make_model is hf_gpt2_without_dropout), placements
+
+
+@pytest.mark.xdist_group("tensor_parallel")
+def test_llama_tp2_padded_labels_are_ignored_over_the_split_vocabulary(rank_pool):
+    """Padded batches as DataCollatorWithPadding makes them (labels -100 on
+    the padding): each rank's negative log-likelihood skips them and the
+    mean divides by the count of real targets over the whole vocabulary."""
+    g = torch.Generator().manual_seed(3)
+    batches = [[(padded_batch([9, 4], generator=g),), (padded_batch([6, 9], generator=g),)]]
+    results = rank_pool(2).run(tp_run, padded_step, hf_llama, sgd_momentum, batches, TP2, timeout=300)
+    _check(results, padded_step, hf_llama, sgd_momentum, batches, tp=2)
+    assert "lm_head.weight: vocabulary (dim 0)" in "\n".join(results[0]["placements"])
 
 
 @pytest.mark.xdist_group("tensor_parallel")
@@ -110,7 +163,7 @@ def test_partition_config_splits_what_its_layer_specs_name(rank_pool):
     assert "blocks.0.fc.bias: column (dim 0): bias of blocks.0.fc.weight" in placements
     assert "blocks.0.fc_out.weight: row (dim 1): tensor_parallel.partition_config.layer_specs[1]" in placements
     assert "blocks.0.qkv.weight: replicated: matched by no tensor_parallel.partition_config" in placements
-    assert results[0]["counts"] == {"tp forward": 1, "tp backward": 1}  # the MLP's pair only
+    assert results[0]["counts"] == with_head({"tp forward": 1, "tp backward": 1})  # the MLP's pair and the head
 
 
 @pytest.mark.xdist_group("tensor_parallel")
@@ -133,7 +186,7 @@ def test_gpt_tp2_dp2_equals_the_data_parallel_reference(rank_pool):
     batches = [token_batches(2, seed=0), token_batches(2, seed=1)]
     results = rank_pool(4).run(tp_run, lm_step, one_block_gpt, sgd_plain, batches, TP2, timeout=500)
     _check(results, lm_step, one_block_gpt, sgd_plain, batches, tp=2)
-    assert all(r["counts"] == {"tp forward": 2, "tp backward": 2} for r in results)
+    assert all(r["counts"] == GPT_COUNTS for r in results)
     assert results[0]["losses"] != results[2]["losses"]  # the DP ranks saw different batches
 
 

@@ -20,7 +20,13 @@ rules below say what each op makes of its inputs' states, in graph order:
   head may stay replicated: multi-query attention, their gradients partial);
 - a partial value stays partial through views and sums of partials; any
   other reader needs the whole value: an all-reduce goes before it
-  (Megatron's g in the forward, f's gradient in the backward).
+  (Megatron's g in the forward, f's gradient in the backward);
+- over a split vocabulary (rows of an embedding, outputs of an LM head): a
+  lookup is partial (each rank finds the tokens it holds), its backward is
+  split; a log-softmax over the split dimension, its backward and the
+  negative log-likelihood keep the split and are rewritten with a max and
+  sums all-reduced over the group (``Propagation.vocab``); the loss is
+  partial. The logits are never gathered.
 
 What no rule covers refuses the split (:class:`Refused`, with the op), and
 the planner keeps those parameters replicated.
@@ -115,6 +121,8 @@ class Propagation:
     reduce: dict = field(default_factory=dict)  # partial node -> [readers needing it whole]
     decompose: set = field(default_factory=set)  # addmm nodes whose product is partial
     constants: set = field(default_factory=set)  # empty get_attr constants concatenated to split values
+    vocab: dict = field(default_factory=dict)  # node -> what the rewrite makes of it over a split vocabulary
+    lookups: dict = field(default_factory=dict)  # (indices, rows) of a lookup in a split embedding -> the lookup
 
     def state(self, value):
         return self.states.get(value) if isinstance(value, fx.Node) else None
@@ -174,10 +182,12 @@ def propagate(g: fx.Graph, seeds: dict[str, Sharded], tp: int, outputs) -> Propa
             prop.states[node] = None
         elif node.op == "call_function":
             ins = [a for a in node.all_input_nodes]
-            if all(prop.states.get(a) is None for a in ins):
+            if node.target is aten.embedding_dense_backward.default and (node.args[1], node.args[2]) in prop.lookups:
+                prop.states[node] = _lookup_backward(node, prop)
+            elif all(prop.states.get(a) is None for a in ins):
                 prop.states[node] = None
-                continue
-            prop.states[node] = _rule(node, prop, tp)
+            else:
+                prop.states[node] = _rule(node, prop, tp)
         elif node.op == "output":
             _output(node, prop, seeds, outputs)
     return prop
@@ -201,12 +211,15 @@ def _placeholder(node: fx.Node, seeds: dict[str, Sharded], tp: int):
 def _output(node: fx.Node, prop: Propagation, seeds: dict[str, Sharded], slots) -> None:
     for i, value in enumerate(node.args[0]):
         state = prop.state(value)
+        slot = slots[i] if slots is not None else None
         if state is None:
+            if slot is not None and slot.role in (Role.PARAM, Role.GRAD) and slot.name in seeds:
+                raise Refused(value if isinstance(value, fx.Node) else None,
+                              f"{slot.describe()} of a split parameter comes out whole")
             continue
         if state == PARTIAL:
             prop.reduce.setdefault(value, []).append(node)
             continue
-        slot = slots[i] if slots is not None else None
         if slot is None or slot.role not in (Role.PARAM, Role.OPTIMIZER_STATE, Role.GRAD) or seeds.get(slot.name) != state:
             what = slot.describe() if slot is not None else f"output #{i}"
             raise Refused(value, f"a split value is returned as {what}")
@@ -264,6 +277,16 @@ def _rule(node: fx.Node, prop: Propagation, tp: int):
         if state is not None and state.dim == node.args[2] % len(node.args[1]):
             raise Refused(node, "a slice along the split dimension")
         return state
+    if target is aten._log_softmax.default:
+        return _log_softmax(node, prop)
+    if target is aten._log_softmax_backward_data.default:
+        return _log_softmax_backward(node, prop)
+    if target is aten.nll_loss_forward.default:
+        return _nll_loss(node, prop, backward=False)
+    if target is aten.nll_loss_backward.default:
+        return _nll_loss(node, prop, backward=True)
+    if target is aten.embedding.default:
+        return _lookup(node, prop)
     if target in ATTENTION:
         return _attention(node, prop, backward=False)
     if target in ATTENTION_BACKWARD:
@@ -455,6 +478,8 @@ def _cat(node: fx.Node, prop: Propagation, tp: int):
     split = next(s for s in states if s is not None)
     for t, s in zip(tensors, states):
         if s is None:
+            if _shape(t) == (0,):
+                continue  # cat skips a 1-D empty tensor (legacy): nothing to make local
             if t.op == "get_attr" and 0 in _shape(t) and split.dim != dim:
                 prop.constants.add(t)  # an empty cache: made again at the local size
                 continue
@@ -516,3 +541,77 @@ def _attention(node: fx.Node, prop: Propagation, *, backward: bool):
         ok = isinstance(v_, torch.Tensor) and v_.dim() >= 3 and v_.shape[1] == q_heads
         out.append(heads if ok else None)
     return tuple(out)
+
+
+# -- over a split vocabulary -------------------------------------------------------------------------------
+
+
+def _log_softmax(node: fx.Node, prop: Propagation):
+    """A log-softmax along the split dimension: each rank normalizes its
+    slice with the group's max and sum (the rewrite all-reduces both)."""
+    src, dim = node.args[0], node.args[1]
+    state = _whole(prop, node, src)
+    if state is None:
+        return None
+    if state.dim == dim % len(_shape(src)):
+        if state.parts != 1:
+            raise Refused(node, "a softmax over fused parts")
+        prop.vocab[node] = "log_softmax"
+    return state
+
+
+def _log_softmax_backward(node: fx.Node, prop: Propagation):
+    grad, out, dim = node.args[:3]
+    sg, so = _whole(prop, node, grad), _whole(prop, node, out)
+    if sg != so:
+        raise Refused(node, f"a log-softmax backward with operands split as {sg} and {so}")
+    if sg is not None and sg.dim == dim % len(_shape(grad)):
+        prop.vocab[node] = "log_softmax_backward"
+    return sg
+
+
+def _nll_loss(node: fx.Node, prop: Propagation, *, backward: bool):
+    """The negative log-likelihood of log-probabilities split over classes
+    (dim 1 of [tokens, classes]): each rank picks the targets it holds; the
+    loss is partial, its gradient split like the log-probabilities."""
+    logp = node.args[1] if backward else node.args[0]
+    target, weight = (node.args[2], node.args[3]) if backward else (node.args[1], node.args[2])
+    others = [node.args[0], node.args[6]] if backward else []
+    state = _whole(prop, node, logp)
+    if any(_whole(prop, node, a) is not None for a in [target, weight, *others] if isinstance(a, fx.Node)):
+        raise Refused(node, "a negative log-likelihood with split targets, weights or gradient")
+    if state is None:
+        return None
+    if weight is not None:
+        raise Refused(node, "class weights over a split vocabulary")
+    if len(_shape(logp)) != 2 or state.dim != 1 or state.parts != 1:
+        raise Refused(node, f"a negative log-likelihood of {list(_shape(logp))} log-probabilities split as {state}")
+    prop.vocab[node] = "nll_loss_backward" if backward else "nll_loss"
+    return state if backward else (PARTIAL, None)
+
+
+def _lookup(node: fx.Node, prop: Propagation):
+    """An embedding lookup in a table split by rows: each rank finds the
+    tokens it holds (zeros for the rest), so the result is partial."""
+    weight, indices = node.args[:2]
+    state = _whole(prop, node, weight)
+    if _whole(prop, node, indices) is not None:
+        raise Refused(node, "an embedding lookup with split indices")
+    if state is None:
+        return None
+    scale = node.args[3] if len(node.args) > 3 else node.kwargs.get("scale_grad_by_freq", False)
+    sparse = node.args[4] if len(node.args) > 4 else node.kwargs.get("sparse", False)
+    if state.dim != 0 or state.parts != 1 or scale or sparse:
+        raise Refused(node, "an embedding split other than by rows, or with scale_grad_by_freq or sparse gradients")
+    prop.vocab[node] = "embedding"
+    prop.lookups[(indices, _shape(weight)[0])] = node
+    return PARTIAL
+
+
+def _lookup_backward(node: fx.Node, prop: Propagation):
+    """The table's gradient of a lookup in a split table: each rank scatters
+    the rows it holds."""
+    if _whole(prop, node, node.args[0]) is not None:
+        raise Refused(node, "an embedding backward with a split gradient")
+    prop.vocab[node] = "embedding_backward"
+    return Sharded(0)

@@ -125,6 +125,7 @@ def plan_tensor_parallel(graph: StepGraph, options: PassOptions) -> PassResult:
     for name in params:
         if name in single and name not in details and name not in why:
             why[name] = ("replicated", "its product reaches no other weight through splittable ops")
+    notes += _vocabulary(g, outputs, tp, options, uses, accepted, details, why)
     placements = []
     for name in params:
         if name in accepted:
@@ -147,22 +148,123 @@ def plan_tensor_parallel(graph: StepGraph, options: PassOptions) -> PassResult:
 
 
 _SPECS = "tensor_parallel.partition_config.layer_specs"
+_VOCAB_KEY = "tensor_parallel.vocab_parallel_lm_head"
+
+
+def _vocabulary(g, outputs, tp, options, uses, accepted, details, why) -> list[str]:
+    """Split token embeddings by rows and LM heads by output features over
+    the vocabulary (Megatron's vocabulary-parallel embedding and head, the
+    cross-entropy on each rank's slice of the logits). An LM head is a
+    weight read by one matmul whose product reaches a log-softmax (the
+    cross-entropy) and whose output features number an embedding table's
+    rows (tied to it, or not); that table is the token embedding. ``vocab_parallel_lm_head``: unset,
+    the search splits what propagates; false, heads stay replicated; true,
+    a head must split, else a ConfigError with the reason."""
+    wanted = getattr(getattr(options.config, "tensor_parallel", None), "vocab_parallel_lm_head", None)
+    shapes = {n.meta["slot"].name: tuple(n.meta["val"].shape) for n in g.nodes
+              if n.op == "placeholder" and n.meta["slot"].role is Role.PARAM}
+    tables = _embedding_tables(g)
+    heads = {name: found[0] for name, found in uses.items() if len(found) == 1 and name not in accepted
+             and shapes[name][found[0].out_dim] in tables.values() and _feeds_log_softmax(found[0].node)}
+    # token embeddings: tables with as many rows as a head has outputs (not position or type embeddings)
+    vocabularies = {shapes[name][use.out_dim] for name, use in heads.items()}
+    tables = {name: rows for name, rows in tables.items() if rows in vocabularies}
+    notes, split_heads, refused = [], [], []
+
+    def attempt(name, seeds, kind, reason):
+        try:
+            propagate(g, {**accepted, **seeds}, tp, outputs)
+        except Refused as e:
+            why[name] = ("replicated", f"not split over the vocabulary: {e.describe()}")
+            refused.append(f"{name}: {e.describe()}")
+            return False
+        accepted.update(seeds)
+        for n, state in seeds.items():
+            details[n] = (kind, reason if n == name else f"bias of {name}")
+        return True
+
+    for table, rows in tables.items():
+        if table in accepted:
+            continue
+        if table in heads:  # tied: one weight is the table and the head
+            if wanted is False:
+                why[table] = ("replicated", f"tied to the LM head; {_VOCAB_KEY} is false")
+                continue
+            if attempt(table, {table: Sharded(0)}, "vocabulary", f"tied embedding and LM head split over the "
+                       f"vocabulary ({rows} rows): lookups all-reduced, cross-entropy on each rank's logits"):
+                split_heads.append(table)
+            continue
+        attempt(table, {table: Sharded(0)}, "vocabulary", f"embedding split over the vocabulary ({rows} rows): "
+                "each rank looks up the tokens it holds, the lookups are all-reduced")
+    for head, use in heads.items():
+        if head in tables or head in accepted:
+            continue
+        if wanted is False:
+            why[head] = ("replicated", f"an LM head; {_VOCAB_KEY} is false")
+            continue
+        seeds = {head: Sharded(use.out_dim)}
+        if use.bias is not None:
+            seeds[use.bias] = Sharded(0)
+        if attempt(head, seeds, "vocabulary", f"LM head split over the vocabulary ({shapes[head][use.out_dim]} "
+                   "outputs): cross-entropy on each rank's logits, never gathered"):
+            split_heads.append(head)
+    if wanted and not split_heads:
+        found = "; ".join(refused) or ("no LM head found (a matmul weight whose outputs number an embedding "
+                                       "table's rows)")
+        raise ConfigError(_VOCAB_KEY, f"is true but no LM head splits over the vocabulary: {found}", value=True,
+                          expected="false, or a head whose logits only feed a cross-entropy")
+    return notes
+
+
+def _feeds_log_softmax(start: fx.Node) -> bool:
+    """Whether ``start``'s value reaches a log-softmax through carrier ops (forward only)."""
+    seen, todo = {start}, [start]
+    while todo:
+        for user in todo.pop().users:
+            if user in seen or user.meta.get(META_PHASE) is not Phase.FORWARD or user.op != "call_function":
+                continue
+            seen.add(user)
+            if user.target is aten._log_softmax.default:
+                return True
+            if user.target in _CARRIERS:
+                todo.append(user)
+    return False
+
+
+def _embedding_tables(g: fx.Graph) -> dict[str, int]:
+    """Parameters read by a forward embedding lookup (through a dtype cast) -> their rows."""
+    out = {}
+    for node in g.nodes:
+        if node.op != "call_function" or node.target is not aten.embedding.default \
+                or node.meta.get(META_PHASE) is not Phase.FORWARD:
+            continue
+        weight = node.args[0]
+        if weight.op == "call_function" and weight.target is aten._to_copy.default:
+            weight = weight.args[0]
+        if weight.op == "placeholder" and weight.meta["slot"].role is Role.PARAM:
+            out[weight.meta["slot"].name] = tuple(weight.meta["val"].shape)[0]
+    return out
 
 
 HF_TP_PLAN_KEY = "hf_tp_plan"  # PassOptions.extra: the model's own ``_tp_plan`` items (Hugging Face), if any
 _HF_STYLES = {"colwise": "column", "local_colwise": "column", "rowwise": "row", "local_rowwise": "row"}
+_HF_VOCABULARY = ("embedding_rowwise", "colwise_gather_output")  # what _vocabulary splits alike
 
 
 def _hf_specs(plan) -> tuple[dict, list, list[str]]:
     """A Hugging Face ``base_model_tp_plan`` (module patterns with ``*`` for
     a layer index -> style) as layer specs: "colwise" / "rowwise" (and their
     ``local_`` forms) split the module's weight by output / input features;
-    the other styles (vocabulary-parallel embeddings and heads, sequence
-    parallelism, gathers) are not implemented: those modules are left to the
-    search, with a note."""
+    a vocabulary-parallel embedding or head is the vocabulary search's; the
+    other styles (sequence parallelism, gathers) are not implemented: those
+    modules are left to the search, with a note."""
     specs, labels, skipped = [], [], []
     for pattern, style in plan:
         kind = _HF_STYLES.get(style)
+        if style in _HF_VOCABULARY:
+            skipped.append(f"base_model_tp_plan: {pattern!r}: {style!r}: left to the vocabulary search (the same "
+                           "split; the cross-entropy runs on the shards, the logits are not gathered)")
+            continue
         if kind is None:
             skipped.append(f"base_model_tp_plan: {pattern!r}: {style!r} is not implemented; the search decides there")
             continue

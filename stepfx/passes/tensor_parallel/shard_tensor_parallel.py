@@ -20,7 +20,11 @@ Ensures:
   need it whole (Megatron's g and f); a row-parallel ``addmm`` becomes mm,
   all-reduce, bias add, so the bias counts once;
 - replicated values are computed alike on every rank of the group: the
-  gradients of replicated parameters need no reduction there.
+  gradients of replicated parameters need no reduction there;
+- over a split vocabulary (``vocabulary.py``): lookups find the rank's own
+  tokens (all-reduced), the log-softmax and the negative log-likelihood
+  run on the rank's slice of the logits with the max, the sums and the
+  loss all-reduced; the logits are never gathered.
 
 Before / after (one MLP pair, 2 ranks; shapes per rank)::
 
@@ -46,6 +50,7 @@ from ...graph.tp_layout import TP_PLAN_KEY
 from ..data_parallel.collectives import fake_like, make_node
 from ..manager import PassOptions, PassResult
 from .placements import VIEWS, Sharded, aten, propagate
+from .vocabulary import rewrite_vocabulary_op
 
 __all__ = ["shard_tensor_parallel"]
 
@@ -82,6 +87,9 @@ def shard_tensor_parallel(graph: StepGraph, options: PassOptions) -> PassResult:
     for value, readers in prop.reduce.items():
         _all_reduce(g, value, readers, group)
         reduced += 1
+    # last: the all-reduces above read (and keep reading) what replaces these
+    for node, kind in prop.vocab.items():
+        reduced += rewrite_vocabulary_op(g, node, kind, tp, options.tp_rank, group)
 
     new_sig = _rank_held(graph.signature, plan, g)
     g.lint()
@@ -119,6 +127,8 @@ def _local_arguments(node: fx.Node, state, tp: int) -> None:
         if sizes[state.dim] != -1:
             sizes[state.dim] //= tp
         node.args = (node.args[0], sizes) + tuple(node.args[2:])
+    elif target is aten.embedding_dense_backward.default:  # the table's rows
+        node.args = (node.args[0], node.args[1], node.args[2] // tp) + tuple(node.args[3:])
     elif target is aten.slice_backward.default:
         sizes = list(node.args[1])
         sizes[state.dim] //= tp
