@@ -29,11 +29,17 @@ def tp_run(step_fn, make_model, make_optimizer, batches_per_dp, config) -> dict:
         losses.append(step(model, opt, *batch).item())
     graph = step.plan.graph
     counts: dict[str, int] = {}
+    sequence: dict[str, int] = {}  # sequence parallelism's reduce-scatters and all-gathers over the TP group
+    c10d = torch.ops._c10d_functional
     for node in graph.gm.graph.nodes:
-        if node.op == "call_function" and node.target is torch.ops._c10d_functional.all_reduce.default:
+        if node.op == "call_function" and node.target is c10d.all_reduce.default:
             group = "vocab" if node.name.startswith("tp_vocab") else "tp" if node.name.startswith("tp_") else "dp"
             key = f"{group} {node.meta['phase']}"
             counts[key] = counts.get(key, 0) + 1
+        elif node.op == "call_function" and node.name.startswith(("tp_reduce_scatter", "tp_all_gather")):
+            kind = "reduce_scatter" if node.target is c10d.reduce_scatter_tensor.default else "all_gather"
+            key = f"{kind} {node.meta['phase']}"
+            sequence[key] = sequence.get(key, 0) + 1
     # each kind of collective in the final graph: (op, "tp" or "dp" group, phase, the dtype it moves)
     collectives = sorted({(node.target.__name__.split(".")[0], "tp" if node.name.startswith("tp_") else "dp",
                            str(node.meta["phase"]), str(node.args[0].meta["val"].dtype))
@@ -48,4 +54,6 @@ def tp_run(step_fn, make_model, make_optimizer, batches_per_dp, config) -> dict:
             "placements": plan.describe() if plan else [], "notes": list(plan.notes) if plan else [],
             "module_emptied": stale, "synced": synced, "captures": len({id(p) for p in step.plans}),
             "explain": step.explain(), "skipped": step.skipped_steps, "loss_scale": step.loss_scale,
-            "collectives": collectives}
+            "collectives": collectives, "sequence": sequence,
+            "shapes": {n.name: tuple(n.meta["val"].shape) for n in graph.gm.graph.nodes
+                       if n.op == "call_function" and isinstance(n.meta.get("val"), torch.Tensor)}}

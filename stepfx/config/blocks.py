@@ -224,6 +224,12 @@ class StepfxOptions:
     pipeline: pipeline parallelism's schedule, virtual stages and split
         points (config/pipeline.py: PipelineOptions); given, it turns
         pipeline parallelism on with DeepSpeed's ``pipeline.stages`` "auto".
+    sequence_parallel: with tensor parallelism, Megatron's sequence
+        parallelism: between the column/row pairs (norms, residual adds,
+        dropout's inputs) each rank of the group holds its share of the
+        tokens; a row-parallel product is reduce-scattered over the tokens
+        instead of all-reduced, and gathered before the next column-parallel
+        matmul (passes/tensor_parallel).
     """
 
     codegen: bool | None = spec(None, Optional(Bool()))
@@ -242,6 +248,7 @@ class StepfxOptions:
     host_memory_budget_gib: float | None = spec(None, Optional(Float(gt=0.0)))
     pipeline: Any = spec(None, Optional(PipelineOptionsCheck()))
     host_adam: str = spec("fused", Choice(("fused", "exact")))
+    sequence_parallel: bool = spec(False, Bool())
 
     def __post_init__(self):
         validate_fields(self, "stepfx")

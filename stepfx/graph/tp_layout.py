@@ -71,6 +71,7 @@ class TensorParallelPlan:
     placements: tuple[Placement, ...]
     groups: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = ()
     notes: tuple[str, ...] = field(default=())
+    tokens: int | None = None  # sequence parallelism: the step's token count the ranks share (None: off)
 
     def split_of(self, name: str) -> TensorSplit | None:
         for p in self.placements:

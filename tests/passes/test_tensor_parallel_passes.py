@@ -275,3 +275,23 @@ def test_vocab_parallel_lm_head_true_refuses_a_step_that_returns_the_logits():
     with pytest.raises(ConfigError, match=r"tensor_parallel\.vocab_parallel_lm_head: is true but no LM head splits "
                                           r"over the vocabulary: tok\.weight: a split value is returned"):
         plan_tensor_parallel(graph, _vocab_options(True))
+
+
+def test_sequence_parallel_runs_norms_and_residuals_on_each_rank_s_tokens():
+    """With stepfx.sequence_parallel the layer norms and the residual adds
+    read [1, 8, 32] of the [2, 8, 32] activations (the batch's first half on
+    rank 0); the matmuls of the pairs read the gathered [16, 32] rows."""
+    from stepfx.config import load_config
+
+    options = PassOptions(config=load_config({"tensor_parallel": {"autotp_size": 2},
+                                              "stepfx": {"sequence_parallel": True}}),
+                          tp_size=2, tp_rank=0, tp_group_name="tp")
+    planned = plan_tensor_parallel(_gpt_graph(), options)
+    assert planned.graph.signature.extra[TP_PLAN_KEY].tokens == 16
+    g = shard_tensor_parallel(planned.graph, options).graph.gm.graph
+    norms = [n for n in g.nodes if n.target is torch.ops.aten.native_layer_norm.default]
+    assert len(norms) == 3 and all(tuple(n.args[0].meta["val"].shape) == (1, 8, 32) for n in norms)
+    gathers = [n for n in g.nodes if n.target is torch.ops._c10d_functional.all_gather_into_tensor.default]
+    assert all(tuple(n.meta["val"].shape) == (16, 32) for n in gathers)
+    scatters = [n for n in g.nodes if n.target is torch.ops._c10d_functional.reduce_scatter_tensor.default]
+    assert len(gathers) == len(scatters) == 6  # 3 forward, 3 backward each

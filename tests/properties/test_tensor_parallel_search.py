@@ -5,11 +5,14 @@ attention's fused q/k/v (3 parts) -> output projection when the heads
 divide by the degree, else attention stays replicated; the MLP's up -> down
 pair always (its width divides); the tied embedding and LM head split
 over the vocabulary when the vocabulary divides, else replicated; norms
-and position embeddings replicated. Equality of the split step with the reference is the rank
-tests' (tests/runtime/test_tensor_parallel.py): this property is the
-search's, on the captured graph, without ranks."""
+and position embeddings replicated. The first property is the search's, on the captured graph, without ranks;
+the second runs generated models split over two ranks (with and without
+sequence parallelism) against the single-process step."""
 from __future__ import annotations
 
+import functools
+
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -49,3 +52,35 @@ def test_the_search_finds_the_megatron_pairs_of_generated_shapes(heads, head_dim
     split = {n for n, (k, _) in kinds.items() if k != "replicated"}
     assert split <= {f"blocks.0.{m}.{w}" for m in ("qkv", "proj", "fc", "fc_out") for w in ("weight", "bias")} | {
         "tok.weight"}, split
+
+
+def generated_gpt(heads, head_dim, vocab, bias):
+    return GPT(gpt_config("tiny", d_model=heads * head_dim, n_heads=heads, vocab_size=vocab, n_layers=1, seq_len=8,
+                          bias=bias))
+
+
+def sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+@pytest.mark.xdist_group("tensor_parallel")
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(heads=st.sampled_from([2, 4]), head_dim=st.sampled_from([2, 4]), vocab=st.integers(17, 70),
+       bias=st.booleans(), batch=st.integers(1, 3), sequence=st.booleans())
+def test_generated_transformers_split_over_two_ranks_equal_the_reference(rank_pool, heads, head_dim, vocab, bias,
+                                                                          batch, sequence):
+    """Whatever the search splits (the vocabulary when it divides, sequence
+    parallelism when the batch's tokens divide into whole rows; head counts
+    the degree does not divide are a ConfigError, tested in
+    tests/config/test_config_tensor_parallel.py), the split step equals the single process
+    (fp32, 1e-5 relative, losses and parameters over 2 steps)."""
+    from tests.runtime.test_tensor_parallel import _check
+    from tests.steps import lm_step, token_batches
+    from tests.tp_workers import tp_run
+
+    make = functools.partial(generated_gpt, heads, head_dim, vocab, bias)
+    batches = [token_batches(2, batch=batch, vocab=vocab, seed=heads * 100 + vocab)]
+    config = {"gradient_clipping": 0, "tensor_parallel": {"autotp_size": 2},
+              "stepfx": {"sequence_parallel": sequence}}
+    results = rank_pool(2).run(tp_run, lm_step, make, sgd, batches, config, timeout=300)
+    _check(results, lm_step, make, sgd, batches, tp=2)

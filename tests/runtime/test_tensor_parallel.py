@@ -22,6 +22,7 @@ from tests.steps import (MLP, adamw, ce_step, hf_gpt2, hf_llama, hf_step, lm_ste
 from tests.tp_workers import tp_run
 
 TP2 = {"gradient_clipping": 0, "tensor_parallel": {"autotp_size": 2}}
+SP = {**TP2, "stepfx": {"sequence_parallel": True}}
 CLIP = 0.5  # below the first step's gradient norm of both models (checked where used): the clip bites
 
 def with_head(blocks: dict) -> dict:
@@ -116,15 +117,19 @@ def hf_gpt2_without_dropout():
 
 
 @pytest.mark.xdist_group("tensor_parallel")
-@pytest.mark.parametrize("make_model", [hf_gpt2_without_dropout, hf_gpt2], ids=["no-dropout", "dropout"])
-def test_hf_gpt2_tp2_splits_its_conv1d_pairs_and_the_tied_vocabulary(rank_pool, make_model):
+@pytest.mark.parametrize("make_model, sequence", [(hf_gpt2_without_dropout, False), (hf_gpt2, False), (hf_gpt2, True)],
+                         ids=["no-dropout", "dropout", "dropout-sequence-parallel"])
+def test_hf_gpt2_tp2_splits_its_conv1d_pairs_and_the_tied_vocabulary(rank_pool, make_model, sequence):
     """GPT-2's Conv1D weights are [in, out]: columns split on dim 1, the
     fused q/k/v in 3 parts. With dropout, each step draws as the reference
     does (tp_run seeds it per step): dropout on replicated values draws
     alike on both ranks; attention's dropout draws over all heads, so
-    attention stays replicated there (the MLP and the vocabulary still split)."""
+    attention stays replicated there (the MLP and the vocabulary still split).
+    With sequence parallelism a dropout's input is gathered first (it draws
+    over every token, as the single process does)."""
     batches = [token_batches(2, seed=1)]
-    results = rank_pool(2).run(tp_run, hf_step, make_model, sgd_momentum, batches, TP2, timeout=300)
+    config = SP if sequence else TP2
+    results = rank_pool(2).run(tp_run, hf_step, make_model, sgd_momentum, batches, config, timeout=300)
     _check(results, hf_step, make_model, sgd_momentum, batches, tp=2)
     placements = "\n".join(results[0]["placements"])
     assert "transformer.wte.weight: vocabulary (dim 0)" in placements
@@ -133,6 +138,7 @@ def test_hf_gpt2_tp2_splits_its_conv1d_pairs_and_the_tied_vocabulary(rank_pool, 
     assert "transformer.h.1.mlp.c_proj.weight: row (dim 0)" in placements
     attention = "transformer.h.1.attn.c_attn.weight: column (dim 1, 3 parts)" in placements
     assert attention == (make_model is hf_gpt2_without_dropout), placements
+    assert bool(results[0]["sequence"]) == sequence
 
 
 @pytest.mark.xdist_group("tensor_parallel")
@@ -145,6 +151,43 @@ def test_llama_tp2_padded_labels_are_ignored_over_the_split_vocabulary(rank_pool
     results = rank_pool(2).run(tp_run, padded_step, hf_llama, sgd_momentum, batches, TP2, timeout=300)
     _check(results, padded_step, hf_llama, sgd_momentum, batches, tp=2)
     assert "lm_head.weight: vocabulary (dim 0)" in "\n".join(results[0]["placements"])
+
+
+# Megatron with sequence parallelism: a reduce-scatter after each row and an all-gather before each column,
+# forward and (reversed) backward; plus the embedding's lookup (reduce-scattered) and the LM head's input
+# (gathered), and their backward. Llama's one key/value head (replicated k and v) is computed on the rank's
+# tokens and gathered for attention: 2 more gathers a layer forward, and their gradients' inputs.
+GPT_SEQUENCE = {"reduce_scatter forward": 3, "all_gather forward": 3, "reduce_scatter backward": 3,
+                "all_gather backward": 3}
+
+
+@pytest.mark.xdist_group("tensor_parallel")
+@pytest.mark.parametrize("make_model, step_fn, seed", [(one_block_gpt, lm_step, 0), (hf_llama, hf_step, 1)],
+                         ids=["gpt", "llama"])
+def test_sequence_parallel_tp2_equals_the_reference(rank_pool, make_model, step_fn, seed):
+    """Between the column/row pairs each rank holds half of the tokens; a row's
+    product is reduce-scattered, the next column's input all-gathered; the
+    norms' weight gradients are sums over each rank's tokens, all-reduced."""
+    batches = [token_batches(2, seed=seed)]
+    results = rank_pool(2).run(tp_run, step_fn, make_model, sgd_momentum, batches, SP, timeout=300)
+    _check(results, step_fn, make_model, sgd_momentum, batches, tp=2)
+    assert any(n.startswith("sequence parallelism: the ") for n in results[0]["notes"]), results[0]["notes"]
+    if make_model is one_block_gpt:  # the token-split shapes: tests/passes/test_tensor_parallel_passes.py
+        assert results[0]["sequence"] == GPT_SEQUENCE
+    else:
+        assert results[0]["sequence"]["reduce_scatter forward"] == 2 * 2 + 1  # o, down per layer; the lookup
+
+
+@pytest.mark.xdist_group("tensor_parallel")
+def test_sequence_parallel_is_off_with_a_note_when_the_tokens_do_not_divide(rank_pool):
+    """3 sequences of 8 over 2 ranks: the [24, 32] rows split, but the
+    residual's [3, 8, 32] cannot be cut into whole sequences per rank; the
+    step runs without sequence parallelism, saying at which op."""
+    batches = [token_batches(2, batch=3, seed=2)]
+    results = rank_pool(2).run(tp_run, lm_step, one_block_gpt, sgd_plain, batches, SP, timeout=300)
+    _check(results, lm_step, one_block_gpt, sgd_plain, batches, tp=2)
+    assert results[0]["sequence"] == {}
+    assert any(n.startswith("sequence parallelism is off: ") for n in results[0]["notes"]), results[0]["notes"]
 
 
 @pytest.mark.xdist_group("tensor_parallel")
@@ -230,12 +273,14 @@ def test_tp2_clips_the_global_norm_over_shards_and_replicas(rank_pool, make_mode
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("tensor_parallel")
-@pytest.mark.parametrize("make_model, step_fn, seed, counts", MODELS, ids=["gpt", "llama"])
+@pytest.mark.parametrize("make_model, step_fn, seed, counts", MODELS + [(one_block_gpt, lm_step, 0, None)],
+                         ids=["gpt", "llama", "gpt-sequence-parallel"])
 def test_tp2_bf16_tracks_fp32(rank_pool, make_model, step_fn, seed, counts):
     """The matmuls read the parameters' bf16 copies: the split is found
-    through the cast, and the partial products travel in bf16."""
+    through the cast, and the partial products travel in bf16 (reduce-scattered
+    under sequence parallelism)."""
     batches = [token_batches(12, seed=seed)]
-    config = {**TP2, "bf16": {"enabled": True}}
+    config = {**(TP2 if counts else SP), "bf16": {"enabled": True}}
     results = rank_pool(2).run(tp_run, step_fn, make_model, sgd_plain, batches, config, timeout=300)
     outputs, _, _ = data_parallel_reference(step_fn, make_model, sgd_plain, batches)
     reference = [out[0].item() for out in outputs]
@@ -243,6 +288,10 @@ def test_tp2_bf16_tracks_fp32(rank_pool, make_model, step_fn, seed, counts):
         worst = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], reference))
         assert worst < 2e-2, worst
     assert results[0]["losses"] == results[1]["losses"]
+    if counts is None:
+        assert results[0]["sequence"] == GPT_SEQUENCE
+        assert ("reduce_scatter_tensor", "tp", "forward", "torch.bfloat16") in results[0]["collectives"]
+        return
     assert results[0]["counts"] == counts
     assert ("all_reduce", "tp", "forward", "torch.bfloat16") in results[0]["collectives"]
 
@@ -302,8 +351,8 @@ def test_fp16_overflow_on_one_tp_rank_skips_the_step_on_every_rank(rank_pool):
 @pytest.mark.xdist_group("tensor_parallel")
 @pytest.mark.parametrize("stage, make_model, step_fn, make_optimizer, counts", [
     (1, one_block_gpt, lm_step, sgd_momentum, GPT_COUNTS), (2, one_block_gpt, lm_step, sgd_momentum, GPT_COUNTS),
-    (2, hf_llama, hf_step, adamw, LLAMA_COUNTS),
-], ids=["zero1-gpt", "zero2-gpt", "zero2-llama-adamw"])
+    (2, hf_llama, hf_step, adamw, LLAMA_COUNTS), (3, one_block_gpt, lm_step, sgd_momentum, None),
+], ids=["zero1-gpt", "zero2-gpt", "zero2-llama-adamw", "zero3-gpt-sequence-parallel"])
 def test_tp2_dp2_zero_shards_each_tp_ranks_state_over_its_dp_group(rank_pool, stage, make_model, step_fn,
                                                                    make_optimizer, counts):
     """TP groups {0, 1} and {2, 3}; ZeRO over the DP groups {0, 2} and
@@ -314,11 +363,14 @@ def test_tp2_dp2_zero_shards_each_tp_ranks_state_over_its_dp_group(rank_pool, st
     each piece (one capture). Llama has no biases: AdamW's division by the
     gradient's magnitude finds no rounding-noise gradient there."""
     batches = [token_batches(2, seed=0), token_batches(2, seed=1)]
-    config = {**TP2, "gradient_clipping": CLIP, "zero_optimization": {"stage": stage}}
+    config = {**(SP if counts is None else TP2), "gradient_clipping": CLIP, "zero_optimization": {"stage": stage}}
     results = rank_pool(4).run(tp_run, step_fn, make_model, make_optimizer, batches, config, timeout=500)
     _check(results, step_fn, make_model, make_optimizer, batches, tp=2, clip=CLIP)  # the state gathered whole
     assert results[0]["captures"] == (1 if make_optimizer is adamw else 2)
     for got in results:
+        if counts is None:  # sequence parallel (ZeRO-3 also gathers over the DP group)
+            assert got["sequence"] == GPT_SEQUENCE
+            continue
         assert got["counts"] == {**counts, "dp optimizer": 1, "tp optimizer": 1}
         kinds = {(op, group) for op, group, _, _ in got["collectives"]}
         assert ("reduce_scatter_tensor" if stage == 2 else "all_reduce", "dp") in kinds

@@ -34,7 +34,7 @@ the planner keeps those parameters replicated.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.fx as fx
@@ -48,8 +48,13 @@ aten = torch.ops.aten
 
 @dataclass(frozen=True)
 class Sharded:
+    """Split along ``dim`` over the group, in ``parts`` fused parts.
+    ``tokens``: the split is of tokens (sequence parallelism: each rank
+    holds a contiguous range of the flattened tokens), not of features."""
+
     dim: int
     parts: int = 1
+    tokens: bool = False
 
 
 PARTIAL = "partial"
@@ -123,9 +128,37 @@ class Propagation:
     constants: set = field(default_factory=set)  # empty get_attr constants concatenated to split values
     vocab: dict = field(default_factory=dict)  # node -> what the rewrite makes of it over a split vocabulary
     lookups: dict = field(default_factory=dict)  # (indices, rows) of a lookup in a split embedding -> the lookup
+    # sequence parallelism (``tokens``: the step's token count, None when off): partial values reduce-scattered
+    # over the tokens for per-token readers, token-split values gathered for the readers that need them whole,
+    # replicated operands sliced to the rank's tokens where they meet token-split ones
+    tokens: int | None = None
+    scatter: dict = field(default_factory=dict)  # partial node -> [readers taking its token shard]
+    gather: dict = field(default_factory=dict)  # token-split node -> [readers needing it whole]
+    slices: dict = field(default_factory=dict)  # reader -> [replicated operands it reads sliced to its tokens]
+    reading: dict = field(default_factory=dict)  # while a rule runs: inputs it reads in another state (gathered)
 
     def state(self, value):
-        return self.states.get(value) if isinstance(value, fx.Node) else None
+        if not isinstance(value, fx.Node):
+            return None
+        return self.reading[value] if value in self.reading else self.states.get(value)
+
+    def token_dim(self, value: fx.Node) -> int | None:
+        """The dimension a token split of ``value`` cuts (the first of more
+        than one element, the leading dimensions holding the step's tokens),
+        or None when it is not a per-token value or does not divide."""
+        if self.tokens is None:
+            return None
+        shape = _shape(value)
+        if not shape or len(shape) < 2:
+            return None
+        count, first = 1, None
+        for d, size in enumerate(shape[:-1]):
+            count *= size
+            if first is None and size != 1:
+                first = d
+            if count == self.tokens:
+                return first if first is not None and shape[first] % self.tp == 0 else None
+        return None
 
 
 @dataclass(frozen=True)
@@ -170,11 +203,12 @@ def linear_uses(g: fx.Graph) -> dict[str, list[LinearUse]]:
     return uses
 
 
-def propagate(g: fx.Graph, seeds: dict[str, Sharded], tp: int, outputs) -> Propagation:
+def propagate(g: fx.Graph, seeds: dict[str, Sharded], tp: int, outputs, tokens: int | None = None) -> Propagation:
     """States of every node for parameters split as ``seeds`` (name ->
-    Sharded of the parameter); ``outputs``: the signature's output slots.
-    Raises :class:`Refused`."""
-    prop = Propagation(tp)
+    Sharded of the parameter); ``outputs``: the signature's output slots;
+    ``tokens``: the step's token count, for sequence parallelism (None:
+    off). Raises :class:`Refused`."""
+    prop = Propagation(tp, tokens=tokens)
     for node in g.nodes:
         if node.op == "placeholder":
             prop.states[node] = _placeholder(node, seeds, tp)
@@ -182,12 +216,14 @@ def propagate(g: fx.Graph, seeds: dict[str, Sharded], tp: int, outputs) -> Propa
             prop.states[node] = None
         elif node.op == "call_function":
             ins = [a for a in node.all_input_nodes]
+            _gathered_inputs(node, prop)
             if node.target is aten.embedding_dense_backward.default and (node.args[1], node.args[2]) in prop.lookups:
                 prop.states[node] = _lookup_backward(node, prop)
-            elif all(prop.states.get(a) is None for a in ins):
+            elif all(prop.state(a) is None for a in ins):
                 prop.states[node] = None
             else:
                 prop.states[node] = _rule(node, prop, tp)
+            prop.reading.clear()
         elif node.op == "output":
             _output(node, prop, seeds, outputs)
     return prop
@@ -227,12 +263,43 @@ def _output(node: fx.Node, prop: Propagation, seeds: dict[str, Sharded], slots) 
 
 def _whole(prop: Propagation, node: fx.Node, value):
     """The state ``node`` reads ``value`` in when it needs it replicated or
-    split: a partial value is all-reduced first."""
+    split: a partial value is all-reduced first; under sequence
+    parallelism, reduce-scattered over the tokens for a per-token reader."""
     state = prop.state(value)
     if state == PARTIAL:
+        dim = prop.token_dim(value) if node.op == "call_function" and node.target in _SCATTER_READERS else None
+        if dim is not None:
+            prop.scatter.setdefault(value, []).append(node)
+            return Sharded(dim, tokens=True)
         prop.reduce.setdefault(value, []).append(node)
         return None
     return state
+
+
+# ops that compute each token on its own (or sum over tokens: partial), so they take token-split inputs
+_PER_TOKEN = None  # set below, after the op sets
+# readers for which a partial value is reduce-scattered (sequence parallelism) rather than all-reduced
+_SCATTER_READERS = None
+
+
+def _gathered_inputs(node: fx.Node, prop: Propagation) -> None:
+    """Under sequence parallelism: the token-split inputs ``node`` cannot
+    take are gathered for it (an op that mixes tokens, or one that also
+    reads a value split by features)."""
+    if prop.tokens is None:
+        return
+    split = {a: prop.state(a) for a in node.all_input_nodes}
+    by_tokens = [a for a, s in split.items() if isinstance(s, Sharded) and s.tokens]
+    if not by_tokens:
+        return
+    by_features = any(isinstance(s, Sharded) and not s.tokens for s in split.values())
+    moves = node.target in (aten.t.default, aten.transpose.int, aten.permute.default) \
+        and _permute(node, prop).dim != split[node.args[0]].dim  # the tokens would leave the leading dimensions
+    if node.target in _PER_TOKEN and not by_features and not moves:
+        return
+    for a in by_tokens:
+        prop.gather.setdefault(a, []).append(node)
+        prop.reading[a] = None
 
 
 def _tensor_args(node: fx.Node) -> list[fx.Node]:
@@ -255,7 +322,7 @@ def _rule(node: fx.Node, prop: Propagation, tp: int):
         state = _whole(prop, node, node.args[0])
         if state is None:
             return None
-        return Sharded(state.dim + len(node.args[1]) - len(_shape(node.args[0])), state.parts)
+        return replace(state, dim=state.dim + len(node.args[1]) - len(_shape(node.args[0])))
     if target in (aten.mm.default, aten.addmm.default):
         return _mm(node, prop)
     if target in POINTWISE:
@@ -277,6 +344,10 @@ def _rule(node: fx.Node, prop: Propagation, tp: int):
         if state is not None and state.dim == node.args[2] % len(node.args[1]):
             raise Refused(node, "a slice along the split dimension")
         return state
+    if target is aten.native_layer_norm.default:
+        return _layer_norm(node, prop, backward=False)
+    if target is aten.native_layer_norm_backward.default:
+        return _layer_norm(node, prop, backward=True)
     if target is aten._log_softmax.default:
         return _log_softmax(node, prop)
     if target is aten._log_softmax_backward_data.default:
@@ -317,7 +388,7 @@ def _view(node: fx.Node, prop: Propagation, tp: int):
             if b[outs[0]] % (state.parts * tp):
                 raise Refused(node, f"the split dimension becomes {[b[o] for o in outs]}: "
                               f"{b[outs[0]]} not divisible by {state.parts} part(s) x {tp}")
-            return Sharded(outs[0], state.parts)
+            return replace(state, dim=outs[0])
     raise Refused(node, "lost track of the split dimension")
 
 
@@ -357,7 +428,7 @@ def _permute(node: fx.Node, prop: Propagation):
         order[d0], order[d1] = order[d1], order[d0]
     else:
         order = [d % n for d in node.args[1]]
-    return Sharded(order.index(state.dim), state.parts)
+    return replace(state, dim=order.index(state.dim))
 
 
 def _squeeze(node: fx.Node, prop: Propagation):
@@ -368,11 +439,11 @@ def _squeeze(node: fx.Node, prop: Propagation):
     n = len(_shape(src))
     if node.target is aten.unsqueeze.default:
         d = node.args[1] % (n + 1)
-        return Sharded(state.dim + (1 if d <= state.dim else 0), state.parts)
+        return replace(state, dim=state.dim + (1 if d <= state.dim else 0))
     d = node.args[1] % n
     if d == state.dim:
         raise Refused(node, "a squeeze of the split dimension")
-    return Sharded(state.dim - (1 if d < state.dim else 0), state.parts)
+    return replace(state, dim=state.dim - (1 if d < state.dim else 0))
 
 
 def _mm(node: fx.Node, prop: Propagation):
@@ -383,8 +454,13 @@ def _mm(node: fx.Node, prop: Propagation):
     elif sx is None and sw.dim == 1:
         result = Sharded(1, sw.parts)
     elif sw is None and sx.dim == 0:
-        result = Sharded(0, sx.parts)
+        result = replace(sx, dim=0)
     elif sx is not None and sw is not None and sx.dim == 1 and sw.dim == 0 and sx.parts == sw.parts:
+        result = PARTIAL
+    elif (sx is None and sw.tokens and sw.dim == 0) or (sw is None and sx.tokens and sx.dim == 1):
+        # a sum over tokens with one side whole: that side's columns (rows) of this rank's tokens, partial
+        whole, dim = (x, 1) if sx is None else (w, 0)
+        prop.slices.setdefault(node, []).append((whole, dim))
         result = PARTIAL
     else:
         raise Refused(node, f"a matmul of operands split as {sx} and {sw}")
@@ -395,8 +471,14 @@ def _mm(node: fx.Node, prop: Propagation):
             if sb is not None:
                 raise Refused(node, "a split bias added to a row-parallel product")
             prop.decompose.add(node)
+            dim = prop.token_dim(node)
+            if dim is not None:  # sequence parallelism: reduce-scattered, the bias added to the rank's tokens
+                return Sharded(dim, tokens=True)
             return None  # the rewrite reduces the product before adding the bias
-        if isinstance(result, Sharded):
+        if isinstance(result, Sharded) and result.tokens:  # rows of the rank's tokens: the bias broadcasts
+            if sb is not None:
+                raise Refused(node, "a split bias added to the rank's tokens")
+        elif isinstance(result, Sharded):
             out_dim = result.dim - (2 - len(bias_shape))
             if bias_shape and bias_shape[-1] != 1 and (sb is None or sb.dim != out_dim or sb.parts != result.parts):
                 raise Refused(node, "a replicated bias added to a split product")
@@ -418,7 +500,7 @@ def _pointwise(node: fx.Node, prop: Propagation, tp: int):
         if s is None:
             continue
         dim = s.dim + len(out_shape) - len(_shape(a))
-        here = Sharded(dim, s.parts)
+        here = replace(s, dim=dim)
         if split is not None and here != split:
             raise Refused(node, f"operands split differently ({split} and {here})")
         split = here
@@ -429,6 +511,9 @@ def _pointwise(node: fx.Node, prop: Propagation, tp: int):
             shape = _shape(a)
             dim = split.dim - (len(out_shape) - len(shape))
             if dim >= 0 and shape[dim] != 1:
+                if split.tokens:  # this rank's tokens of it: a slice, no communication
+                    prop.slices.setdefault(node, []).append((a, dim))
+                    continue
                 raise Refused(node, f"a replicated operand ({a.name}) meets a split one along the split dimension")
     return split
 
@@ -448,7 +533,7 @@ def _reduction(node: fx.Node, prop: Propagation):
         if state.parts != 1:
             raise Refused(node, "a sum over fused parts")
         return PARTIAL
-    return Sharded(state.dim - (0 if keep else sum(1 for d in dims if d < state.dim)), state.parts)
+    return replace(state, dim=state.dim - (0 if keep else sum(1 for d in dims if d < state.dim)))
 
 
 def _split(node: fx.Node, prop: Propagation, tp: int):
@@ -615,3 +700,41 @@ def _lookup_backward(node: fx.Node, prop: Propagation):
         raise Refused(node, "an embedding backward with a split gradient")
     prop.vocab[node] = "embedding_backward"
     return Sharded(0)
+
+
+# -- sequence parallelism ------------------------------------------------------------------------------------
+
+
+def _layer_norm(node: fx.Node, prop: Propagation, *, backward: bool):
+    """A layer norm of token-split rows (normalized over the last
+    dimensions, which the split is not in) is per token; backward, the
+    weight's and bias's gradients sum over the tokens: partial."""
+    x = node.args[1] if backward else node.args[0]
+    normalized = node.args[2] if backward else node.args[1]
+    state = _whole(prop, node, x)
+    others = [node.args[0], *node.args[3:5]] if backward else []
+    weights = [a for a in (node.args[5:7] if backward else node.args[2:4]) if isinstance(a, fx.Node)]
+    if any(_whole(prop, node, a) is not None for a in weights):
+        raise Refused(node, "a layer norm with a split weight or bias")
+    if state is None:
+        if any(_whole(prop, node, a) is not None for a in others if isinstance(a, fx.Node)):
+            raise Refused(node, "a layer norm backward with operands split differently")
+        return None  # every input whole (partial ones all-reduced)
+    if not state.tokens or state.dim >= len(_shape(x)) - len(normalized):
+        raise Refused(node, f"a layer norm of a value split as {state}")
+    for a in others:
+        other = _whole(prop, node, a) if isinstance(a, fx.Node) else state
+        if other is None and _shape(a)[state.dim] % prop.tp == 0:  # a whole gradient: this rank's tokens of it
+            prop.slices.setdefault(node, []).append((a, state.dim))
+        elif other != state:
+            raise Refused(node, "a layer norm backward with operands split differently")
+    if backward:
+        return (state, PARTIAL, PARTIAL)
+    return (state, state, state)
+
+
+_PER_TOKEN = POINTWISE | VIEWS | frozenset({
+    aten.t.default, aten.transpose.int, aten.permute.default, aten.unsqueeze.default, aten.squeeze.dim,
+    aten.mm.default, aten.addmm.default, aten.sum.dim_IntList, aten.mean.dim, aten.native_layer_norm.default,
+    aten.native_layer_norm_backward.default, operator.getitem})
+_SCATTER_READERS = POINTWISE | VIEWS | frozenset({aten.native_layer_norm.default, aten.native_layer_norm_backward.default})

@@ -134,9 +134,11 @@ def plan_tensor_parallel(graph: StepGraph, options: PassOptions) -> PassResult:
         else:
             kind, reason = why.get(name, ("replicated", "not a matmul weight (embedding, norm or bias)"))
             placements.append(Placement(name, "replicated", None, 1, reason))
-    notes = tuple(notes) + (() if accepted else ("nothing to split: every rank of a tensor-parallel group runs the "
-                                                 "whole step (replicated)",))
-    plan = TensorParallelPlan(tp, options.tp_rank, tuple(placements), tuple(found_groups), notes)
+    tokens, sp_note = _sequence_parallel(g, outputs, tp, options, accepted, uses)
+    notes = tuple(notes) + ((sp_note,) if sp_note else ()) + (
+        () if accepted else ("nothing to split: every rank of a tensor-parallel group runs the whole step "
+                             "(replicated)",))
+    plan = TensorParallelPlan(tp, options.tp_rank, tuple(placements), tuple(found_groups), notes, tokens)
     sig = graph.signature
     new_sig = dataclasses.replace(sig, extra={**sig.extra, TP_PLAN_KEY: plan})
     named = ""
@@ -148,6 +150,24 @@ def plan_tensor_parallel(graph: StepGraph, options: PassOptions) -> PassResult:
 
 
 _SPECS = "tensor_parallel.partition_config.layer_specs"
+
+
+def _sequence_parallel(g, outputs, tp, options, accepted, uses) -> tuple[int | None, str]:
+    """``stepfx.sequence_parallel``: the token count the ranks share between
+    the column/row pairs (the rows of the first split matmul's input), if
+    the split propagates with it; else off, with the op that refused."""
+    stepfx_options = getattr(options.config, "stepfx", None)
+    if not accepted or not getattr(stepfx_options, "sequence_parallel", False):
+        return None, ""
+    firsts = sorted((found[0].node for name, found in uses.items() if name in accepted), key=_order)
+    shape = firsts[0].args[1 if firsts[0].target is aten.addmm.default else 0].meta["val"].shape
+    tokens = int(shape[0])
+    try:
+        propagate(g, dict(accepted), tp, outputs, tokens=tokens)
+    except Refused as e:
+        return None, f"sequence parallelism is off: {e.describe()}"
+    return tokens, (f"sequence parallelism: the {tokens} tokens of the step are shared by the {tp} ranks between "
+                    "the column/row pairs (reduce-scattered after a row, gathered before a column)")
 _VOCAB_KEY = "tensor_parallel.vocab_parallel_lm_head"
 
 

@@ -44,12 +44,12 @@ import dataclasses
 import torch
 import torch.fx as fx
 
-from ...graph import META_PHASE, Role, StepGraph, Storage
+from ...graph import META_GRAD_OF, META_GRAD_PIECE, META_PHASE, Role, StepGraph, Storage
 from ...graph.build import clone_step_graph
 from ...graph.tp_layout import TP_PLAN_KEY
 from ..data_parallel.collectives import fake_like, make_node
 from ..manager import PassOptions, PassResult
-from .placements import VIEWS, Sharded, aten, propagate
+from .placements import PARTIAL, VIEWS, Sharded, aten, propagate
 from .vocabulary import rewrite_vocabulary_op
 
 __all__ = ["shard_tensor_parallel"]
@@ -65,7 +65,8 @@ def shard_tensor_parallel(graph: StepGraph, options: PassOptions) -> PassResult:
     graph = clone_step_graph(graph)
     gm, g = graph.gm, graph.gm.graph
     seeds = {p.name: Sharded(p.split_dim, p.parts) for p in plan.sharded}
-    prop = propagate(g, seeds, tp, graph.signature.outputs)
+    prop = propagate(g, seeds, tp, graph.signature.outputs, tokens=plan.tokens)
+    moved = _sequence_parallel(g, prop, options) if plan.tokens else 0
 
     # local shapes, in graph order (each node's inputs are already local)
     for node in list(g.nodes):
@@ -80,7 +81,7 @@ def shard_tensor_parallel(graph: StepGraph, options: PassOptions) -> PassResult:
             _local_arguments(node, state, tp)
             node.meta["val"] = _run_fake(node, state, tp)
 
-    reduced = 0
+    reduced = moved
     for node in [n for n in g.nodes if n in prop.decompose]:
         _decompose_addmm(g, node, group, tp)
         reduced += 1
@@ -94,8 +95,8 @@ def shard_tensor_parallel(graph: StepGraph, options: PassOptions) -> PassResult:
     new_sig = _rank_held(graph.signature, plan, g)
     g.lint()
     gm.recompile()
-    summary = (f"{len(plan.sharded)} parameters split over {tp} ranks; {reduced} all-reduces over the "
-               f"tensor-parallel group")
+    summary = (f"{len(plan.sharded)} parameters split over {tp} ranks; {reduced} collectives over the "
+               f"tensor-parallel group" + (" (sequence parallel)" if plan.tokens else ""))
     return PassResult(graph.replace(signature=new_sig), True, summary)
 
 
@@ -184,6 +185,11 @@ def _all_reduce(g: fx.Graph, value: fx.Node, readers: list[fx.Node], group: str)
         done = make_node(g, c10d.wait_tensor.default, (issued,), val=issued.meta["val"], name="tp_wait", **meta)
     for reader in dict.fromkeys(readers):
         reader.replace_input_with(value, done)
+    # a parameter's gradient summed over the group's shares of it (a norm's weight over each rank's tokens, a
+    # replicated key/value weight over each rank's heads): the sum is the gradient the data-parallel passes reduce
+    for key in (META_GRAD_OF, META_GRAD_PIECE):
+        if key in value.meta:
+            done.meta[key] = value.meta.pop(key)
 
 
 def _decompose_addmm(g: fx.Graph, node: fx.Node, group: str, tp: int) -> None:
@@ -230,3 +236,83 @@ def output_node_values(g: fx.Graph) -> list:
         if n.op == "output":
             return list(n.args[0])
     return []
+
+
+# -- sequence parallelism: before the local shapes, so every reader sees the value it reads ---------------------
+
+
+def _sequence_parallel(g: fx.Graph, prop, options: PassOptions) -> int:
+    """Row-parallel addmm become mm, reduce-scatter, bias add on the rank's
+    tokens; partial values are reduce-scattered for their per-token readers;
+    token-split values gathered for the readers that need them whole;
+    replicated operands sliced to the rank's tokens. New nodes get their
+    states, so the local shapes below cover them. Returns the collectives added."""
+    tp, group, count = options.tp_size, options.tp_group_name, 0
+    for node in [n for n in g.nodes if n in prop.decompose and isinstance(prop.states.get(n), Sharded)]:
+        bias, x, w = node.args[:3]
+        val = node.meta["val"]
+        meta = dict(like=node, phase=node.meta.get(META_PHASE))
+        with g.inserting_before(node):
+            mm = make_node(g, aten.mm.default, (x, w), val=fake_like(val, val.shape), name="tp_mm", **meta)
+            added = make_node(g, aten.add.Tensor, (mm, bias), val=fake_like(val, val.shape), name="tp_bias", **meta)
+        prop.states[mm], prop.states[added] = PARTIAL, prop.states[node]
+        prop.scatter[mm] = [added]
+        prop.decompose.discard(node)
+        node.replace_all_uses_with(added)
+        g.erase_node(node)
+    for value, readers in list(prop.scatter.items()):
+        _token_collective(g, prop, value, readers, tp, group, scatter=True)
+        count += 1
+    for value, readers in list(prop.gather.items()):
+        _token_collective(g, prop, value, readers, tp, group, scatter=False)
+        count += 1
+    for reader, operands in prop.slices.items():
+        for operand, dim in operands:
+            _token_slice(g, reader, operand, dim, tp, options.tp_rank)
+    return count
+
+
+def _token_collective(g, prop, value, readers, tp: int, group: str, *, scatter: bool) -> None:
+    """value (whole shape in its meta) as [tokens, rest] rows, reduce-scattered
+    (a partial value: each rank keeps the sum of its tokens' rows) or
+    all-gathered (a token-split value: every rank gets all rows), and back
+    to the value's dimensions, for ``readers``."""
+    val = value.meta["val"]
+    rows = prop.tokens
+    flat_shape = (rows, val.numel() // rows)
+    token = Sharded(0, tokens=True)
+    meta = dict(like=value, phase=value.meta.get(META_PHASE))
+    with g.inserting_after(value):
+        flat = make_node(g, aten.reshape.default, (value, list(flat_shape)), val=fake_like(val, flat_shape),
+                         name="sp_rows", **meta)
+    with g.inserting_after(flat):
+        if scatter:
+            issued = make_node(g, c10d.reduce_scatter_tensor.default, (flat, "sum", tp, group),
+                               val=fake_like(val, flat_shape), name="tp_reduce_scatter", **meta)
+        else:
+            issued = make_node(g, c10d.all_gather_into_tensor.default, (flat, tp, group),
+                               val=fake_like(val, flat_shape), name="tp_all_gather", **meta)
+    with g.inserting_after(issued):
+        done = make_node(g, c10d.wait_tensor.default, (issued,), val=fake_like(val, flat_shape), name="tp_wait", **meta)
+    with g.inserting_after(done):
+        out = make_node(g, aten.reshape.default, (done, list(val.shape)), val=fake_like(val, val.shape),
+                        name="sp_tokens" if scatter else "sp_gathered", **meta)
+    if scatter:
+        dim = prop.token_dim(value)
+        prop.states.update({flat: PARTIAL, issued: token, done: token, out: Sharded(dim, tokens=True)})
+    else:
+        prop.states.update({flat: token, issued: None, done: None, out: None})
+    for reader in dict.fromkeys(readers):
+        reader.replace_input_with(value, out)
+
+
+def _token_slice(g, reader, operand, dim: int, tp: int, rank: int) -> None:
+    """This rank's tokens of a replicated operand (no communication)."""
+    val = operand.meta["val"]
+    size = val.shape[dim] // tp
+    with g.inserting_before(reader):
+        sliced = make_node(g, aten.slice.Tensor, (operand, dim, rank * size, (rank + 1) * size),
+                           val=None, name="sp_slice", like=reader, phase=reader.meta.get(META_PHASE))
+    with val.fake_mode:
+        sliced.meta["val"] = aten.slice.Tensor(val, dim, rank * size, (rank + 1) * size)
+    reader.replace_input_with(operand, sliced)
