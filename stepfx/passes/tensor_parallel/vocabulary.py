@@ -91,25 +91,35 @@ class _Emitter:
         return self(c10d.wait_tensor.default, issued, name="tp_vocab_wait")
 
 
+_LOW = (torch.bfloat16, torch.float16)  # computed in fp32 and rounded once, as aten's kernels accumulate
+
+
 def _log_softmax(emit: _Emitter, node: fx.Node, group: str) -> int:
     x, dim, half_to_float = node.args[:3]
-    if half_to_float:
+    dtype = x.meta["val"].dtype
+    if dtype in _LOW:
         x = emit(aten._to_copy.default, x, dtype=torch.float32, name="vocab_upcast")
     top = emit.all_reduce(emit(aten.amax.default, x, [dim], True, name="vocab_max"), "max", group)
     shifted = emit(aten.sub.Tensor, x, top, name="vocab_shifted")
     total = emit(aten.sum.dim_IntList, emit(aten.exp.default, shifted, name="vocab_exp"), [dim], True, name="vocab_sum")
     total = emit.all_reduce(total, "sum", group)
     out = emit(aten.sub.Tensor, shifted, emit(aten.log.default, total, name="vocab_log_sum"), name="vocab_log_softmax")
+    if dtype in _LOW and not half_to_float:
+        out = emit(aten._to_copy.default, out, dtype=dtype, name="vocab_log_softmax_cast")
     _replace(node, out)
     return 2
 
 
 def _log_softmax_backward(emit: _Emitter, node: fx.Node, group: str) -> int:
     grad, out, dim, input_dtype = node.args[:4]
+    dtype = grad.meta["val"].dtype
+    if dtype in _LOW:
+        grad = emit(aten._to_copy.default, grad, dtype=torch.float32, name="vocab_grad_upcast")
+        out = emit(aten._to_copy.default, out, dtype=torch.float32, name="vocab_out_upcast")
     total = emit.all_reduce(emit(aten.sum.dim_IntList, grad, [dim], True, name="vocab_grad_sum"), "sum", group)
     scaled = emit(aten.mul.Tensor, emit(aten.exp.default, out, name="vocab_softmax"), total, name="vocab_scaled")
     result = emit(aten.sub.Tensor, grad, scaled, name="vocab_log_softmax_backward")
-    if input_dtype != grad.meta["val"].dtype:
+    if input_dtype != result.meta["val"].dtype:
         result = emit(aten._to_copy.default, result, dtype=input_dtype, name="vocab_grad_cast")
     _replace(node, result)
     return 1
