@@ -12,6 +12,8 @@ Adam turns into a full-size update of arbitrary sign.
 as the precision tests hold bf16 (8 mantissa bits)."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -176,6 +178,24 @@ def test_sequence_parallel_tp2_equals_the_reference(rank_pool, make_model, step_
         assert results[0]["sequence"] == GPT_SEQUENCE
     else:
         assert results[0]["sequence"]["reduce_scatter forward"] == 2 * 2 + 1  # o, down per layer; the lookup
+
+
+@pytest.mark.xdist_group("tensor_parallel")
+@pytest.mark.parametrize("make_model, step_fn, config, kernels", [
+    (one_block_gpt, lm_step, SP, {"add_layer_norm", "layer_norm_backward", "sum_squares_many"}),
+    (hf_llama, hf_step, TP2, {"rms_norm", "rms_norm_backward", "sum_squares_many"}),
+], ids=["gpt-sequence-parallel", "llama"])
+def test_codegen_runs_stepfx_kernels_on_the_shards(rank_pool, make_model, step_fn, config, kernels):
+    """With codegen (Triton's interpreter on CPU) the fusion passes run on
+    each rank's split graph: the norms (on the rank's tokens under sequence
+    parallelism) and the clipping norm's sums of squares over the shards are
+    stepfx's kernels, and the step still equals the single process."""
+    batches = [token_batches(2, seed=0)]
+    config = {**config, "gradient_clipping": CLIP, "stepfx": {**config.get("stepfx", {}), "codegen": True}}
+    results = rank_pool(2).run(tp_run, step_fn, make_model, sgd_momentum, batches, config, timeout=300)
+    _check(results, step_fn, make_model, sgd_momentum, batches, tp=2, clip=CLIP)
+    used = set(re.findall(r"graph_ops\.(\w+)", results[0]["explain"]))
+    assert kernels <= used, used
 
 
 @pytest.mark.xdist_group("tensor_parallel")
