@@ -13,10 +13,14 @@ recorded as such):
 - ``stepfx-offload``: ZeRO-2 + ``offload_optimizer: {device: cpu, pin_memory: true}``;
 - ``stepfx-offload-fused``: the same with ``stepfx.host_adam: "fused"``;
 - ``stepfx-offload-z3``: the same at ZeRO-3;
+- ``stepfx-offload-param``: ZeRO-3 with ``offload_param`` and ``offload_optimizer`` on the host (pinned,
+  the fused host Adam working on the host pieces in place; the pieces fetched ahead on a parameter stream);
 - ``deepspeed-offload``: DeepSpeed ZeRO-3 + the same offload block with its
   own CPU Adam (DeepSpeedCPUAdam, built on first use);
 - ``deepspeed-offload-torch``: the same with torch's AdamW on the host
-  (``zero_force_ds_cpu_optimizer: false``), the issue's earlier measurement.
+  (``zero_force_ds_cpu_optimizer: false``), the issue's earlier measurement;
+- ``deepspeed-offload-param-torch``: the same with ``offload_param: {device: cpu, pin_memory: true}``
+  (ZeRO-Infinity on the host).
 
 Reported: tokens/s (micro-batches of ``--batch`` x ``--seq`` tokens;
 ``--gas`` micro-batches per optimizer step), MFU, peak GPU memory allocated,
@@ -42,16 +46,20 @@ import stepfx  # noqa: E402
 from benchmarks.single_gpu import PEAK_FLOPS, failure_row, record_row, stepfx_step, sync, timed  # noqa: E402
 from stepfx.testing.models import GPT, gpt_config, lm_loss  # noqa: E402
 
-SYSTEMS = "stepfx,stepfx-z3,stepfx-offload,stepfx-offload-fused,stepfx-offload-z3,deepspeed-offload,deepspeed-offload-torch"
+SYSTEMS = ("stepfx,stepfx-z3,stepfx-offload,stepfx-offload-fused,stepfx-offload-z3,stepfx-offload-param,"
+           "deepspeed-offload,deepspeed-offload-torch,deepspeed-offload-param-torch")
 ADAMW = dict(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
 
 
 def _stepfx(kind: str, model, args):
-    stage = 3 if kind.endswith("-z3") else 2
-    extra = {"stepfx": {"host_adam": "fused"}} if kind.endswith("-fused") else {}
+    params = kind.endswith("-param")
+    stage = 3 if kind.endswith("-z3") or params else 2
+    extra = {"stepfx": {"host_adam": "fused"}} if kind.endswith("-fused") or params else {}
     zero = {"stage": stage, "overlap_comm": True}
     if "offload" in kind:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": args.gas,
               "bf16": {"enabled": True}, "gradient_clipping": 1.0, "zero_optimization": zero, **extra}
     optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
@@ -73,6 +81,8 @@ def _deepspeed(kind: str, model, args):
         "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True,
                               "offload_optimizer": {"device": "cpu", "pin_memory": True}},
     }
+    if "-param" in kind:
+        ds_config["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
     if kind.endswith("-torch"):
         ds_config["zero_force_ds_cpu_optimizer"] = False
         optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)

@@ -14,7 +14,7 @@ start=$(date +%s)
 W=benchmarks/wheels
 (python3 -m pip install --no-index --find-links $W --no-deps deepspeed hjson ninja psutil py-cpuinfo pydantic pydantic-core annotated-types typing-inspection tqdm msgpack einops nvidia-ml-py numpy typing-extensions > $OUT/pip.log 2>&1 || python3 -m pip install --break-system-packages --no-index --find-links $W --no-deps deepspeed hjson ninja psutil py-cpuinfo pydantic pydantic-core annotated-types typing-inspection tqdm msgpack einops nvidia-ml-py numpy typing-extensions >> $OUT/pip.log 2>&1); tail -1 $OUT/pip.log
 python3 -c "import deepspeed; print('deepspeed', deepspeed.__version__)" 2>&1 | tail -1
-timeout 200 python3 benchmarks/offload.py --out $OUT --systems ${SYSTEMS:-stepfx-offload-fused,deepspeed-offload-torch} > $OUT/offload.log 2>&1; echo "bench rc=$? at $(( $(date +%s) - start ))s"
+timeout ${BENCH_S:-200} python3 benchmarks/offload.py --out $OUT --systems ${SYSTEMS:-stepfx-offload-fused,deepspeed-offload-torch} > $OUT/offload.log 2>&1; echo "bench rc=$? at $(( $(date +%s) - start ))s"
 grep "^{" $OUT/offload.log | python3 -c "
 import json,sys
 for l in sys.stdin:
