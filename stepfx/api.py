@@ -479,7 +479,9 @@ class ParallelStep:
             error = exc
         if planned_stage(self.config) and self._choose_stage(plan):
             return None  # the caller captures again with the chosen stage
-        collectives = collective_fingerprint(plan.graph) + _pipeline_fingerprint(plan.executor) if plan else None
+        tp_group = self._dp.tp_group_name if self._dp.tp_size > 1 else None
+        collectives = (collective_fingerprint(plan.graph, tp_group) + _pipeline_fingerprint(plan.executor)
+                       if plan else None)
         if self._local_recapture(key, collectives, error):
             pass  # the ranks already agreed on these collectives: no exchange (other ranks are not capturing)
         else:

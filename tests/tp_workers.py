@@ -55,5 +55,6 @@ def tp_run(step_fn, make_model, make_optimizer, batches_per_dp, config) -> dict:
             "module_emptied": stale, "synced": synced, "captures": len({id(p) for p in step.plans}),
             "explain": step.explain(), "skipped": step.skipped_steps, "loss_scale": step.loss_scale,
             "collectives": collectives, "sequence": sequence,
-            "shapes": {n.name: tuple(n.meta["val"].shape) for n in graph.gm.graph.nodes
+            "shapes": {n.name: tuple(d if isinstance(d, int) else str(d) for d in n.meta["val"].shape)
+                       for n in graph.gm.graph.nodes
                        if n.op == "call_function" and isinstance(n.meta.get("val"), torch.Tensor)}}

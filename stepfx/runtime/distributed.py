@@ -236,13 +236,16 @@ def _pipeline_groups(backend: str, world: int, pp: int, tp: int, timeout_s: floa
 _GROUPS: dict[tuple, Any] = {}
 
 
-def collective_fingerprint(graph: StepGraph) -> list[str]:
+def collective_fingerprint(graph: StepGraph, tp_group: str | None = None) -> list[str]:
     """What every rank must agree on: the step's inputs read from the user's
     objects other than the batch (parameters, buffers, state: roles, names,
     shapes and dtypes) and
     each collective (op, input shape and dtype, arguments other than the
     group) in graph order. Batch shapes may differ between ranks (each rank
-    pads its own batch); the collectives they feed may not."""
+    pads its own batch); the collectives they feed may not. Collectives over
+    the tensor-parallel group ``tp_group`` carry activations, sized by the
+    batch the group shares (another group's may differ): their op, rank
+    and dtype count, not their sizes."""
     items = []
     for node in graph.gm.graph.nodes:
         if node.op == "placeholder":
@@ -254,6 +257,8 @@ def collective_fingerprint(graph: StepGraph) -> list[str]:
         elif node.op == "call_function" and is_collective(node) and node.target is not torch.ops._c10d_functional.wait_tensor.default:
             val = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
             shape = _shape(val) if val is not None else "?"
+            if tp_group is not None and tp_group in node.args[1:] and val is not None:
+                shape = f"<{val.dim()} dims, the tensor-parallel group's batch>"
             others = [a for a in node.args[1:] if not isinstance(a, str) or a in ("sum", "avg", "max", "min")]
             items.append(f"{node.target}{shape} {getattr(val, 'dtype', '')} {others}")
     return items

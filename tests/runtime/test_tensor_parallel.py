@@ -20,7 +20,7 @@ import torch
 import stepfx
 from stepfx.testing.equivalence import data_parallel_reference
 from tests.steps import (MLP, adamw, ce_step, hf_gpt2, hf_llama, hf_step, lm_step, mlp_batches, one_block_gpt, padded_batch,
-                         padded_step, token_batches)
+                         padded_rank_batches, padded_step, token_batches)
 from tests.tp_workers import tp_run
 
 TP2 = {"gradient_clipping": 0, "tensor_parallel": {"autotp_size": 2}}
@@ -208,6 +208,39 @@ def test_sequence_parallel_is_off_with_a_note_when_the_tokens_do_not_divide(rank
     _check(results, lm_step, one_block_gpt, sgd_plain, batches, tp=2)
     assert results[0]["sequence"] == {}
     assert any(n.startswith("sequence parallelism is off: ") for n in results[0]["notes"]), results[0]["notes"]
+
+
+@pytest.mark.xdist_group("tensor_parallel")
+@pytest.mark.parametrize("sequence", [False, True], ids=["tp", "sequence-parallel"])
+def test_tp2_variable_lengths_capture_twice_and_equal_the_reference(rank_pool, sequence):
+    """A new sequence length every step: the first call's static capture,
+    then one symbolic capture for every other length (the token count is a
+    size of the graph, the split dimensions stay static). Sequence
+    parallelism needs a static token count: the symbolic capture runs
+    without it, saying so."""
+    g = torch.Generator().manual_seed(0)
+    batches = [[(torch.randint(0, 64, (2, length), generator=g),) for length in (9, 12, 7, 10)]]
+    results = rank_pool(2).run(tp_run, lm_step, one_block_gpt, sgd_plain, batches, SP if sequence else TP2,
+                               timeout=300)
+    _check(results, lm_step, one_block_gpt, sgd_plain, batches, tp=2)
+    assert results[0]["captures"] == 2
+    assert results[0]["counts"] == GPT_COUNTS  # the symbolic capture's: Megatron's, and the head's
+    assert any("off for this capture: its token count varies" in n for n in results[0]["notes"]) == sequence
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("tensor_parallel")
+def test_tp2_dp2_zero_3_padded_batches_of_other_lengths_on_each_data_parallel_rank(rank_pool):
+    """DataCollatorWithPadding batches (labels -100 on the padding) whose
+    lengths differ per step and per data-parallel rank, Llama at TP 2 x DP 2
+    x ZeRO-3: the TP group shares its batch (its activations' collectives
+    sized by it), the groups differ; the ranks see the varying lengths at
+    the first call and capture symbolically from the start."""
+    batches = padded_rank_batches(2, 4, seed=5)
+    config = {**TP2, "zero_optimization": {"stage": 3}}
+    results = rank_pool(4).run(tp_run, padded_step, hf_llama, sgd_momentum, batches, config, timeout=500)
+    _check(results, padded_step, hf_llama, sgd_momentum, batches, tp=2)
+    assert all(got["captures"] <= 2 for got in results)
 
 
 @pytest.mark.xdist_group("tensor_parallel")

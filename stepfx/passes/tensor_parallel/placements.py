@@ -36,9 +36,11 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass, field, replace
 
+import sympy
 import torch
 import torch.fx as fx
 
+from ... import compat
 from ...graph import META_PHASE, Phase, Role
 
 __all__ = ["Sharded", "PARTIAL", "Refused", "Propagation", "propagate", "linear_uses", "LinearUse"]
@@ -106,13 +108,31 @@ ATTENTION_BACKWARD = frozenset(
     ) if op is not None for op in [op.default])
 
 
-def _shape(node) -> tuple[int, ...] | None:
+def _shape(node) -> tuple | None:
+    """The value's sizes: ints, or SymInts for sizes that vary between calls
+    (stepfx.dynamic: the tokens). A split dimension is always static."""
     val = node.meta.get("val") if isinstance(node, fx.Node) else None
     if not isinstance(val, torch.Tensor):
         return None
-    if not all(isinstance(s, int) for s in val.shape):
-        raise Refused(node, "symbolic sizes are not split yet")
     return tuple(val.shape)
+
+
+def _is(size, n: int) -> bool:
+    """Whether a size is statically ``n`` (a symbolic size never is: it varies)."""
+    return not compat.is_symbolic(size) and int(size) == n
+
+
+def _divides(size, by: int) -> bool:
+    """Whether a static size divides by ``by`` (a symbolic size is never split)."""
+    return not compat.is_symbolic(size) and int(size) % by == 0
+
+
+def _same(a, b) -> bool:
+    """Equal for every call: the same sympy expression (or the same int)."""
+    def expr(x):
+        return x if isinstance(x, sympy.Basic) else sympy.sympify(compat.size_expr(x))
+
+    return sympy.expand(expr(a) - expr(b)) == 0
 
 
 @dataclass
@@ -151,9 +171,11 @@ class Propagation:
         shape = _shape(value)
         if not shape or len(shape) < 2:
             return None
+        if any(compat.is_symbolic(size) for size in shape):
+            return None  # sequence parallelism needs static token counts
         count, first = 1, None
         for d, size in enumerate(shape[:-1]):
-            count *= size
+            count *= int(size)
             if first is None and size != 1:
                 first = d
             if count == self.tokens:
@@ -380,12 +402,12 @@ def _view(node: fx.Node, prop: Propagation, tp: int):
         raise Refused(node, "a view that does not regroup dimensions")
     for ins, outs in groups:
         if state.dim in ins:
-            ins = [d for d in ins if a[d] != 1]  # size-1 dimensions carry nothing
-            outs = [d for d in outs if b[d] != 1]
+            ins = [d for d in ins if not _is(a[d], 1)]  # size-1 dimensions carry nothing
+            outs = [d for d in outs if not _is(b[d], 1)]
             if len(ins) > 1 and state.dim != ins[0]:
                 raise Refused(node, f"a view {list(a)} -> {list(b)} merging the split dimension {state.dim} "
                               "into an outer one")
-            if b[outs[0]] % (state.parts * tp):
+            if not _divides(b[outs[0]], state.parts * tp):
                 raise Refused(node, f"the split dimension becomes {[b[o] for o in outs]}: "
                               f"{b[outs[0]]} not divisible by {state.parts} part(s) x {tp}")
             return replace(state, dim=outs[0])
@@ -395,21 +417,27 @@ def _view(node: fx.Node, prop: Propagation, tp: int):
 def _view_groups(a, b):
     """Pairs (input dims, output dims) of equal products, in order (size-1
     dims attached to a neighbour), or None."""
+    # grouped by the sizes of the call traced (a symbolic size's hint), each group's products then checked
+    # equal as expressions: a view that regroups dimensions only for some sizes is no regrouping
+    ha, hb = [compat.size_hint(x) for x in a], [compat.size_hint(x) for x in b]
     groups, i, j = [], 0, 0
     while i < len(a) or j < len(b):
         ins, outs = [], []
         pa = pb = 1
         if i < len(a):
-            ins.append(i); pa *= a[i]; i += 1
+            ins.append(i); pa *= ha[i]; i += 1
         if j < len(b):
-            outs.append(j); pb *= b[j]; j += 1
+            outs.append(j); pb *= hb[j]; j += 1
         while pa != pb:
             if pa < pb and i < len(a):
-                ins.append(i); pa *= a[i]; i += 1
+                ins.append(i); pa *= ha[i]; i += 1
             elif pb < pa and j < len(b):
-                outs.append(j); pb *= b[j]; j += 1
+                outs.append(j); pb *= hb[j]; j += 1
             else:
                 return None
+        if not _same(sympy.Mul(*[compat.size_expr(a[d]) for d in ins]),
+                     sympy.Mul(*[compat.size_expr(b[d]) for d in outs])):
+            return None
         groups.append((ins, outs))
     return groups
 
@@ -480,7 +508,7 @@ def _mm(node: fx.Node, prop: Propagation):
                 raise Refused(node, "a split bias added to the rank's tokens")
         elif isinstance(result, Sharded):
             out_dim = result.dim - (2 - len(bias_shape))
-            if bias_shape and bias_shape[-1] != 1 and (sb is None or sb.dim != out_dim or sb.parts != result.parts):
+            if bias_shape and not _is(bias_shape[-1], 1) and (sb is None or sb.dim != out_dim or sb.parts != result.parts):
                 raise Refused(node, "a replicated bias added to a split product")
         elif sb is not None:
             raise Refused(node, "a split bias added to a replicated product")
@@ -510,7 +538,7 @@ def _pointwise(node: fx.Node, prop: Propagation, tp: int):
         if s is None:
             shape = _shape(a)
             dim = split.dim - (len(out_shape) - len(shape))
-            if dim >= 0 and shape[dim] != 1:
+            if dim >= 0 and not _is(shape[dim], 1):
                 if split.tokens:  # this rank's tokens of it: a slice, no communication
                     prop.slices.setdefault(node, []).append((a, dim))
                     continue
@@ -547,6 +575,9 @@ def _split(node: fx.Node, prop: Propagation, tp: int):
     if dim != state.dim:
         return tuple(state for _ in outs)
     sizes = [o[dim] for o in outs]
+    if any(compat.is_symbolic(x) for x in sizes):
+        raise Refused(node, "a split of the split dimension into symbolic sizes")
+    sizes = [int(x) for x in sizes]
     if len(set(sizes)) == 1 and len(sizes) == state.parts:
         if sizes[0] % tp:
             raise Refused(node, f"fused parts of {sizes[0]} are not divisible by {tp}")
@@ -563,17 +594,17 @@ def _cat(node: fx.Node, prop: Propagation, tp: int):
     split = next(s for s in states if s is not None)
     for t, s in zip(tensors, states):
         if s is None:
-            if _shape(t) == (0,):
+            if len(_shape(t)) == 1 and _is(_shape(t)[0], 0):
                 continue  # cat skips a 1-D empty tensor (legacy): nothing to make local
-            if t.op == "get_attr" and 0 in _shape(t) and split.dim != dim:
+            if t.op == "get_attr" and any(_is(x, 0) for x in _shape(t)) and split.dim != dim:
                 prop.constants.add(t)  # an empty cache: made again at the local size
                 continue
             raise Refused(node, f"a replicated value ({t.name}) concatenated to a split one")
         if s.dim != split.dim or s.parts != 1 and s.dim == dim:
             raise Refused(node, "values split differently concatenated")
     if split.dim == dim:
-        sizes = {_shape(t)[dim] for t in tensors}
-        if len(sizes) != 1 or split.parts != 1:
+        sizes = [_shape(t)[dim] for t in tensors]
+        if not all(_same(x, sizes[0]) for x in sizes) or split.parts != 1:
             raise Refused(node, "a concatenation along the split dimension of unequal parts")
         return Sharded(dim, len(tensors))
     return split
@@ -593,7 +624,7 @@ def _attention(node: fx.Node, prop: Propagation, *, backward: bool):
     heads = Sharded(1)
     if sq != heads:
         raise Refused(node, f"attention with queries split as {sq}")
-    kv_whole = sk is None and sv is None and _shape(k)[1] == 1 and _shape(v)[1] == 1
+    kv_whole = sk is None and sv is None and _is(_shape(k)[1], 1) and _is(_shape(v)[1], 1)
     if not kv_whole and (sk != heads or sv != heads):
         raise Refused(node, f"attention with keys/values split as {sk}, {sv}")
     for a in rest + ([grad_out] if grad_out is not None else []) + [node.kwargs.get("attn_mask")]:
@@ -601,7 +632,7 @@ def _attention(node: fx.Node, prop: Propagation, *, backward: bool):
             continue
         s = _whole(prop, node, a)
         shape = _shape(a)
-        if s is None and shape is not None and len(shape) >= 2 and shape[1] != 1 and a.op != "placeholder":
+        if s is None and shape is not None and len(shape) >= 2 and not _is(shape[1], 1) and a.op != "placeholder":
             # a mask or saved value over all heads: would need slicing
             if len(shape) >= 3:
                 raise Refused(node, f"attention reads {a.name} over all heads")
@@ -623,7 +654,7 @@ def _attention(node: fx.Node, prop: Propagation, *, backward: bool):
         return tuple(out)
     out = []
     for v_ in vals:
-        ok = isinstance(v_, torch.Tensor) and v_.dim() >= 3 and v_.shape[1] == q_heads
+        ok = isinstance(v_, torch.Tensor) and v_.dim() >= 3 and _same(v_.shape[1], q_heads)
         out.append(heads if ok else None)
     return tuple(out)
 
@@ -724,7 +755,7 @@ def _layer_norm(node: fx.Node, prop: Propagation, *, backward: bool):
         raise Refused(node, f"a layer norm of a value split as {state}")
     for a in others:
         other = _whole(prop, node, a) if isinstance(a, fx.Node) else state
-        if other is None and _shape(a)[state.dim] % prop.tp == 0:  # a whole gradient: this rank's tokens of it
+        if other is None and _divides(_shape(a)[state.dim], prop.tp):  # a whole gradient: this rank's tokens of it
             prop.slices.setdefault(node, []).append((a, state.dim))
         elif other != state:
             raise Refused(node, "a layer norm backward with operands split differently")

@@ -36,6 +36,7 @@ import re
 
 import torch.fx as fx
 
+from ... import compat
 from ...config.errors import ConfigError
 from ...config.tensor_parallel import LayerSpec
 from ...graph import META_PHASE, Phase, Role, StepGraph
@@ -161,6 +162,9 @@ def _sequence_parallel(g, outputs, tp, options, accepted, uses) -> tuple[int | N
         return None, ""
     firsts = sorted((found[0].node for name, found in uses.items() if name in accepted), key=_order)
     shape = firsts[0].args[1 if firsts[0].target is aten.addmm.default else 0].meta["val"].shape
+    if compat.is_symbolic(shape[0]):
+        return None, ("sequence parallelism is off for this capture: its token count varies between calls "
+                      "(stepfx.dynamic); a rank's share of the tokens must be static")
     tokens = int(shape[0])
     try:
         propagate(g, dict(accepted), tp, outputs, tokens=tokens)

@@ -112,19 +112,20 @@ def _local_val(val, state: Sharded, tp: int):
     return fake_like(val, shape)
 
 
-def _local_shape(node: fx.Node, state: Sharded, tp: int) -> list[int]:
-    shape = list(node.meta["val"].shape)
-    shape[state.dim] //= tp
-    return shape
-
-
 def _local_arguments(node: fx.Node, state, tp: int) -> None:
     """Sizes written in the op's arguments, made per-rank."""
     target = node.target
-    if target in VIEWS:
-        node.args = (node.args[0], _local_shape(node, state, tp)) + tuple(node.args[2:])
+    if target in VIEWS:  # the split dimension's size per rank; the others as written (symbolic ones are nodes)
+        sizes = list(node.args[1])
+        if not isinstance(sizes[state.dim], int):
+            raise AssertionError(f"{node.format_node()}: split dimension {state.dim} has a symbolic size")
+        if sizes[state.dim] != -1:
+            sizes[state.dim] //= tp
+        node.args = (node.args[0], sizes) + tuple(node.args[2:])
     elif target is aten.expand.default:
         sizes = list(node.args[1])
+        if not isinstance(sizes[state.dim], int):
+            raise AssertionError(f"{node.format_node()}: split dimension {state.dim} has a symbolic size")
         if sizes[state.dim] != -1:
             sizes[state.dim] //= tp
         node.args = (node.args[0], sizes) + tuple(node.args[2:])
