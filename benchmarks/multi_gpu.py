@@ -323,7 +323,8 @@ def _sgd(model):
 
 
 def check(args, device, rank, world) -> list[dict]:
-    """stepfx TP and PP on this backend against the single-device step (rank 0): fp32 within 1e-5 relative
+    """stepfx TP (with and without sequence parallelism) and PP on this backend against the single-device
+    step (rank 0): fp32 within 1e-5 relative
     (normwise per tensor); bf16 no further from the fp32 step than twice DeepSpeed-style mixed precision on
     one device (fp32 masters, bf16 compute copies) is."""
     from stepfx.testing.equivalence import mixed_precision_reference
@@ -333,11 +334,13 @@ def check(args, device, rank, world) -> list[dict]:
     micro = 4
     batches = [torch.randint(0, cfg.vocab_size, (2 * micro, cfg.seq_len + 1), generator=g).to(device) for _ in range(4)]
     rows = []
-    for mode in ("tp", "pp"):
+    for mode in ("tp", "tp-sp", "pp"):
         for precision in ("fp32", "bf16"):
             config = {"gradient_clipping": 1.0, **({"bf16": {"enabled": True}} if precision == "bf16" else {})}
-            if mode == "tp":
+            if mode.startswith("tp"):
                 config["tensor_parallel"] = {"autotp_size": world}
+                if mode == "tp-sp":
+                    config["stepfx"] = {"sequence_parallel": True}
             else:
                 config.update(pipeline={"stages": world}, gradient_accumulation_steps=micro,
                               train_micro_batch_size_per_gpu=2)

@@ -63,7 +63,7 @@ from .runtime import (
     gather_tensor_parallel,
     preflight,
 )
-from .runtime.distributed import RankMismatchError, rank_varying_dims
+from .runtime.distributed import RankMismatchError, check_tensor_parallel_batches, rank_varying_dims
 from .schedules import build_scheduler
 
 __all__ = ["parallelize", "ParallelStep", "Plan", "DUMP_ENV"]
@@ -209,6 +209,8 @@ class ParallelStep:
             self._cache = plan_cache.PlanCache.open(self.config.stepfx.cache_dir)
         elif self._dp.active and self._dp.group is None:
             raise ExecutionError(f"{self.__name__}: an earlier step failed and aborted stepfx's data-parallel group; restart the job")
+        if self._calls == 1 and self._dp.active and self._dp.tp_size > 1:
+            check_tensor_parallel_batches(self._dp, _batch_tensors(args, kwargs))
         if self._calls == 1 and self._dp.active and self.config.stepfx.dynamic == "auto":
             # one exchange at the first call: a dimension the ranks already disagree on varies
             self._varying = rank_varying_dims(self._dp, _batch_shapes(args, kwargs))
@@ -1342,6 +1344,12 @@ def _batch_shapes(args, kwargs) -> dict[str, tuple[int, ...]]:
     """Batch slot name (as capture names it) -> shape, for every tensor argument."""
     leaves, _ = pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))
     return {batch_slot_name(path): tuple(leaf.shape) for path, leaf in leaves if isinstance(leaf, torch.Tensor)}
+
+
+def _batch_tensors(args, kwargs) -> dict[str, torch.Tensor]:
+    """Batch slot name -> tensor, for every tensor argument."""
+    leaves, _ = pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))
+    return {batch_slot_name(path): leaf for path, leaf in leaves if isinstance(leaf, torch.Tensor)}
 
 
 def _frozen_dims(dims: dict) -> tuple:

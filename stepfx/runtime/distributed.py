@@ -43,6 +43,7 @@ from ..graph import Role, StepGraph, Storage
 from ..graph.ops import is_collective
 
 __all__ = ["DataParallel", "data_parallel", "collective_fingerprint", "preflight", "rank_varying_dims",
+           "check_tensor_parallel_batches",
            "RankMismatchError"]
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -281,6 +282,30 @@ def rank_varying_dims(dp: DataParallel, shapes: dict[str, tuple[int, ...]]) -> d
         if varying:
             dims[name] = varying
     return dims
+
+
+def check_tensor_parallel_batches(dp: DataParallel, batch: dict[str, torch.Tensor]) -> None:
+    """Every rank of a tensor-parallel group must run on the same batch (its
+    data-parallel rank's): its ranks compute one step together, so another
+    batch on one of them is a wrong step, or a hang. A collective over every
+    rank at the first call: each rank's batch shapes and a digest of its
+    values (float64 sums, exact for equal data), so every rank learns of a
+    mismatch in any group and all raise together."""
+    mine = {name: (tuple(t.shape), float(t.double().sum()), float(t.double().square().sum())) for name, t in batch.items()}
+    everyone: list[Any] = [None] * dp.world_size
+    dist.all_gather_object(everyone, mine, group=dp.group)
+    tp = dp.tp_size
+    for start in range(0, dp.world_size, tp):
+        group = everyone[start:start + tp]
+        for name, seen in group[0].items():
+            for offset, other in enumerate(group[1:], 1):
+                if other.get(name) != seen:
+                    what = "shapes" if other.get(name, (None,))[0] != seen[0] else "values"
+                    raise RankMismatchError(
+                        f"tensor-parallel ranks {start} and {start + offset} (a group of {tp}: ranks {start}-"
+                        f"{start + tp - 1}) were given different batches ({name}: {what} differ); every rank of a "
+                        "tensor-parallel group must get the same batch, its data-parallel rank's (a sampler with "
+                        f"num_replicas = world size / {tp} and rank = rank // {tp})")
 
 
 def _shape(val: torch.Tensor) -> tuple:

@@ -244,6 +244,32 @@ def test_tp2_dp2_zero_3_padded_batches_of_other_lengths_on_each_data_parallel_ra
 
 
 @pytest.mark.xdist_group("tensor_parallel")
+def test_tp_ranks_given_different_batches_fail_together_saying_so(rank_pool):
+    """A sampler over every rank instead of the data-parallel ranks gives the
+    two ranks of a TP group different batches: every rank raises at the
+    first call, before any collective of the step, naming the ranks."""
+    from stepfx.testing.errors import RankError
+
+    batches = [token_batches(1, seed=0), token_batches(1, seed=1)]  # one per rank, as if TP were data parallel
+    config = {**TP2, "tensor_parallel": {"autotp_size": 2}}
+    with pytest.raises(RankError) as caught:
+        rank_pool(2).run(_per_rank_batches, batches, config, timeout=120)
+    text = str(caught.value)
+    assert "ranks 0, 1 of 2 failed" in text
+    assert "tensor-parallel ranks 0 and 1 (a group of 2: ranks 0-1) were given different batches (args[0]: values differ)" \
+        in text
+
+
+def _per_rank_batches(batches, config):
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = one_block_gpt()
+    step = stepfx.parallelize(config)(lm_step)
+    return step(model, sgd_plain(model), *batches[dist.get_rank()][0]).item()
+
+
+@pytest.mark.xdist_group("tensor_parallel")
 def test_partition_config_splits_what_its_layer_specs_name(rank_pool):
     """DeepSpeed's AutoTP partition_config: only the MLP's pair is named and
     use_default_specs is false, so attention stays replicated (the search
