@@ -107,16 +107,18 @@ class _Holding:
             return chunks_of(self.fqn, self.shape, tensor, self.piece)
         split, d = self.split, self.split.dim
         local = chunks_of(self.fqn, split.local_shape(self.shape), tensor, self.piece)
-        width = self.shape[d] // split.parts  # one fused part of the whole
-        mine = width // split.count  # this rank's slice of it
+        widths = split.part_sizes(self.shape[d])  # the fused parts of the whole
+        whole_at = [sum(widths[:p]) for p in range(len(widths))]
+        mine = [w // split.count for w in widths]  # this rank's slice of each
+        local_at = [sum(mine[:p]) for p in range(len(mine))]
         out = []
         for c in local:
             start, size = c.offsets[d], c.sizes[d]
             for part in range(split.parts):
-                lo, hi = max(start, part * mine), min(start + size, (part + 1) * mine)
+                lo, hi = max(start, local_at[part]), min(start + size, local_at[part] + mine[part])
                 if lo >= hi:
                     continue
-                at = part * width + split.index * mine + lo - part * mine
+                at = whole_at[part] + split.index * mine[part] + lo - local_at[part]
                 offsets = c.offsets[:d] + (at,) + c.offsets[d + 1:]
                 sizes = c.sizes[:d] + (hi - lo,) + c.sizes[d + 1:]
                 out.append(Chunk(self.fqn, self.shape, offsets, sizes, c.tensor.narrow(d, lo - start, hi - lo)))

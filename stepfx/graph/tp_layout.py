@@ -19,28 +19,39 @@ TP_PLAN_KEY = "tensor_parallel"  # signature.extra: the TensorParallelPlan
 
 @dataclass(frozen=True)
 class TensorSplit:
+    """``sizes``: the fused parts' sizes along ``dim`` in the whole tensor
+    when they differ (Phi-3's q, k, v with fewer key/value heads); None:
+    ``parts`` equal parts."""
+
     dim: int
     parts: int
     index: int
     count: int
+    sizes: tuple[int, ...] | None = None
 
     def local_shape(self, shape) -> tuple[int, ...]:
         out = list(shape)
         out[self.dim] //= self.count
         return tuple(out)
 
+    def part_sizes(self, whole: int) -> list[int]:
+        """The parts' sizes along ``dim`` of a whole of ``whole`` elements."""
+        return list(self.sizes) if self.sizes else [whole // self.parts] * self.parts
+
     def take(self, whole):
         """This rank's shard of ``whole`` (a new contiguous tensor)."""
         import torch
 
-        pieces = [part.chunk(self.count, self.dim)[self.index] for part in whole.chunk(self.parts, self.dim)]
+        parts = whole.split(self.part_sizes(whole.shape[self.dim]), self.dim)
+        pieces = [part.chunk(self.count, self.dim)[self.index] for part in parts]
         return torch.cat(pieces, self.dim).contiguous() if len(pieces) > 1 else pieces[0].contiguous().clone()
 
     def join(self, shards):
         """The whole tensor from every rank's shard (in rank order)."""
         import torch
 
-        per_rank = [s.chunk(self.parts, self.dim) for s in shards]
+        local = [size // self.count for size in self.part_sizes(shards[0].shape[self.dim] * self.count)]
+        per_rank = [s.split(local, self.dim) for s in shards]
         return torch.cat([per_rank[r][p] for p in range(self.parts) for r in range(self.count)], self.dim)
 
     def describe(self) -> str:
@@ -58,6 +69,7 @@ class Placement:
     split_dim: int | None
     parts: int
     why: str
+    sizes: tuple[int, ...] | None = None  # unequal fused parts' sizes (TensorSplit.sizes)
 
 
 @dataclass(frozen=True)
@@ -76,7 +88,7 @@ class TensorParallelPlan:
     def split_of(self, name: str) -> TensorSplit | None:
         for p in self.placements:
             if p.name == name and p.split_dim is not None:
-                return TensorSplit(p.split_dim, p.parts, self.rank, self.degree)
+                return TensorSplit(p.split_dim, p.parts, self.rank, self.degree, p.sizes)
         return None
 
     @property
@@ -84,5 +96,5 @@ class TensorParallelPlan:
         return tuple(p for p in self.placements if p.split_dim is not None)
 
     def describe(self) -> list[str]:
-        return [f"{p.name}: {p.kind}" + (f" (dim {p.split_dim}" + (f", {p.parts} parts" if p.parts > 1 else "") + ")"
+        return [f"{p.name}: {p.kind}" + (f" (dim {p.split_dim}" + (f", {p.parts} parts" + (f" of {list(p.sizes)}" if p.sizes else "") if p.parts > 1 else "") + ")"
                                          if p.split_dim is not None else "") + f": {p.why}" for p in self.placements]

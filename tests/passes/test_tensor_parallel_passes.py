@@ -48,6 +48,15 @@ def test_mlp_pair_is_found_and_split():
     assert tuple(placeholder.meta["val"].shape) == (8, 8)  # [16, 8] split in two
 
 
+def test_a_split_of_unequal_fused_parts_takes_each_part_s_share():
+    # Phi-3's q/k/v: 4 rows of q, 2 of k, 2 of v; rank 1 of 2 holds the second half of each
+    whole = torch.arange(8.0)[:, None]
+    split = TensorSplit(0, 3, 1, 2, sizes=(4, 2, 2))
+    assert split.take(whole)[:, 0].tolist() == [2.0, 3.0, 5.0, 7.0]
+    shards = [TensorSplit(0, 3, r, 2, sizes=(4, 2, 2)).take(whole) for r in range(2)]
+    assert torch.equal(split.join(shards), whole)
+
+
 def test_a_split_takes_and_joins_shards():
     whole = torch.arange(32.0).reshape(16, 2)
     shards = [TensorSplit(0, 1, r, 2).take(whole) for r in range(2)]

@@ -12,6 +12,7 @@ Adam turns into a full-size update of arbitrary sign.
 as the precision tests hold bf16 (8 mantissa bits)."""
 from __future__ import annotations
 
+import functools
 import re
 
 import pytest
@@ -267,6 +268,35 @@ def _per_rank_batches(batches, config):
     model = one_block_gpt()
     step = stepfx.parallelize(config)(lm_step)
     return step(model, sgd_plain(model), *batches[dist.get_rank()][0]).item()
+
+
+def hf_family(family):
+    from tests.passes.test_hf_codegen import make
+
+    return make(family)
+
+
+@pytest.mark.xdist_group("tensor_parallel")
+@pytest.mark.parametrize("family, split", [
+    ("mistral", "model.layers.1.self_attn.q_proj.weight: column (dim 0)"),
+    ("qwen2", "model.layers.1.self_attn.q_proj.bias: column (dim 0)"),
+    ("phi3", "model.layers.1.self_attn.qkv_proj.weight: column (dim 0, 3 parts of [16, 8, 8])"),
+    ("gemma", "model.layers.1.mlp.gate_proj.weight: column (dim 0)"),
+    ("gpt_neox", "gpt_neox.layers.1.attention.query_key_value.weight: column (dim 0"),
+])
+def test_hugging_face_families_split_with_sequence_parallelism_equal_the_reference(rank_pool, family, split):
+    """Tiny configs of other families, as a new user brings them, with
+    sequence parallelism asked for: grouped-query and multi-query attention
+    (Gemma's one key/value head: k and v on the rank's tokens, gathered),
+    Phi-3's fused q/k/v of unequal parts (4 query heads, 2 key/value) split
+    per part, Qwen2's q/k/v biases, GPT-NeoX's fused per-head q/k/v and
+    parallel residual; a vocabulary of 61 stays whole. Equal to the single
+    process (fp32, 1e-5)."""
+    make = functools.partial(hf_family, family)
+    batches = [token_batches(2, vocab=61, seed=3)]
+    results = rank_pool(2).run(tp_run, hf_step, make, sgd_momentum, batches, SP, timeout=300)
+    _check(results, hf_step, make, sgd_momentum, batches, tp=2)
+    assert split in "\n".join(results[0]["placements"])
 
 
 @pytest.mark.xdist_group("tensor_parallel")

@@ -57,6 +57,10 @@ class Sharded:
     dim: int
     parts: int = 1
     tokens: bool = False
+    sizes: tuple[int, ...] | None = None  # the fused parts' whole sizes when they differ (else equal parts)
+
+    def part_sizes(self, whole: int) -> list[int]:
+        return list(self.sizes) if self.sizes else [whole // self.parts] * self.parts
 
 
 PARTIAL = "partial"
@@ -65,9 +69,10 @@ PARTIAL = "partial"
 class Refused(Exception):
     """A split cannot pass ``node``; ``parts`` suggests a fused split to try instead."""
 
-    def __init__(self, node: fx.Node | None, reason: str, parts: int | None = None):
+    def __init__(self, node: fx.Node | None, reason: str, parts: int | None = None,
+                 sizes: tuple[int, ...] | None = None):
         super().__init__(reason)
-        self.node, self.reason, self.parts = node, reason, parts
+        self.node, self.reason, self.parts, self.sizes = node, reason, parts, sizes
 
     def describe(self) -> str:
         where = f" at {self.node.name} ({_op_name(self.node)})" if self.node is not None else ""
@@ -156,6 +161,8 @@ class Propagation:
     gather: dict = field(default_factory=dict)  # token-split node -> [readers needing it whole]
     slices: dict = field(default_factory=dict)  # reader -> [replicated operands it reads sliced to its tokens]
     reading: dict = field(default_factory=dict)  # while a rule runs: inputs it reads in another state (gathered)
+    slices_local: dict = field(default_factory=dict)  # slice (or its backward) of one fused part -> local [start, end)
+    fused_parts: dict = field(default_factory=dict)  # (dim, whole size, start, end) -> (the whole's state, local bounds)
 
     def state(self, value):
         if not isinstance(value, fx.Node):
@@ -260,7 +267,7 @@ def _placeholder(node: fx.Node, seeds: dict[str, Sharded], tp: int):
     # a gradient accumulated over micro-steps is split as its parameter (the rank holds its shard)
     if slot.role is Role.OPTIMIZER_STATE and (shape is None or len(shape) <= seed.dim):
         return None  # a step counter
-    if shape[seed.dim] % (seed.parts * tp):
+    if any(size % tp for size in seed.part_sizes(shape[seed.dim])) or shape[seed.dim] % (seed.parts * tp) and not seed.sizes:
         raise Refused(node, f"{slot.name}: dimension {seed.dim} ({shape[seed.dim]}) is not divisible by "
                       f"{seed.parts} part(s) x {tp} ranks")
     return seed
@@ -356,15 +363,19 @@ def _rule(node: fx.Node, prop: Propagation, tp: int):
     if target is aten.cat.default:
         return _cat(node, prop, tp)
     if target is aten.slice.Tensor:
-        state = _whole(prop, node, node.args[0])
-        dim = node.args[1] % len(_shape(node.args[0])) if len(node.args) > 1 else 0
-        if state is not None and state.dim == dim:
-            raise Refused(node, "a slice along the split dimension")
-        return state
+        return _slice(node, prop, tp)
     if target is aten.slice_backward.default:
         state = _whole(prop, node, node.args[0])
         if state is not None and state.dim == node.args[2] % len(node.args[1]):
-            raise Refused(node, "a slice along the split dimension")
+            whole, start, end = node.args[1][state.dim], node.args[3], node.args[4]
+            if all(isinstance(x, int) for x in (whole, start, end)):
+                start, end = max(0, start + whole if start < 0 else start), min(whole, end + whole if end < 0 else end)
+            fused = prop.fused_parts.get((node.args[2] % len(node.args[1]), whole, start, end))
+            if fused is None or state.parts != 1:
+                raise Refused(node, "a slice along the split dimension")
+            whole_state, local = fused  # the gradient of one fused part, placed in the rank's share of the whole
+            prop.slices_local[node] = local
+            return whole_state
         return state
     if target is aten.native_layer_norm.default:
         return _layer_norm(node, prop, backward=False)
@@ -407,7 +418,9 @@ def _view(node: fx.Node, prop: Propagation, tp: int):
             if len(ins) > 1 and state.dim != ins[0]:
                 raise Refused(node, f"a view {list(a)} -> {list(b)} merging the split dimension {state.dim} "
                               "into an outer one")
-            if not _divides(b[outs[0]], state.parts * tp):
+            if state.sizes and not _same(b[outs[0]], a[state.dim]):
+                raise Refused(node, f"a view regrouping the fused parts {list(state.sizes)} of the split dimension")
+            if not state.sizes and not _divides(b[outs[0]], state.parts * tp):
                 raise Refused(node, f"the split dimension becomes {[b[o] for o in outs]}: "
                               f"{b[outs[0]]} not divisible by {state.parts} part(s) x {tp}")
             return replace(state, dim=outs[0])
@@ -480,7 +493,7 @@ def _mm(node: fx.Node, prop: Propagation):
     if sx is None and sw is None:
         result = None
     elif sx is None and sw.dim == 1:
-        result = Sharded(1, sw.parts)
+        result = replace(sw, dim=1)
     elif sw is None and sx.dim == 0:
         result = replace(sx, dim=0)
     elif sx is not None and sw is not None and sx.dim == 1 and sw.dim == 0 and sx.parts == sw.parts:
@@ -769,3 +782,45 @@ _PER_TOKEN = POINTWISE | VIEWS | frozenset({
     aten.mm.default, aten.addmm.default, aten.sum.dim_IntList, aten.mean.dim, aten.native_layer_norm.default,
     aten.native_layer_norm_backward.default, operator.getitem})
 _SCATTER_READERS = POINTWISE | VIEWS | frozenset({aten.native_layer_norm.default, aten.native_layer_norm_backward.default})
+
+
+# -- fused weights of unequal parts ----------------------------------------------------------------------------
+
+
+def _slice(node: fx.Node, prop: Propagation, tp: int):
+    """A slice along the split dimension that takes one whole fused part (a
+    fused q/k/v of unequal parts: Phi-3's qkv_proj) is that part, split; the
+    rewrite slices the rank's share of it (``Propagation.slices_local``)."""
+    src = node.args[0]
+    state = _whole(prop, node, src)
+    shape = _shape(src)
+    dim = node.args[1] % len(shape) if len(node.args) > 1 else 0
+    if state is None or state.dim != dim:
+        return state
+    start = node.args[2] if len(node.args) > 2 else 0
+    end = node.args[3] if len(node.args) > 3 else shape[dim]
+    step = node.args[4] if len(node.args) > 4 else 1
+    whole = shape[dim]
+    if not all(isinstance(x, int) for x in (start, end, whole)) or step != 1:
+        raise Refused(node, "a slice along the split dimension")
+    start, end = max(0, start + whole if start < 0 else start), min(whole, end + whole if end < 0 else end)
+    if state.parts > 1:
+        sizes = state.part_sizes(whole)
+        bounds = [sum(sizes[:p]) for p in range(len(sizes) + 1)]
+        if start in bounds and end in bounds and bounds.index(end) == bounds.index(start) + 1:
+            part = bounds.index(start)
+            local = [size // tp for size in sizes]
+            prop.slices_local[node] = (sum(local[:part]), sum(local[:part + 1]))
+            prop.fused_parts[(dim, whole, start, end)] = (state, prop.slices_local[node])
+            return Sharded(dim)
+        raise Refused(node, "a slice across the fused parts of the split dimension")
+    # a fused weight seen whole: the slices of the value that tile it are its parts
+    cuts = sorted({(u.args[2] if len(u.args) > 2 else 0, u.args[3] if len(u.args) > 3 else whole)
+                   for u in src.users if u.target is aten.slice.Tensor and len(u.args) > 1
+                   and u.args[1] % len(shape) == dim})
+    cuts = [(max(0, a + whole if a < 0 else a), min(whole, b + whole if b < 0 else b)) for a, b in cuts
+            if isinstance(a, int) and isinstance(b, int)]
+    tiles = len(cuts) > 1 and cuts[0][0] == 0 and cuts[-1][1] == whole and all(
+        cuts[i][1] == cuts[i + 1][0] for i in range(len(cuts) - 1))
+    sizes = tuple(b - a for a, b in cuts) if tiles else None
+    raise Refused(node, "a slice along the split dimension", parts=len(sizes) if sizes else None, sizes=sizes)

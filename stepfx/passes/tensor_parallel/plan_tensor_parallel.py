@@ -131,7 +131,8 @@ def plan_tensor_parallel(graph: StepGraph, options: PassOptions) -> PassResult:
     for name in params:
         if name in accepted:
             kind, reason = details[name]
-            placements.append(Placement(name, kind, accepted[name].dim, accepted[name].parts, reason))
+            placements.append(Placement(name, kind, accepted[name].dim, accepted[name].parts, reason,
+                                        accepted[name].sizes))
         else:
             kind, reason = why.get(name, ("replicated", "not a matmul weight (embedding, norm or bias)"))
             placements.append(Placement(name, "replicated", None, 1, reason))
@@ -444,14 +445,14 @@ def _try_group(g, outputs, tp, accepted, cols, rows, single):
             tried += 1
             if tried > _MAX_SUBSETS:
                 return first
-            parts = {c: 1 for c in kept}
+            parts = {c: (1, None) for c in kept}
             while True:
                 seeds = dict(accepted)
                 for c in kept:
                     u = single[c]
-                    seeds[c] = Sharded(u.out_dim, parts[c])
+                    seeds[c] = Sharded(u.out_dim, parts[c][0], sizes=parts[c][1])
                     if u.bias is not None:
-                        seeds[u.bias] = Sharded(0, parts[c])
+                        seeds[u.bias] = Sharded(0, parts[c][0], sizes=parts[c][1])
                 for r in rows:
                     seeds[r] = Sharded(single[r].in_dim)
                 try:
@@ -459,8 +460,8 @@ def _try_group(g, outputs, tp, accepted, cols, rows, single):
                     return seeds, list(kept)
                 except Refused as e:
                     first = e
-                    if e.parts and len(kept) == 1 and parts[kept[0]] == 1:
-                        parts[kept[0]] = e.parts  # a fused weight: split per part
+                    if e.parts and len(kept) == 1 and parts[kept[0]] == (1, None):
+                        parts[kept[0]] = (e.parts, e.sizes)  # a fused weight: split per part
                         continue
                     break
     return first

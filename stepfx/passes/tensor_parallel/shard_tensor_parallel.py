@@ -64,7 +64,7 @@ def shard_tensor_parallel(graph: StepGraph, options: PassOptions) -> PassResult:
     tp, group = options.tp_size, options.tp_group_name
     graph = clone_step_graph(graph)
     gm, g = graph.gm, graph.gm.graph
-    seeds = {p.name: Sharded(p.split_dim, p.parts) for p in plan.sharded}
+    seeds = {p.name: Sharded(p.split_dim, p.parts, sizes=p.sizes) for p in plan.sharded}
     prop = propagate(g, seeds, tp, graph.signature.outputs, tokens=plan.tokens)
     moved = _sequence_parallel(g, prop, options) if plan.tokens else 0
 
@@ -78,7 +78,16 @@ def shard_tensor_parallel(graph: StepGraph, options: PassOptions) -> PassResult:
         if node.op == "placeholder":
             node.meta["val"] = _local_val(node.meta["val"], state, tp)
         elif node.op == "call_function":
-            _local_arguments(node, state, tp)
+            if node in prop.slices_local:  # one fused part of unequal parts: the rank's share of it
+                start, end = prop.slices_local[node]
+                if node.target is aten.slice.Tensor:
+                    node.args = (node.args[0], node.args[1], start, end) + tuple(node.args[4:])
+                else:  # slice_backward(grad, sizes, dim, start, end, step)
+                    sizes = list(node.args[1])
+                    sizes[state.dim] //= tp
+                    node.args = (node.args[0], sizes, node.args[2], start, end) + tuple(node.args[5:])
+            else:
+                _local_arguments(node, state, tp)
             node.meta["val"] = _run_fake(node, state, tp)
 
     reduced = moved
@@ -269,7 +278,9 @@ def _sequence_parallel(g: fx.Graph, prop, options: PassOptions) -> int:
         count += 1
     for reader, operands in prop.slices.items():
         for operand, dim in operands:
-            _token_slice(g, reader, operand, dim, tp, options.tp_rank)
+            sliced = _token_slice(g, reader, operand, dim, tp, options.tp_rank)
+            if reader in prop.reduce.get(operand, ()):  # a partial operand: the slice reads it all-reduced
+                prop.reduce[operand] = [sliced if r is reader else r for r in prop.reduce[operand]]
     return count
 
 
@@ -307,7 +318,7 @@ def _token_collective(g, prop, value, readers, tp: int, group: str, *, scatter: 
         reader.replace_input_with(value, out)
 
 
-def _token_slice(g, reader, operand, dim: int, tp: int, rank: int) -> None:
+def _token_slice(g, reader, operand, dim: int, tp: int, rank: int) -> fx.Node:
     """This rank's tokens of a replicated operand (no communication)."""
     val = operand.meta["val"]
     size = val.shape[dim] // tp
@@ -317,3 +328,4 @@ def _token_slice(g, reader, operand, dim: int, tp: int, rank: int) -> None:
     with val.fake_mode:
         sliced.meta["val"] = aten.slice.Tensor(val, dim, rank * size, (rank + 1) * size)
     reader.replace_input_with(operand, sliced)
+    return sliced
