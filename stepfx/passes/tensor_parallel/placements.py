@@ -752,26 +752,28 @@ def _lookup_backward(node: fx.Node, prop: Propagation):
 def _layer_norm(node: fx.Node, prop: Propagation, *, backward: bool):
     """A layer norm of token-split rows (normalized over the last
     dimensions, which the split is not in) is per token; backward, the
-    weight's and bias's gradients sum over the tokens: partial."""
+    weight's and bias's gradients sum over the tokens: partial. Where some
+    operands are token-split and others whole (the first block's norm reads
+    the whole embedding, its input gradient arrives reduce-scattered), the
+    whole ones are sliced to the rank's tokens."""
     x = node.args[1] if backward else node.args[0]
     normalized = node.args[2] if backward else node.args[1]
-    state = _whole(prop, node, x)
-    others = [node.args[0], *node.args[3:5]] if backward else []
+    operands = [a for a in ([node.args[0], x, *node.args[3:5]] if backward else [x]) if isinstance(a, fx.Node)]
     weights = [a for a in (node.args[5:7] if backward else node.args[2:4]) if isinstance(a, fx.Node)]
     if any(_whole(prop, node, a) is not None for a in weights):
         raise Refused(node, "a layer norm with a split weight or bias")
-    if state is None:
-        if any(_whole(prop, node, a) is not None for a in others if isinstance(a, fx.Node)):
-            raise Refused(node, "a layer norm backward with operands split differently")
+    states = {a: _whole(prop, node, a) for a in operands}
+    split = [s for s in states.values() if s is not None]
+    if not split:
         return None  # every input whole (partial ones all-reduced)
-    if not state.tokens or state.dim >= len(_shape(x)) - len(normalized):
-        raise Refused(node, f"a layer norm of a value split as {state}")
-    for a in others:
-        other = _whole(prop, node, a) if isinstance(a, fx.Node) else state
-        if other is None and _divides(_shape(a)[state.dim], prop.tp):  # a whole gradient: this rank's tokens of it
-            prop.slices.setdefault(node, []).append((a, state.dim))
-        elif other != state:
-            raise Refused(node, "a layer norm backward with operands split differently")
+    state = split[0]
+    if not state.tokens or state.dim >= len(_shape(x)) - len(normalized) or any(s != state for s in split):
+        raise Refused(node, f"a layer norm of operands split as {sorted(set(map(str, split)))}")
+    for a, other in states.items():
+        if other is None:
+            if not _divides(_shape(a)[state.dim], prop.tp):
+                raise Refused(node, "a layer norm's whole operand that does not divide into the ranks' tokens")
+            prop.slices.setdefault(node, []).append((a, state.dim))  # this rank's tokens of it
     if backward:
         return (state, PARTIAL, PARTIAL)
     return (state, state, state)
