@@ -81,12 +81,12 @@ def _zero_section(graph, world: int, values: dict) -> list[str]:
         lines.append("communication per step on this rank:")
         by_op: dict[str, list] = collections.defaultdict(lambda: [0, 0, 0.0])
         for item in comm:
-            acc = by_op[item.op]
+            acc = by_op[item.op if item.group == "data" else f"{item.op} (TP)"]
             acc[0] += 1
             acc[1] += item.payload_bytes
             acc[2] += item.sent_bytes
         for op, (count, payload, sent) in sorted(by_op.items()):
-            lines.append(f"  {op:<16} x{count:<4} buffers {format_bytes(payload):>12}   sent (ring) {format_bytes(sent):>12}")
+            lines.append(f"  {op:<21} x{count:<4} buffers {format_bytes(payload):>12}   sent (ring) {format_bytes(sent):>12}")
     lines.append("")
     return lines
 

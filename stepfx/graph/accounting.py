@@ -30,6 +30,7 @@ import torch.fx as fx
 from .. import compat
 from .ops import allocates_nothing, storage_root
 from .signature import HOST_STATE_KEY, Role
+from .tp_layout import TP_PLAN_KEY
 from .step_graph import META_DONATED, META_HOST_RESULTS, StepGraph
 
 __all__ = ["MemoryEstimate", "CommItem", "Sizes", "estimate_memory", "communication", "size_values", "liveness"]
@@ -206,6 +207,7 @@ class CommItem:
     payload_bytes: int  # the buffer a rank hands to the collective
     sent_bytes: float  # what a rank sends with the ring algorithm
     payload_expr: Any = None  # the payload as an expression in the size symbols, where it is symbolic
+    group: str = "data"  # "data" (data-parallel / ZeRO) or "tensor" (the tensor-parallel group's activations)
 
 
 def ring_sent_bytes(op: str, payload: float, world_size: int) -> float:
@@ -224,6 +226,8 @@ def communication(graph: StepGraph, world_size: int, values: Mapping | None = No
     evaluated at ``values`` (as :func:`estimate_memory`)."""
     items = []
     n = max(world_size, 1)
+    plan = graph.signature.extra.get(TP_PLAN_KEY)
+    tp = plan.degree if plan is not None else 1
     sizes = Sizes(size_values(graph) if values is None else values)
     for node in graph.gm.graph.nodes:
         if node.op != "call_function":
@@ -240,5 +244,14 @@ def communication(graph: StepGraph, world_size: int, values: Mapping | None = No
         terms = sizes.bytes_of(inp)
         size = sizes.value(terms)
         expr = Sizes.expr(terms) if Sizes.symbolic(terms) else None
-        items.append(CommItem(op, node.name, size, ring_sent_bytes(op, size, n), expr))
+        # the group's size: explicit for reduce-scatter and all-gather; an all-reduce is the TP group's
+        # (stepfx names them tp_*) or the data-parallel group's (the world over the TP degree)
+        tensor = node.name.startswith("tp_")
+        if op == "all_reduce":
+            ranks = tp if tensor else max(1, n // tp)
+        else:
+            explicit = node.args[2] if op == "reduce_scatter" else node.args[1]
+            ranks = explicit if isinstance(explicit, int) else n
+        items.append(CommItem(op, node.name, size, ring_sent_bytes(op, size, ranks), expr,
+                              "tensor" if tensor else "data"))
     return items

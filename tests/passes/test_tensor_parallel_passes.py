@@ -304,3 +304,12 @@ def test_sequence_parallel_runs_norms_and_residuals_on_each_rank_s_tokens():
     assert all(tuple(n.meta["val"].shape) == (16, 32) for n in gathers)
     scatters = [n for n in g.nodes if n.target is torch.ops._c10d_functional.reduce_scatter_tensor.default]
     assert len(gathers) == len(scatters) == 6  # 3 forward, 3 backward each
+    # explain()'s traffic: over the TP group of 2 (not the world of 4 the job may have)
+    from stepfx.graph.accounting import communication
+
+    sharded = shard_tensor_parallel(planned.graph, options).graph
+    items = [c for c in communication(sharded, 4) if c.group == "tensor"]
+    assert {c.op for c in items} == {"all_reduce", "reduce_scatter", "all_gather"}
+    for c in items:
+        assert c.sent_bytes == {"all_reduce": c.payload_bytes, "reduce_scatter": c.payload_bytes / 2,
+                                "all_gather": c.payload_bytes}[c.op], c

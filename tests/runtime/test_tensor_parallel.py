@@ -92,6 +92,7 @@ def test_gpt_tp2_equals_the_reference_with_megatron_collectives(rank_pool):
     assert "tok.weight: vocabulary (dim 0): tied embedding and LM head split over the vocabulary" in placements
     assert "tensor parallelism: degree 2, this rank 0 of its group; 7 parameters split" in results[0]["explain"]
     assert "blocks.0.proj.weight: row (dim 1): reads the split features" in results[0]["explain"]
+    assert "all_reduce (TP)" in results[0]["explain"]  # the communication per step, by group
 
 
 @pytest.mark.xdist_group("tensor_parallel")
