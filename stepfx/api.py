@@ -1342,8 +1342,7 @@ def _held_specs(captured: StepGraph, final: StepGraph) -> dict:
 
 def _batch_shapes(args, kwargs) -> dict[str, tuple[int, ...]]:
     """Batch slot name (as capture names it) -> shape, for every tensor argument."""
-    leaves, _ = pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))
-    return {batch_slot_name(path): tuple(leaf.shape) for path, leaf in leaves if isinstance(leaf, torch.Tensor)}
+    return {name: tuple(t.shape) for name, t in _batch_tensors(args, kwargs).items()}
 
 
 def _batch_tensors(args, kwargs) -> dict[str, torch.Tensor]:

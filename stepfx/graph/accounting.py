@@ -245,8 +245,8 @@ def communication(graph: StepGraph, world_size: int, values: Mapping | None = No
         size = sizes.value(terms)
         expr = Sizes.expr(terms) if Sizes.symbolic(terms) else None
         # the group's size: explicit for reduce-scatter and all-gather; an all-reduce is the TP group's
-        # (stepfx names them tp_*) or the data-parallel group's (the world over the TP degree)
-        tensor = node.name.startswith("tp_")
+        # (the group the plan names) or the data-parallel group's (the world over the TP degree)
+        tensor = plan is not None and plan.group is not None and plan.group in node.args[1:]
         if op == "all_reduce":
             ranks = tp if tensor else max(1, n // tp)
         else:

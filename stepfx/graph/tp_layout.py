@@ -84,6 +84,7 @@ class TensorParallelPlan:
     groups: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = ()
     notes: tuple[str, ...] = field(default=())
     tokens: int | None = None  # sequence parallelism: the step's token count the ranks share (None: off)
+    group: str | None = None  # the tensor-parallel group's name, as its collectives in the graph read it
 
     def split_of(self, name: str) -> TensorSplit | None:
         for p in self.placements:

@@ -47,6 +47,19 @@ def fake_like(example, shape, dtype=None):
         return torch.empty(tuple(shape), dtype=dtype or example.dtype, device=example.device)
 
 
+def fake_result(target, args: tuple, kwargs: dict | None = None):
+    """What ``target`` makes of ``args`` (nodes read as their fake values),
+    run in the fake mode of the first tensor among them: a new node's value."""
+    def val(a):
+        return a.meta["val"] if isinstance(a, fx.Node) else a
+
+    fake_args, fake_kwargs = torch.utils._pytree.tree_map(val, (tuple(args), dict(kwargs or {})))
+    mode = next(v for v in torch.utils._pytree.tree_leaves((fake_args, fake_kwargs))
+                if isinstance(v, torch.Tensor)).fake_mode
+    with mode:
+        return target(*fake_args, **fake_kwargs)
+
+
 def make_node(
     g: fx.Graph,
     target,

@@ -112,6 +112,14 @@ ATTENTION_BACKWARD = frozenset(
         getattr(aten, "_scaled_dot_product_cudnn_attention_backward", None),
     ) if op is not None for op in [op.default])
 
+# sequence parallelism: ops that compute each token on its own (or sum over tokens: partial), so they take
+# token-split inputs; and the readers for which a partial value is reduce-scattered rather than all-reduced
+_PER_TOKEN = POINTWISE | VIEWS | frozenset({
+    aten.t.default, aten.transpose.int, aten.permute.default, aten.unsqueeze.default, aten.squeeze.dim,
+    aten.mm.default, aten.addmm.default, aten.sum.dim_IntList, aten.mean.dim, aten.native_layer_norm.default,
+    aten.native_layer_norm_backward.default, operator.getitem})
+_SCATTER_READERS = POINTWISE | frozenset({aten.native_layer_norm.default, aten.native_layer_norm_backward.default})
+
 
 def _shape(node) -> tuple | None:
     """The value's sizes: ints, or SymInts for sizes that vary between calls
@@ -305,12 +313,6 @@ def _whole(prop: Propagation, node: fx.Node, value):
     return state
 
 
-# ops that compute each token on its own (or sum over tokens: partial), so they take token-split inputs
-_PER_TOKEN = None  # set below, after the op sets
-# readers for which a partial value is reduce-scattered (sequence parallelism) rather than all-reduced
-_SCATTER_READERS = None
-
-
 def _gathered_inputs(node: fx.Node, prop: Propagation) -> None:
     """Under sequence parallelism: the token-split inputs ``node`` cannot
     take are gathered for it (an op that mixes tokens, or one that also
@@ -367,10 +369,9 @@ def _rule(node: fx.Node, prop: Propagation, tp: int):
     if target is aten.slice_backward.default:
         state = _whole(prop, node, node.args[0])
         if state is not None and state.dim == node.args[2] % len(node.args[1]):
-            whole, start, end = node.args[1][state.dim], node.args[3], node.args[4]
-            if all(isinstance(x, int) for x in (whole, start, end)):
-                start, end = max(0, start + whole if start < 0 else start), min(whole, end + whole if end < 0 else end)
-            fused = prop.fused_parts.get((node.args[2] % len(node.args[1]), whole, start, end))
+            whole = node.args[1][state.dim]
+            fused = prop.fused_parts.get((node.args[2] % len(node.args[1]), whole,
+                                          *_slice_bounds(node.args[3], node.args[4], whole)))
             if fused is None or state.parts != 1:
                 raise Refused(node, "a slice along the split dimension")
             whole_state, local = fused  # the gradient of one fused part, placed in the rank's share of the whole
@@ -779,12 +780,6 @@ def _layer_norm(node: fx.Node, prop: Propagation, *, backward: bool):
     return (state, state, state)
 
 
-_PER_TOKEN = POINTWISE | VIEWS | frozenset({
-    aten.t.default, aten.transpose.int, aten.permute.default, aten.unsqueeze.default, aten.squeeze.dim,
-    aten.mm.default, aten.addmm.default, aten.sum.dim_IntList, aten.mean.dim, aten.native_layer_norm.default,
-    aten.native_layer_norm_backward.default, operator.getitem})
-_SCATTER_READERS = POINTWISE | VIEWS | frozenset({aten.native_layer_norm.default, aten.native_layer_norm_backward.default})
-
 
 # -- fused weights of unequal parts ----------------------------------------------------------------------------
 
@@ -805,7 +800,7 @@ def _slice(node: fx.Node, prop: Propagation, tp: int):
     whole = shape[dim]
     if not all(isinstance(x, int) for x in (start, end, whole)) or step != 1:
         raise Refused(node, "a slice along the split dimension")
-    start, end = max(0, start + whole if start < 0 else start), min(whole, end + whole if end < 0 else end)
+    start, end = _slice_bounds(start, end, whole)
     if state.parts > 1:
         sizes = state.part_sizes(whole)
         bounds = [sum(sizes[:p]) for p in range(len(sizes) + 1)]
@@ -820,9 +815,15 @@ def _slice(node: fx.Node, prop: Propagation, tp: int):
     cuts = sorted({(u.args[2] if len(u.args) > 2 else 0, u.args[3] if len(u.args) > 3 else whole)
                    for u in src.users if u.target is aten.slice.Tensor and len(u.args) > 1
                    and u.args[1] % len(shape) == dim})
-    cuts = [(max(0, a + whole if a < 0 else a), min(whole, b + whole if b < 0 else b)) for a, b in cuts
-            if isinstance(a, int) and isinstance(b, int)]
+    cuts = [_slice_bounds(a, b, whole) for a, b in cuts if isinstance(a, int) and isinstance(b, int)]
     tiles = len(cuts) > 1 and cuts[0][0] == 0 and cuts[-1][1] == whole and all(
         cuts[i][1] == cuts[i + 1][0] for i in range(len(cuts) - 1))
     sizes = tuple(b - a for a, b in cuts) if tiles else None
     raise Refused(node, "a slice along the split dimension", parts=len(sizes) if sizes else None, sizes=sizes)
+
+
+def _slice_bounds(start, end, whole):
+    """A slice's [start, end) as aten reads it (negative from the end, clamped to the size); symbolic ones as given."""
+    if not all(isinstance(x, int) for x in (start, end, whole)):
+        return start, end
+    return max(0, start + whole if start < 0 else start), min(whole, end + whole if end < 0 else end)

@@ -126,7 +126,7 @@ def plan_tensor_parallel(graph: StepGraph, options: PassOptions) -> PassResult:
     for name in params:
         if name in single and name not in details and name not in why:
             why[name] = ("replicated", "its product reaches no other weight through splittable ops")
-    notes += _vocabulary(g, outputs, tp, options, uses, accepted, details, why)
+    _vocabulary(g, outputs, tp, options, uses, accepted, details, why)
     placements = []
     for name in params:
         if name in accepted:
@@ -140,7 +140,8 @@ def plan_tensor_parallel(graph: StepGraph, options: PassOptions) -> PassResult:
     notes = tuple(notes) + ((sp_note,) if sp_note else ()) + (
         () if accepted else ("nothing to split: every rank of a tensor-parallel group runs the whole step "
                              "(replicated)",))
-    plan = TensorParallelPlan(tp, options.tp_rank, tuple(placements), tuple(found_groups), notes, tokens)
+    plan = TensorParallelPlan(tp, options.tp_rank, tuple(placements), tuple(found_groups), notes, tokens,
+                              options.tp_group_name)
     sig = graph.signature
     new_sig = dataclasses.replace(sig, extra={**sig.extra, TP_PLAN_KEY: plan})
     named = ""
@@ -176,7 +177,7 @@ def _sequence_parallel(g, outputs, tp, options, accepted, uses) -> tuple[int | N
 _VOCAB_KEY = "tensor_parallel.vocab_parallel_lm_head"
 
 
-def _vocabulary(g, outputs, tp, options, uses, accepted, details, why) -> list[str]:
+def _vocabulary(g, outputs, tp, options, uses, accepted, details, why) -> None:
     """Split token embeddings by rows and LM heads by output features over
     the vocabulary (Megatron's vocabulary-parallel embedding and head, the
     cross-entropy on each rank's slice of the logits). An LM head is a
@@ -194,7 +195,7 @@ def _vocabulary(g, outputs, tp, options, uses, accepted, details, why) -> list[s
     # token embeddings: tables with as many rows as a head has outputs (not position or type embeddings)
     vocabularies = {shapes[name][use.out_dim] for name, use in heads.items()}
     tables = {name: rows for name, rows in tables.items() if rows in vocabularies}
-    notes, split_heads, refused = [], [], []
+    split_heads, refused = [], []
 
     def attempt(name, seeds, kind, reason):
         try:
@@ -204,7 +205,7 @@ def _vocabulary(g, outputs, tp, options, uses, accepted, details, why) -> list[s
             refused.append(f"{name}: {e.describe()}")
             return False
         accepted.update(seeds)
-        for n, state in seeds.items():
+        for n in seeds:
             details[n] = (kind, reason if n == name else f"bias of {name}")
         return True
 
@@ -238,7 +239,6 @@ def _vocabulary(g, outputs, tp, options, uses, accepted, details, why) -> list[s
                                        "table's rows)")
         raise ConfigError(_VOCAB_KEY, f"is true but no LM head splits over the vocabulary: {found}", value=True,
                           expected="false, or a head whose logits only feed a cross-entropy")
-    return notes
 
 
 def _feeds_log_softmax(start: fx.Node) -> bool:

@@ -47,7 +47,7 @@ import torch.fx as fx
 from ...graph import META_GRAD_OF, META_GRAD_PIECE, META_PHASE, Role, StepGraph, Storage
 from ...graph.build import clone_step_graph
 from ...graph.tp_layout import TP_PLAN_KEY
-from ..data_parallel.collectives import fake_like, make_node
+from ..data_parallel.collectives import fake_like, fake_result, make_node
 from ..manager import PassOptions, PassResult
 from .placements import PARTIAL, VIEWS, Sharded, aten, propagate
 from .vocabulary import rewrite_vocabulary_op
@@ -78,16 +78,11 @@ def shard_tensor_parallel(graph: StepGraph, options: PassOptions) -> PassResult:
         if node.op == "placeholder":
             node.meta["val"] = _local_val(node.meta["val"], state, tp)
         elif node.op == "call_function":
+            _local_arguments(node, state, tp)
             if node in prop.slices_local:  # one fused part of unequal parts: the rank's share of it
-                start, end = prop.slices_local[node]
-                if node.target is aten.slice.Tensor:
-                    node.args = (node.args[0], node.args[1], start, end) + tuple(node.args[4:])
-                else:  # slice_backward(grad, sizes, dim, start, end, step)
-                    sizes = list(node.args[1])
-                    sizes[state.dim] //= tp
-                    node.args = (node.args[0], sizes, node.args[2], start, end) + tuple(node.args[5:])
-            else:
-                _local_arguments(node, state, tp)
+                # slice(x, dim, start, end, step) / slice_backward(grad, sizes, dim, start, end, step)
+                at = 2 if node.target is aten.slice.Tensor else 3
+                node.args = node.args[:at] + tuple(prop.slices_local[node]) + tuple(node.args[at + 2:])
             node.meta["val"] = _run_fake(node, state, tp)
 
     reduced = moved
@@ -124,14 +119,8 @@ def _local_val(val, state: Sharded, tp: int):
 def _local_arguments(node: fx.Node, state, tp: int) -> None:
     """Sizes written in the op's arguments, made per-rank."""
     target = node.target
-    if target in VIEWS:  # the split dimension's size per rank; the others as written (symbolic ones are nodes)
-        sizes = list(node.args[1])
-        if not isinstance(sizes[state.dim], int):
-            raise AssertionError(f"{node.format_node()}: split dimension {state.dim} has a symbolic size")
-        if sizes[state.dim] != -1:
-            sizes[state.dim] //= tp
-        node.args = (node.args[0], sizes) + tuple(node.args[2:])
-    elif target is aten.expand.default:
+    if target in VIEWS or target is aten.expand.default:
+        # the split dimension's size per rank; the others as written (symbolic ones are nodes)
         sizes = list(node.args[1])
         if not isinstance(sizes[state.dim], int):
             raise AssertionError(f"{node.format_node()}: split dimension {state.dim} has a symbolic size")
@@ -156,15 +145,9 @@ def _local_arguments(node: fx.Node, state, tp: int) -> None:
 def _run_fake(node: fx.Node, state, tp: int):
     """The node's value at local shapes: the op run on its inputs' fake values
     (keeps strides), or an empty of the local shape when the op cannot run."""
-    def val(a):
-        return a.meta["val"] if isinstance(a, fx.Node) else a
-
     old = node.meta["val"]
     try:
-        mode = next(v for v in (val(a) for a in node.all_input_nodes) if isinstance(v, torch.Tensor)).fake_mode
-        args = torch.utils._pytree.tree_map(val, (node.args, node.kwargs))
-        with mode:
-            return node.target(*args[0], **args[1])
+        return fake_result(node.target, node.args, node.kwargs)
     except Exception:
         if isinstance(state, tuple):
             return type(old)(_local_val(v, s, tp) if isinstance(s, Sharded) else v for v, s in zip(old, state))
@@ -202,19 +185,25 @@ def _all_reduce(g: fx.Graph, value: fx.Node, readers: list[fx.Node], group: str)
             done.meta[key] = value.meta.pop(key)
 
 
-def _decompose_addmm(g: fx.Graph, node: fx.Node, group: str, tp: int) -> None:
-    """addmm(bias, x, w) with a partial product: mm, all-reduce, then the bias once."""
+def _split_addmm(g: fx.Graph, node: fx.Node) -> tuple[fx.Node, fx.Node]:
+    """addmm(bias, x, w) with a partial product as (mm, mm + bias), so the
+    product is reduced (all-reduced, or reduce-scattered over the tokens)
+    before the bias is added once."""
     bias, x, w = node.args[:3]
     val = node.meta["val"]
     meta = dict(like=node, phase=node.meta.get(META_PHASE))
     with g.inserting_before(node):
         mm = make_node(g, aten.mm.default, (x, w), val=fake_like(val, val.shape), name="tp_mm", **meta)
-        issued = make_node(g, c10d.all_reduce.default, (mm, "sum", group), val=fake_like(val, val.shape),
-                           name="tp_all_reduce", **meta)
-        done = make_node(g, c10d.wait_tensor.default, (issued,), val=issued.meta["val"], name="tp_wait", **meta)
-        added = make_node(g, aten.add.Tensor, (done, bias), val=fake_like(val, val.shape), name="tp_bias", **meta)
+        added = make_node(g, aten.add.Tensor, (mm, bias), val=fake_like(val, val.shape), name="tp_bias", **meta)
     node.replace_all_uses_with(added)
     g.erase_node(node)
+    return mm, added
+
+
+def _decompose_addmm(g: fx.Graph, node: fx.Node, group: str, tp: int) -> None:
+    """addmm(bias, x, w) with a partial product: mm, all-reduce, then the bias once."""
+    mm, added = _split_addmm(g, node)
+    _all_reduce(g, mm, [added], group)
 
 
 def _rank_held(sig, plan, g: fx.Graph):
@@ -259,17 +248,11 @@ def _sequence_parallel(g: fx.Graph, prop, options: PassOptions) -> int:
     states, so the local shapes below cover them. Returns the collectives added."""
     tp, group, count = options.tp_size, options.tp_group_name, 0
     for node in [n for n in g.nodes if n in prop.decompose and isinstance(prop.states.get(n), Sharded)]:
-        bias, x, w = node.args[:3]
-        val = node.meta["val"]
-        meta = dict(like=node, phase=node.meta.get(META_PHASE))
-        with g.inserting_before(node):
-            mm = make_node(g, aten.mm.default, (x, w), val=fake_like(val, val.shape), name="tp_mm", **meta)
-            added = make_node(g, aten.add.Tensor, (mm, bias), val=fake_like(val, val.shape), name="tp_bias", **meta)
-        prop.states[mm], prop.states[added] = PARTIAL, prop.states[node]
-        prop.scatter[mm] = [added]
+        state = prop.states[node]
         prop.decompose.discard(node)
-        node.replace_all_uses_with(added)
-        g.erase_node(node)
+        mm, added = _split_addmm(g, node)
+        prop.states[mm], prop.states[added] = PARTIAL, state
+        prop.scatter[mm] = [added]
     for value, readers in list(prop.scatter.items()):
         _token_collective(g, prop, value, readers, tp, group, scatter=True)
         count += 1
@@ -322,10 +305,9 @@ def _token_slice(g, reader, operand, dim: int, tp: int, rank: int) -> fx.Node:
     """This rank's tokens of a replicated operand (no communication)."""
     val = operand.meta["val"]
     size = val.shape[dim] // tp
+    args = (operand, dim, rank * size, (rank + 1) * size)
     with g.inserting_before(reader):
-        sliced = make_node(g, aten.slice.Tensor, (operand, dim, rank * size, (rank + 1) * size),
-                           val=None, name="sp_slice", like=reader, phase=reader.meta.get(META_PHASE))
-    with val.fake_mode:
-        sliced.meta["val"] = aten.slice.Tensor(val, dim, rank * size, (rank + 1) * size)
+        sliced = make_node(g, aten.slice.Tensor, args, val=fake_result(aten.slice.Tensor, args), name="sp_slice",
+                           like=reader, phase=reader.meta.get(META_PHASE))
     reader.replace_input_with(operand, sliced)
     return sliced

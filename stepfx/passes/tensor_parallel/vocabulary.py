@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 
 from ...graph import META_GRAD_OF, META_GRAD_PIECE, META_PHASE
-from ..data_parallel.collectives import make_node
+from ..data_parallel.collectives import fake_result, make_node
 
 __all__ = ["rewrite_vocabulary_op"]
 
@@ -73,18 +73,10 @@ class _Emitter:
 
     def __init__(self, g: fx.Graph, like: fx.Node):
         self.g, self.like = g, like
-        self.mode = next(a.meta["val"] for a in like.all_input_nodes
-                         if isinstance(a.meta.get("val"), torch.Tensor)).fake_mode
 
     def __call__(self, target, *args, name: str, **kwargs) -> fx.Node:
-        def val(a):
-            return a.meta["val"] if isinstance(a, fx.Node) else a
-
-        fake_args, fake_kwargs = torch.utils._pytree.tree_map(val, (args, kwargs))
-        with self.mode:
-            out = target(*fake_args, **fake_kwargs)
-        return make_node(self.g, target, args, kwargs, val=out, like=self.like, phase=self.like.meta.get(META_PHASE),
-                         name=name)
+        return make_node(self.g, target, args, kwargs, val=fake_result(target, args, kwargs), like=self.like,
+                         phase=self.like.meta.get(META_PHASE), name=name)
 
     def all_reduce(self, value: fx.Node, op: str, group: str) -> fx.Node:
         issued = self(c10d.all_reduce.default, value, op, group, name="tp_vocab_all_reduce")
