@@ -334,7 +334,11 @@ def check(args, device, rank, world) -> list[dict]:
     micro = 4
     batches = [torch.randint(0, cfg.vocab_size, (2 * micro, cfg.seq_len + 1), generator=g).to(device) for _ in range(4)]
     rows = []
-    for mode in ("tp", "tp-sp", "pp"):
+    # with 4+ ranks also PP 2 x DP at ZeRO-3 (each stage's parameters partitioned over its data-parallel
+    # ranks) and 3D: PP 2 x TP 2 x DP (ZeRO-1 where DP > 1); every rank gets the same batch, so the mean over
+    # the data-parallel ranks is the single device's step
+    modes = ("tp", "tp-sp", "pp") + (("pp-zero3", "3d") if world >= 4 and world % 4 == 0 else ())
+    for mode in modes:
         for precision in ("fp32", "bf16"):
             config = {"gradient_clipping": 1.0, **({"bf16": {"enabled": True}} if precision == "bf16" else {})}
             if mode.startswith("tp"):
@@ -342,9 +346,15 @@ def check(args, device, rank, world) -> list[dict]:
                 if mode == "tp-sp":
                     config["stepfx"] = {"sequence_parallel": True}
             else:
-                config.update(pipeline={"stages": world}, gradient_accumulation_steps=micro,
+                stages = world if mode == "pp" else 2
+                config.update(pipeline={"stages": stages}, gradient_accumulation_steps=micro,
                               train_micro_batch_size_per_gpu=2)
                 config["stepfx"] = {"pipeline": {"schedule": "1f1b"}}
+                if mode == "pp-zero3":
+                    config["zero_optimization"] = {"stage": 3, "stage3_param_persistence_threshold": 0}
+                elif mode == "3d":
+                    config["tensor_parallel"] = {"autotp_size": 2}
+                    config["zero_optimization"] = {"stage": 1 if world > 4 else 0}
             torch.manual_seed(0)
             model = GPT(cfg).to(device)
             opt = _sgd(model)

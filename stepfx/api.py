@@ -673,15 +673,25 @@ class ParallelStep:
             micro = _micro_batches(self.config)
             schedule = build_schedule(name, self._dp.pp_size, micro, virtual=virtual)
             validate(schedule)
-            zero = self.config.zero_optimization.stage
+            zero_config = self.config.zero_optimization
+            zero = zero_config.stage if isinstance(zero_config.stage, int) else 0
             shares = None
-            if isinstance(zero, int) and zero in (1, 2) and self._dp.dp_size > 1:
+            if zero >= 1 and self._dp.dp_size > 1:
                 shares = zero1_shares(final, self._dp.dp_size)
             keep = (lambda name: shares.get(name, 0) == self._dp.dp_rank) if shares is not None else None
             programs = split_programs(final, split_backward=schedule.split_backward, keep_update=keep,
-                                      shard_gradients=zero == 2)
+                                      shard_gradients=zero >= 2)
+            partitioned = {}
+            if zero == 3 and shares is not None:  # runtime/pipeline_params.py
+                from .runtime.pipeline_params import partitioned_parameters
+
+                persist = zero_config.param_persistence_threshold
+                partitioned = partitioned_parameters(final, programs, shares, self._dp, schedule.stage_rank,
+                                                     persist if isinstance(persist, int) else 0)
+            prefetch = zero_config.prefetch_bucket_size
             return PipelineExecutor(final, binding, self._dp, programs, schedule, micro, update_shares=shares,
-                                    shard_gradients=zero == 2)
+                                    shard_gradients=zero >= 2, partitioned=partitioned,
+                                    prefetch_elements=prefetch if isinstance(prefetch, int) else 50_000_000)
         return LocalExecutor(final, binding, self._dp, cuda_graphs=bool(self.config.stepfx.cuda_graphs),
                              device_type=device_type, graph_pool=self._graph_pool,
                              time_phases=self.config.wall_clock_breakdown)
@@ -1059,9 +1069,9 @@ class ParallelStep:
     def _gather_from_stages(self, role: Role, local: dict | None = None) -> dict[tuple[str, str | None], torch.Tensor]:
         """Pipeline parallelism: every tensor of ``role`` that this rank does
         not keep, broadcast over all ranks from one that does (a parameter:
-        the first rank of its stage; optimizer state: the data-parallel rank
-        that updates it under ZeRO-1). A collective: every rank walks the
-        same list."""
+        the first rank of its stage, or under ZeRO-3 the data-parallel rank
+        that keeps it; optimizer state: the data-parallel rank that updates
+        it under ZeRO-1). A collective: every rank walks the same list."""
         import torch.distributed as dist
 
         executor = self.plan.executor
@@ -1079,6 +1089,9 @@ class ParallelStep:
             src = executor.schedule.stage_rank[owner[slot.name]] * per_stage
             # ``local``: whole tensors this rank has already (gathered over its tensor-parallel group)
             whole = (local or {}).get(slot.name)
+            keeper = executor.partitioned_keeper(slot.name) if role is Role.PARAM else None
+            if keeper is not None:  # ZeRO-3: one data-parallel rank of the stage keeps it (that of TP rank 0)
+                src = keeper - self._dp.tp_rank
             if role is Role.OPTIMIZER_STATE:
                 src += shares.get(slot.name, 0) * self._dp.tp_size
                 have = (whole or {}).get(slot.key)
@@ -1182,13 +1195,6 @@ def _pipeline_degree(config: Config) -> int:
     pp = pipeline_degree(config.pipeline, config.stepfx.pipeline, world, config.tensor_parallel.degree)
     if pp <= 1:
         return 1
-    zero = config.zero_optimization.stage
-    if isinstance(zero, int) and zero > 2:
-        raise ConfigError("zero_optimization.stage", f"ZeRO stage {zero} with pipeline parallelism ({pp} stages): "
-                          "stage 3 would gather each stage's parameters again for every micro-batch's forward and "
-                          "backward (2 x micro-batches all-gathers of the stage a step, where a pipeline already "
-                          "divides the model by the stages; DeepSpeed refuses it too); stages 1 and 2 shard the "
-                          "optimizer state and gradients", value=zero, expected="0, 1 or 2 with pipeline.stages > 1")
     if config.stepfx.dynamic is True:
         raise ConfigError("stepfx.dynamic", f"pipeline parallelism ({pp} stages) does not compose with symbolic "
                           "batch sizes yet (issue 20): each new shape is captured anew instead", value=True,

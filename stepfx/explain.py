@@ -126,6 +126,10 @@ def _pipeline_section(plan) -> list[str]:
     if programs.step_sends or programs.param_sends:
         lines.append(f"  shared parameters: {len(programs.step_sends)} gradient part(s) to the owner, "
                      f"{len(programs.param_sends)} updated value(s) back, once a step")
+    if getattr(executor, "partitioned", None):
+        from .runtime.pipeline_params import describe as describe_zero3
+
+        lines += [f"  {line}" for line in describe_zero3(executor)]
     half = tuple(b / 2 for b in stage_plan.backward_costs)
     costs = StageCosts(forward=tuple(stage_plan.forward_costs), backward_input=half, backward_weight=half)
     lines.append(f"  predicted bubble (cost model; a backward's input and weight parts taken as equal): "

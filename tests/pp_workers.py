@@ -24,13 +24,17 @@ def pp_run(step_fn, make_model, make_optimizer, batches_per_dp, config) -> dict:
     plan = step.plan.graph.signature.extra[PIPELINE_KEY]
     mine = set(step.plan.executor.my_stages)
     names = {id(p): n for n, p in model.named_parameters()}
-    if tp > 1:  # split parameters live in the rank's store: gathered whole (collectives: every rank)
+    zero3 = config.get("zero_optimization", {}).get("stage") == 3
+    if tp > 1 or zero3:  # split parameters live in the rank's store, ZeRO-3's on one rank of the stage: gathered
         gathered = step.model_state_dict()
         state = {n: gathered[n].clone() for n, _ in model.named_parameters() if plan.owner.get(n) in mine}
         optim = {n: {k: v.clone() for k, v in s.items()} for n, s in step.optimizer_state().items()
                  if plan.owner.get(n) in mine}
         return {"losses": losses, "state": state, "optimizer": optim, "stages": list(mine),
-                "explain": step.explain(), "captures": len({id(p) for p in step.plans})}
+                "explain": step.explain(), "captures": len({id(p) for p in step.plans}),
+                "kept": {n for n, p in model.named_parameters() if p.numel() > 0 and plan.owner.get(n) in mine},
+                "fetched": {k: len(v) for k, v in getattr(step.plan.executor, "fetched", {}).items()},
+                "fetch_order": _fetch_order(step.plan.executor)}
     state = {n: p.detach().clone() for n, p in model.named_parameters() if plan.owner.get(n) in mine}
     optim = {names[id(p)]: {k: v.clone() for k, v in s.items() if v.numel() > 0} for p, s in opt.state.items()
              if plan.owner.get(names[id(p)]) in mine}  # (empty: kept by another rank of the stage, ZeRO-1)
@@ -39,6 +43,26 @@ def pp_run(step_fn, make_model, make_optimizer, batches_per_dp, config) -> dict:
             "describe": plan.describe(), "stages": list(mine), "explain": step.explain(),
             "captures": len({id(p) for p in step.plans}),
             "sent_dtypes": _sent_dtypes(step.plan.executor.programs)}
+
+
+def _fetch_order(executor) -> dict[str, list[tuple]]:
+    """ZeRO-3 under a pipeline: per fetching program of this rank, its ops in
+    order as ("start", elements) / ("wait", elements) / ("op",)."""
+    out = {}
+    for (kind, stage), positions in getattr(executor, "fetched", {}).items():
+        if not positions:
+            continue
+        gm = executor.programs.programs[(kind, stage)].gm
+        order = []
+        for n in gm.graph.nodes:
+            if n.op == "call_module" and n.target == "stepfx_fetch_start":
+                order.append(("start", n.args[0].meta["val"].numel()))
+            elif n.op == "call_module" and n.target == "stepfx_fetch_wait":
+                order.append(("wait", n.meta["val"].numel()))
+            elif n.op == "call_function":
+                order.append(("op",))
+        out[f"{kind}{stage}"] = order
+    return out
 
 
 def _sent_dtypes(programs) -> list[str]:
@@ -139,7 +163,8 @@ def train_and_save(config, directory: str) -> dict:
     for (b,) in token_batches(2, batch=4, seed=4):
         step(model, opt, b)
     step.save_checkpoint(directory, tag="t")
-    if "tensor_parallel" in config:  # split parameters live as shards on the ranks: gathered whole (collectives)
+    if "tensor_parallel" in config or config.get("zero_optimization", {}).get("stage") == 3:
+        # split parameters live as shards on the ranks, ZeRO-3's on one rank of the stage: gathered (collectives)
         state = step.optimizer_state()
         whole = step.model_state_dict()
         return {"params": {n: whole[n] for n, _ in model.named_parameters()},  # (not the tied head's alias)

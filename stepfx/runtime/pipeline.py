@@ -46,7 +46,8 @@ _KIND_CODE = {"SEND_F": 0, "RECV_F": 0, "SEND_B": 1, "RECV_B": 1}
 class PipelineExecutor:
     def __init__(self, graph: StepGraph, binding: ModuleBinding, dp: DataParallel, programs: StagePrograms,
                  schedule: Schedule, micro_batches: int, update_shares: dict[str, int] | None = None,
-                 shard_gradients: bool = False):
+                 shard_gradients: bool = False, partitioned: dict[int, int] | None = None,
+                 prefetch_elements: int = 50_000_000):
         self.graph = graph
         self.gm = graph.gm
         self.binding = binding
@@ -80,6 +81,22 @@ class PipelineExecutor:
         # the gradients this rank's updates read (summed over micro-batches), the forward values the step returns
         self._accumulated = {name for s in self.my_stages for name in programs.accumulated.get(s, ())}
         self._user_names = {programs.outputs[i][1] for i in programs.user_outputs}
+        # ZeRO-3 (runtime/pipeline_params.py): step input position -> the global rank that keeps the parameter;
+        # this rank's forward and backward programs fetch the others from it as they read them
+        self.partitioned = dict(partitioned or {})
+        self.fetched: dict[tuple[str, int], list[int]] = {}  # program -> the step input positions it fetches
+        if self.partitioned:
+            from .pipeline_params import FETCHED_KINDS, insert_fetches
+
+            for (kind, stage), prog in programs.programs.items():
+                if stage in self.my_stages and kind in FETCHED_KINDS:
+                    self.fetched[(kind, stage)] = insert_fetches(prog, self.partitioned, dp.dp_group, dp.rank,
+                                                                 max(1, prefetch_elements))
+                elif stage in self.my_stages:
+                    stray = [i for src, i in prog.inputs if src == "graph" and self.partitioned.get(i, dp.rank) != dp.rank]
+                    if stray:
+                        raise RuntimeError(f"stepfx: program {kind}{stage} reads {graph.signature.inputs[stray[0]].name}, "
+                                           "which another data-parallel rank of the stage keeps (ZeRO-3)")
 
     def unread_inputs(self) -> set[int]:
         """Positions of the step's inputs that no program of this rank reads
@@ -89,7 +106,16 @@ class PipelineExecutor:
         for (kind, stage), prog in self.programs.programs.items():
             if stage in self.my_stages or stage < 0:
                 read.update(i for src, i in prog.inputs if src == "graph")
-        return set(range(len(self.graph.signature.inputs))) - read
+        kept_elsewhere = {i for i in read if self.partitioned.get(i, self.dp.rank) != self.dp.rank}
+        return (set(range(len(self.graph.signature.inputs))) - read) | kept_elsewhere
+
+    def partitioned_keeper(self, name: str) -> int | None:
+        """ZeRO-3: the global rank that keeps parameter ``name`` between steps (None: every rank of its stage)."""
+        keepers = getattr(self, "_keepers", None)
+        if keepers is None:
+            inputs = self.graph.signature.inputs
+            keepers = self._keepers = {inputs[i].name: r for i, r in self.partitioned.items()}
+        return keepers.get(name)
 
     # -- helpers ----------------------------------------------------------------
     def _peer(self, stage: int) -> int:
@@ -278,6 +304,8 @@ class PipelineExecutor:
         for slot, (src, name) in zip(sig.outputs, self.programs.outputs):
             if slot.role is not Role.PARAM or owner.get(slot.name) not in self.my_stages or src != "value":
                 continue
+            if self.partitioned_keeper(slot.name) is not None:
+                continue  # ZeRO-3: the rank that updated it keeps it; the others fetch it when they read it
             d = self.update_shares.get(slot.name, 0)
             if d == self.dp.dp_rank:
                 value = values[name].contiguous()

@@ -55,13 +55,13 @@ def _micro(batches_per_dp, micro):
             for batches in batches_per_dp for m in range(micro)]
 
 
-def _check(results, step_fn, make_model, make_optimizer, batches_per_dp, micro, clip=None):
+def _check(results, step_fn, make_model, make_optimizer, batches_per_dp, micro, clip=None, tp=1):
     """Every rank's losses and every parameter (from the rank whose stage owns it) against the reference."""
     virtual = _micro(batches_per_dp, micro)
     outputs, model, opt = data_parallel_reference(step_fn, make_model, make_optimizer, virtual, clip_norm=clip)
     per_stage = len(batches_per_dp)
     for rank, got in enumerate(results):
-        d = rank % per_stage
+        d = (rank // tp) % per_stage  # (rank = stage x dp x tp + data-parallel place x tp + tensor-parallel place)
         expected = [torch.stack([outputs[i][d * micro + m] for m in range(micro)]).mean().item()
                     for i in range(len(outputs))]
         assert got["losses"] == pytest.approx(expected, rel=1e-6, abs=0), (rank, got["losses"], expected)
@@ -216,14 +216,16 @@ def test_codegen_inside_each_stage(rank_pool):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp", [1, 2])
-def test_a_checkpoint_holds_each_stage_s_parameters_from_their_stage(rank_pool, tmp_path, tp):
+@pytest.mark.parametrize("tp,zero3", [(1, False), (2, False), (1, True)])
+def test_a_checkpoint_holds_each_stage_s_parameters_from_their_stage(rank_pool, tmp_path, tp, zero3):
     """Every rank binds the whole model but updates only its stages': each
     tensor is written by a rank whose stage owns it (with TP 2, each its
-    Megatron shards of them), and one process without a pipeline loads the
-    run exactly (bitwise)."""
-    config = _config(2, 2, "1f1b", **({"tensor_parallel": {"autotp_size": tp}} if tp > 1 else {}))
-    results = rank_pool(2 * tp).run(train_and_save, config, str(tmp_path), timeout=300)
+    Megatron shards of them; with ZeRO-3 over 2 data-parallel ranks, the
+    rank that keeps it), and one process without a pipeline loads the run
+    exactly (bitwise)."""
+    config = _config(2, 2, "1f1b", **({"tensor_parallel": {"autotp_size": tp}} if tp > 1 else {}),
+                     **({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}} if zero3 else {}))
+    results = rank_pool(4 if zero3 else 2 * tp).run(train_and_save, config, str(tmp_path), timeout=300)
     torch.manual_seed(1)
     model = tiny_gpt()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -265,6 +267,28 @@ def test_each_rank_keeps_only_its_stages_parameters_and_state(rank_pool):
 
 
 @pytest.mark.slow
+def test_zero3_ranks_keep_a_share_of_their_stage_and_gather_the_whole_back(rank_pool):
+    """PP 2 x DP 2 at ZeRO-3 with AdamW: after the first step each rank
+    keeps about a quarter of the model's parameters (a stage's share; the
+    tied embedding whole where read), not captured again; model_state_dict()
+    and optimizer_state() gather the same whole model on every rank."""
+    config = _config(2, 2, "1f1b", zero_optimization={"stage": 3, "stage3_param_persistence_threshold": 0})
+    results = rank_pool(4).run(memory_run, config, timeout=300)
+    for got in results:
+        assert got["captures"] == 1
+        assert got["kept"] < 0.4 * got["whole"], (got["kept"], got["whole"])
+        for name, value in got["gathered"].items():
+            assert torch.equal(value, results[0]["gathered"][name]), name
+        for name, state in got["optimizer"].items():
+            for key, value in state.items():
+                assert torch.equal(value, results[0]["optimizer"][name][key]), (name, key)
+    # every parameter kept by exactly one rank, but the tied embedding (read by both stages): by all four
+    tied = results[0]["gathered"]["tok.weight"].numel()
+    assert sum(got["kept"] for got in results) == results[0]["whole"] + 3 * tied
+    assert all(v.numel() > 0 for v in results[0]["gathered"].values())
+
+
+@pytest.mark.slow
 def test_padded_variable_length_batches_with_deepspeed_defaults(rank_pool):
     """Hugging Face Qwen2 on dict batches padded to each batch's longest
     sequence (attention masks, labels -100 on the padding), lengths changing
@@ -297,7 +321,7 @@ def test_zero_over_each_stage_s_data_parallel_ranks(rank_pool, stage):
     values; at stage 2 each summed gradient is reduced to that rank alone
     (the others free it) and the clip norm's parts are summed over the
     data-parallel ranks too. Equal to the reference; every momentum buffer
-    kept by exactly one rank of its stage; ZeRO 3 refused by key."""
+    kept by exactly one rank of its stage."""
     batches = _batches(2)
     config = _config(2, 2, "1f1b", clip=0.05, zero_optimization={"stage": stage})
     results = rank_pool(4).run(pp_run, lm_step, tiny_gpt, sgd_momentum, batches, config, timeout=400)
@@ -306,10 +330,49 @@ def test_zero_over_each_stage_s_data_parallel_ranks(rank_pool, stage):
         kept = [set(results[r]["optimizer"]) for r in stage_ranks]
         assert kept[0] and kept[1] and not kept[0] & kept[1]
         assert kept[0] | kept[1] == set(results[stage_ranks[0]]["state"])
-    if stage == 2:
-        with pytest.raises(Exception, match="zero_optimization.stage: ZeRO stage 3 with pipeline parallelism"):
-            rank_pool(4).run(pp_run, lm_step, tiny_gpt, sgd_momentum, batches,
-                             _config(2, 2, "1f1b", zero_optimization={"stage": 3}), timeout=120)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+def test_zero3_partitions_each_stage_s_parameters_and_fetches_them_per_program(rank_pool, schedule):
+    """PP 2 x DP 2 at ZeRO-3 (which DeepSpeed refuses with a pipeline): each
+    data-parallel rank of a stage keeps only its share of the stage's
+    parameters between steps (the others are emptied), and every forward and
+    backward program broadcasts each other parameter from its keeper before
+    its first reader, a prefetch of stage3_prefetch_bucket_size elements
+    ahead, inside the program (never the stage gathered at its start).
+    Parameters under stage3_param_persistence_threshold stay whole on both
+    ranks. Equal to the reference with clipping, under 1F1B and the
+    zero-bubble schedule (whose backward is two programs)."""
+    batches = _batches(2)
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 64, "stage3_prefetch_bucket_size": 1000}
+    config = _config(2, 2, schedule, clip=0.05, zero_optimization=zero)
+    results = rank_pool(4).run(pp_run, lm_step, tiny_gpt, sgd_momentum, batches, config, timeout=400)
+    _check(results, lm_step, tiny_gpt, sgd_momentum, batches, 2, clip=0.05)
+    torch.manual_seed(0)
+    sizes = {n: p.numel() for n, p in tiny_gpt().named_parameters()}
+    for stage_ranks in ((0, 1), (2, 3)):
+        kept = [results[r]["kept"] for r in stage_ranks]
+        stage_params = set(results[stage_ranks[0]]["state"])
+        small = {n for n in stage_params if sizes[n] < 64} | {"tok.weight"}  # (tied: read by both stages)
+        assert kept[0] & kept[1] == small & stage_params
+        assert kept[0] | kept[1] == stage_params
+        assert min(sum(sizes[n] for n in k - small) for k in kept) > 0
+        for r in stage_ranks:
+            assert results[r]["fetched"] == results[stage_ranks[0]]["fetched"]
+            for program, order in results[r]["fetch_order"].items():
+                in_flight, largest, ops_between = 0, 0, 0
+                for event in order:
+                    if event[0] == "start":
+                        in_flight += event[1]
+                        largest = max(largest, event[1])
+                        assert in_flight <= max(1000, event[1]), (program, order)
+                    elif event[0] == "wait":
+                        in_flight -= event[1]
+                starts = [i for i, e in enumerate(order) if e[0] == "start"]
+                assert any(e[0] == "op" for e in order[starts[0]:starts[-1]]), (program, order)  # not all at once
+    assert "ZeRO-3 over each stage's 2 data-parallel ranks" in results[0]["explain"]
+    assert "cost against ZeRO-2" in results[0]["explain"]
 
 
 @pytest.mark.slow

@@ -80,7 +80,8 @@ def _refuse_unsupported(block, options: PassOptions) -> None:
                           f"refuses it below stage 3 too); zero_optimization.stage is {zero_settings(options)[0]}",
                           value=block.device, expected="zero_optimization.stage 3")
     if pipeline_settings(options) > 1:
-        raise ConfigError(_PATH, "is not implemented with pipeline parallelism (no ZeRO-3 there)",
+        raise ConfigError(_PATH, ("is not implemented with pipeline parallelism (ZeRO-3 there keeps each data-parallel rank's share "
+                          "of a stage on the device, runtime/pipeline_params.py)"),
                           value=block.device, expected="'none' with pipeline.stages > 1")
     if block.device == "nvme" and (not block.nvme_path or block.nvme_path is AUTO):
         raise ConfigError(join(_PATH, "nvme_path"), "device 'nvme' needs the directory the parameters are kept in",
