@@ -159,7 +159,7 @@ def describe(executor) -> list[str]:
              f"whole on every rank ({sum(map(nbytes, whole)) / mib:.2f} MiB: under "
              "stage3_param_persistence_threshold, read by another stage, or tensor-parallel shards)"]
     received = 0
-    for (kind, stage), positions in sorted(executor.fetched.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+    for (kind, stage), positions in sorted(executor.fetched.items(), key=lambda kv: (kv[0][1], FETCHED_KINDS.index(kv[0][0]))):
         if positions:
             other = sum(nbytes(i) for i in positions if partitioned[i] != executor.dp.rank)
             received += other * executor.micro_batches
