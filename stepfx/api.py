@@ -691,7 +691,9 @@ class ParallelStep:
             prefetch = zero_config.prefetch_bucket_size
             return PipelineExecutor(final, binding, self._dp, programs, schedule, micro, update_shares=shares,
                                     shard_gradients=zero >= 2, partitioned=partitioned,
-                                    prefetch_elements=prefetch if isinstance(prefetch, int) else 50_000_000)
+                                    prefetch_elements=prefetch if isinstance(prefetch, int) else 50_000_000,
+                                    pipe_partitioned=self.config.pipeline.pipe_partitioned,
+                                    grad_partitioned=self.config.pipeline.grad_partitioned)
         return LocalExecutor(final, binding, self._dp, cuda_graphs=bool(self.config.stepfx.cuda_graphs),
                              device_type=device_type, graph_pool=self._graph_pool,
                              time_phases=self.config.wall_clock_breakdown)

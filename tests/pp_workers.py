@@ -34,6 +34,7 @@ def pp_run(step_fn, make_model, make_optimizer, batches_per_dp, config) -> dict:
                 "explain": step.explain(), "captures": len({id(p) for p in step.plans}),
                 "kept": {n for n, p in model.named_parameters() if p.numel() > 0 and plan.owner.get(n) in mine},
                 "fetched": {k: len(v) for k, v in getattr(step.plan.executor, "fetched", {}).items()},
+                "p2p_bytes": step.plan.executor.p2p_bytes_sent,
                 "fetch_order": _fetch_order(step.plan.executor)}
     state = {n: p.detach().clone() for n, p in model.named_parameters() if plan.owner.get(n) in mine}
     optim = {names[id(p)]: {k: v.clone() for k, v in s.items() if v.numel() > 0} for p, s in opt.state.items()

@@ -34,8 +34,10 @@ APPLIED: frozenset[str] = frozenset({
     "tensor_parallel.partition_config",
     "tensor_parallel.vocab_parallel_lm_head",
     # pipeline parallelism (passes/pipeline, runtime/pipeline.py): stages and how they are cut;
-    # seed_layers, pipe_partitioned and grad_partitioned are not honoured yet
+    # seed_layers is not honoured yet
     "pipeline.stages",
+    "pipeline.pipe_partitioned",  # under TP: activations cross stages in TP slices, gathered at the receiver
+    "pipeline.grad_partitioned",  # ... and their gradients
     "pipeline.partition",
     "pipeline.activation_checkpoint_interval",  # > 0: recompute_activations at budget 0 (the graph's cut, not every N)
     # precision, accumulation, clipping (capture options and the passes

@@ -324,7 +324,8 @@ def test_config_reads_the_pipeline_block_as_deepspeed_does():
     cfg = load_config({"pipeline": {"stages": 2, "partition_method": "type:Block", "pipe_partitioned": False}})
     assert (cfg.pipeline.stages, cfg.pipeline.partition, cfg.pipeline.pipe_partitioned) == (2, "type:Block", False)
     assert cfg.pipeline.activation_checkpoint_interval == 0 and cfg.pipeline.grad_partitioned is True
-    assert "pipeline.pipe_partitioned" in cfg.not_applied and "pipeline.stages" not in cfg.not_applied
+    assert "pipeline.pipe_partitioned" not in cfg.not_applied and "pipeline.stages" not in cfg.not_applied
+    assert "pipeline.seed_layers" in load_config({"pipeline": {"seed_layers": True}}).not_applied
     with pytest.raises(ConfigError, match="pipeline.partition: got 'type:\\('"):
         load_config({"pipeline": {"partition": "type:("}})
     with pytest.raises(ConfigError, match="two spellings of the same key"):

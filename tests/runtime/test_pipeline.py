@@ -381,13 +381,23 @@ def test_pipeline_times_tensor_parallel(rank_pool):
     tensor-parallel group (the TP all-reduces run inside the stage programs),
     the residual stream sent between the stages' ranks of the same TP place;
     gradient clipping's norm summed over the stages and the TP shards (0.05:
-    it bites, see test_gradient_clipping_takes_the_norm_over_every_stage)."""
+    it bites, see test_gradient_clipping_takes_the_norm_over_every_stage).
+    DeepSpeed's pipe_partitioned / grad_partitioned (on by default): what the
+    TP group holds alike crosses as each rank's half, gathered at the
+    receiving stage (half the bytes between stages); off: sent whole. Both
+    equal the reference."""
     batches = _batches(1)
-    config = _config(2, 2, "1f1b", clip=0.05, tensor_parallel={"autotp_size": 2})
-    results = rank_pool(4).run(pp_run, lm_step, tiny_gpt, sgd_momentum, batches, config, timeout=400)
-    _check(results, lm_step, tiny_gpt, sgd_momentum, batches, 2, clip=0.05)  # the norm over stages and TP shards
-    assert [r["stages"] for r in results] == [[0], [0], [1], [1]]
-    assert "tensor parallelism: degree 2" in results[0]["explain"]
+    sent = {}
+    for partitioned in (True, False):
+        config = _config(2, 2, "1f1b", clip=0.05, tensor_parallel={"autotp_size": 2},
+                         pipeline={"stages": 2, "pipe_partitioned": partitioned, "grad_partitioned": partitioned})
+        results = rank_pool(4).run(pp_run, lm_step, tiny_gpt, sgd_momentum, batches, config, timeout=400)
+        _check(results, lm_step, tiny_gpt, sgd_momentum, batches, 2, clip=0.05, tp=2)  # norm over stages, TP shards
+        assert [r["stages"] for r in results] == [[0], [0], [1], [1]]
+        assert "tensor parallelism: degree 2" in results[0]["explain"]
+        sent[partitioned] = [r["p2p_bytes"] for r in results]
+    assert all(b > 0 for b in sent[False])
+    assert [2 * b for b in sent[True]] == sent[False], sent
 
 
 def test_the_monitor_logs_the_loss_the_step_returns(rank_pool, tmp_path):

@@ -40,6 +40,7 @@ from ...config.errors import ConfigError
 from ...graph import StepGraph
 from ...graph.signature import Role
 from ...graph.step_graph import META_GRAD_OF, META_PARAM, META_PHASE, Phase
+from ..tensor_parallel.shard_tensor_parallel import META_TP_REPLICATED
 from .partition_stages import META_STAGE, META_TASK, PIPELINE_KEY, StagePlan
 
 __all__ = ["TaskProgram", "StagePrograms", "split_programs"]
@@ -85,6 +86,8 @@ class StagePrograms:
     cross_sums: list[tuple[str, list[str]]] = field(default_factory=list)
     replicated: frozenset = frozenset()  # names of the ops copied into every program that reads them
     grad_params: dict = field(default_factory=dict)  # accumulated value name -> the parameter it is a gradient of
+    # values crossing stages that every rank of a tensor-parallel group holds alike (pipeline.pipe_partitioned)
+    tp_replicated: frozenset = frozenset()
 
 
 def _free_inputs(graph: StepGraph) -> set[fx.Node]:
@@ -353,7 +356,8 @@ def split_programs(graph: StepGraph, *, split_backward: bool = False, keep_updat
         outputs=outputs, output_task=output_task, split_backward=split_backward, user_outputs=user_outputs,
         step_sends=sorted(step_sends, key=lambda t: (order[t[0]], t[1], t[2])), param_sends=param_sends,
         cross_sums=cross_sums, replicated=frozenset(n.name for n in replicated),
-        grad_params=_gradient_params(g, {n for v in accumulated.values() for n in v}, by_name))
+        grad_params=_gradient_params(g, {n for v in accumulated.values() for n in v}, by_name),
+        tp_replicated=frozenset(n for n in specs if by_name[n].meta.get(META_TP_REPLICATED)))
 
 
 def _closure(starts, within: set) -> set[fx.Node]:

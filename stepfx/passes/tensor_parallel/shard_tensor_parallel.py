@@ -52,9 +52,10 @@ from ..manager import PassOptions, PassResult
 from .placements import PARTIAL, VIEWS, Sharded, aten, propagate
 from .vocabulary import rewrite_vocabulary_op
 
-__all__ = ["shard_tensor_parallel"]
+__all__ = ["shard_tensor_parallel", "META_TP_REPLICATED"]
 
 c10d = torch.ops._c10d_functional
+META_TP_REPLICATED = "tp_replicated"
 
 
 def shard_tensor_parallel(graph: StepGraph, options: PassOptions) -> PassResult:
@@ -66,6 +67,12 @@ def shard_tensor_parallel(graph: StepGraph, options: PassOptions) -> PassResult:
     gm, g = graph.gm, graph.gm.graph
     seeds = {p.name: Sharded(p.split_dim, p.parts, sizes=p.sizes) for p in plan.sharded}
     prop = propagate(g, seeds, tp, graph.signature.outputs, tokens=plan.tokens)
+    # the values every rank of the group holds alike (whole, not partial, not split): a pipeline may send each
+    # rank's slice of one to the next stage and gather it there (pipeline.pipe_partitioned); values the rewrite
+    # below adds are not marked (conservatively: sent whole)
+    for node in g.nodes:
+        if node.op == "call_function" and node in prop.states and prop.states[node] is None:
+            node.meta[META_TP_REPLICATED] = True
     moved = _sequence_parallel(g, prop, options) if plan.tokens else 0
 
     # local shapes, in graph order (each node's inputs are already local)
