@@ -47,7 +47,7 @@ from .progress import Progress
 from .passes import PIPELINE, PassManager, PassOptions, PassRecord, dump_records
 from .passes.cleanup.choose_attention_kernels import FLASH_CHECK_KEY
 from .passes.cleanup.unrepeat_kv_heads import GQA_OPS_KEY
-from .passes.tensor_parallel.plan_tensor_parallel import HF_TP_PLAN_KEY
+from .passes.tensor_parallel.plan_tensor_parallel import HF_TP_PLAN_KEY, MODEL_TYPE_KEY
 from .passes.memory.planner import PLANNED_CHOICE_KEY, host_budget_bytes, memory_budget_bytes, plan_memory, planned_stage
 from .passes.memory.recompute_activations import format_bytes
 from .runtime import (
@@ -598,6 +598,7 @@ class ParallelStep:
             extra={GQA_OPS_KEY: compat.attention_ops_taking_grouped_kv(_device_of(model, device_type)),
                    FLASH_CHECK_KEY: compat.flash_attention_takes(_device_of(model, device_type)),
                    HF_TP_PLAN_KEY: _hf_tp_plan(model) if dp.tp_size > 1 else (),
+                   MODEL_TYPE_KEY: getattr(getattr(model, "config", None), "model_type", None),
                    **_pipeline_extra(self.config, dp, model)},
         )
         self._progress("captured in %.1f s (%s ops); running %d passes...", capture_seconds,

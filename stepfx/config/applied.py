@@ -29,9 +29,11 @@ APPLIED: frozenset[str] = frozenset({
     "zero_optimization.allgather_partitions",
     # tensor parallelism: Megatron pairs found on the graph (passes/tensor_parallel), or named by
     # partition_config's layer_specs (or a Hugging Face model's base_model_tp_plan); embeddings and LM heads split over
-    # the vocabulary (vocab_parallel_lm_head); preset_model and tp_overlap_comm are not honoured yet
+    # the vocabulary (vocab_parallel_lm_head); DeepSpeed's presets (preset_model, passes/tensor_parallel/presets.py);
+    # tp_overlap_comm is not honoured yet
     "tensor_parallel.autotp_size",
     "tensor_parallel.partition_config",
+    "tensor_parallel.preset_model",
     "tensor_parallel.vocab_parallel_lm_head",
     # pipeline parallelism (passes/pipeline, runtime/pipeline.py): stages and how they are cut;
     # seed_layers is not honoured yet

@@ -13,7 +13,8 @@ false keeps heads replicated; true requires a head to split.
 What stepfx honours today (``applied.py``): ``autotp_size`` (Megatron pairs
 found on the graph, ``passes/tensor_parallel``) and ``partition_config``
 (its layer_specs split what they match; with ``use_default_specs`` the
-search splits the rest) and ``vocab_parallel_lm_head``. The rest is validated and listed in
+search splits the rest), ``preset_model`` (DeepSpeed's presets,
+``passes/tensor_parallel/presets.py``) and ``vocab_parallel_lm_head``. The rest is validated and listed in
 ``Config.not_applied``.
 
 The checks that need the world and the model (``autotp_size`` divides the
@@ -32,8 +33,11 @@ from .values import AnyMap, Anything, Bool, Choice, FrozenMap, Int, ListOf, OneO
 
 __all__ = ["TensorParallelConfig", "LayerSpec", "parse_tensor_parallel", "check_tensor_parallel"]
 
-PARTITION_TYPES = ("row", "column")
-_LAYER_SPEC_KEYS = ("patterns", "partition_type", "shape", "partition_dim")
+PARTITION_TYPES = ("row", "column", "skip")
+# DeepSpeed AutoTP's presets (module_inject/autotp_config.py: AutoTPPresets.get_preset); their layer specs are
+# passes/tensor_parallel/presets.py's
+PRESET_NAMES = ("bloom", "chatglm", "deepseek_v2", "llama", "mixtral", "phi3", "qwen2")
+_LAYER_SPEC_KEYS = ("patterns", "partition_type", "shape", "partition_dim", "model_types", "gather_output")
 _PARTITION_KEYS = ("use_default_specs", "layer_specs")
 _SHAPE = Optional(ListOf(OneOf((Int(), ListOf(Int()), Str()))))
 
@@ -41,18 +45,43 @@ _SHAPE = Optional(ListOf(OneOf((Int(), ListOf(Int()), Str()))))
 @dataclass(frozen=True)
 class LayerSpec:
     """One ``partition_config.layer_specs`` entry: parameters whose names match
-    ``patterns`` (regular expressions) are split by ``partition_type``."""
+    ``patterns`` (regular expressions, matched at the name's start as
+    DeepSpeed's ``re.match``) are split by ``partition_type`` ("skip": kept
+    whole); ``shape`` at the partition dimension names fused parts (an int:
+    that many equal parts; a list: their sizes); ``model_types``: only for
+    models whose ``config.model_type`` is listed; ``gather_output``: a
+    column whose output every rank reads whole (an LM head)."""
 
     patterns: tuple[str, ...] = spec((), StrList())
     partition_type: str = spec("column", Choice(PARTITION_TYPES, lower=True))
     shape: tuple | None = spec(None, _SHAPE)
     partition_dim: int | None = spec(None, Optional(Int(ge=0)))
+    model_types: tuple[str, ...] | None = spec(None, Optional(StrList()))
+    gather_output: bool = spec(False, Bool())
 
     def __post_init__(self):
         validate_fields(self, "tensor_parallel.partition_config.layer_specs[]", pydantic=True)
         if not self.patterns:
             raise bad_value("tensor_parallel.partition_config.layer_specs[].patterns", self.patterns,
                             "a non-empty list of regular expressions")
+        if self.shape is not None:
+            self._check_shape()
+
+    def _check_shape(self) -> None:
+        """DeepSpeed's rules (``TPLayerSpec._validate_shape_format``): the
+        partition dimension exists; each size is a positive int or -1; one
+        list of positive part sizes at most, at the partition dimension."""
+        path = "tensor_parallel.partition_config.layer_specs[].shape"
+        expected = "ints > 0 or -1, with at most a list of positive part sizes at the partition dimension"
+        dim = self.partition_dim if self.partition_dim is not None else (0 if self.partition_type == "column" else 1)
+        if dim >= len(self.shape):
+            raise bad_value(path, list(self.shape), f"a shape with the partition dimension {dim}")
+        for i, size in enumerate(self.shape):
+            if isinstance(size, (list, tuple)):
+                if i != dim or not size or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in size):
+                    raise bad_value(path, list(self.shape), expected)
+            elif not isinstance(size, int) or isinstance(size, bool) or size == 0 or size < -1:
+                raise bad_value(path, list(self.shape), expected)
 
 
 @dataclass(frozen=True)
@@ -80,6 +109,8 @@ class TensorParallelConfig:
 
     def __post_init__(self):
         validate_fields(self, "tensor_parallel", pydantic=True)
+        if self.preset_model is not None and self.preset_model.lower() not in PRESET_NAMES:
+            raise bad_value("tensor_parallel.preset_model", self.preset_model, " | ".join(PRESET_NAMES))
         if self.partition_config is not None:
             object.__setattr__(self, "partition_config", _check_partition(self.partition_config))
 

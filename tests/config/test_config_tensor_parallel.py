@@ -11,11 +11,15 @@ def test_keys_parse_and_unapplied_ones_are_listed():
         "autotp_size": 2, "tp_overlap_comm": True, "preset_model": "llama", "vocab_parallel_lm_head": False,
         "partition_config": {"use_default_specs": False, "layer_specs": [
             {"patterns": [".*q_proj"], "partition_type": "column"},
-            {"patterns": [".*o_proj"], "partition_type": "ROW", "partition_dim": 1, "shape": [-1, [2, -1]]}]}}})
+            {"patterns": [".*o_proj"], "partition_type": "ROW", "partition_dim": 1, "shape": [-1, [2, 3]]},
+            {"patterns": [".*gate$"], "partition_type": "skip", "model_types": ["mixtral"]},
+            {"patterns": [".*lm_head"], "gather_output": True}]}}})
     tp = c.tensor_parallel
-    assert tp.degree == 2 and [s.partition_type for s in tp.layer_specs] == ["column", "row"]
-    assert {"tensor_parallel.autotp_size", "tensor_parallel.partition_config"}.isdisjoint(c.not_applied)
-    assert {"tensor_parallel.tp_overlap_comm", "tensor_parallel.preset_model"} <= set(c.not_applied)
+    assert tp.degree == 2 and [s.partition_type for s in tp.layer_specs] == ["column", "row", "skip", "column"]
+    assert tp.layer_specs[2].model_types == ("mixtral",) and tp.layer_specs[3].gather_output
+    assert {"tensor_parallel.autotp_size", "tensor_parallel.partition_config",
+            "tensor_parallel.preset_model"}.isdisjoint(c.not_applied)
+    assert {"tensor_parallel.tp_overlap_comm"} <= set(c.not_applied)
     assert Config(tensor_parallel=TensorParallelConfig(autotp_size=2)).not_applied == ()
 
 
@@ -27,6 +31,14 @@ def test_keys_parse_and_unapplied_ones_are_listed():
     ({"partition_config": {"layer_specs": [{"partition_type": "row"}]}},
      "tensor_parallel.partition_config.layer_specs[0].patterns"),
     ({"partition_config": {"specs": []}}, "tensor_parallel.partition_config.specs"),
+    ({"preset_model": "gpt9"}, "tensor_parallel.preset_model"),
+    # DeepSpeed's shape rules: -1 or positive sizes; one list of positive sizes, at the partition dimension
+    ({"partition_config": {"layer_specs": [{"patterns": ["a"], "shape": [[2, -1], -1]}]}},
+     "tensor_parallel.partition_config.layer_specs[0].shape"),
+    ({"partition_config": {"layer_specs": [{"patterns": ["a"], "shape": [-1, [2, 2]]}]}},
+     "tensor_parallel.partition_config.layer_specs[0].shape"),
+    ({"partition_config": {"layer_specs": [{"patterns": ["a"], "shape": [0, -1]}]}},
+     "tensor_parallel.partition_config.layer_specs[0].shape"),
 ])
 def test_bad_values_name_the_key(block, path):
     with pytest.raises(ConfigError) as e:

@@ -156,8 +156,8 @@ def test_partition_config_with_default_specs_lets_the_search_split_the_rest():
     model = one_block_gpt()
     graph = capture_step(lm_step, model, torch.optim.SGD(model.parameters(), lr=0.1), token_batches(1)[0], {})
     planned = plan_tensor_parallel(_clean(graph), _with_specs(
-        {"patterns": [r"\.fc\.weight$"], "partition_type": "column"},
-        {"patterns": [r"fc_out\.weight$"], "partition_type": "row", "partition_dim": 1}, default=True)).graph
+        {"patterns": [r".*\.fc\.weight$"], "partition_type": "column"},
+        {"patterns": [r".*fc_out\.weight$"], "partition_type": "row", "partition_dim": 1}, default=True)).graph
     placements = {p.name: p for p in planned.signature.extra[TP_PLAN_KEY].placements}
     assert placements["blocks.0.fc.weight"].why == "tensor_parallel.partition_config.layer_specs[0]"
     assert placements["blocks.0.fc_out.weight"].why.startswith("tensor_parallel.partition_config.layer_specs[1]")
@@ -313,3 +313,66 @@ def test_sequence_parallel_runs_norms_and_residuals_on_each_rank_s_tokens():
     for c in items:
         assert c.sent_bytes == {"all_reduce": c.payload_bytes, "reduce_scatter": c.payload_bytes / 2,
                                 "all_gather": c.payload_bytes}[c.op], c
+
+
+def _family_graph(family):
+    from stepfx.capture import capture_step
+    from tests.passes.test_hf_codegen import make
+    from tests.steps import hf_step, token_batches
+
+    torch.manual_seed(0)
+    model = make(family)
+    graph = capture_step(hf_step, model, torch.optim.SGD(model.parameters(), lr=0.1), token_batches(1, vocab=61)[0], {})
+    return _clean(graph), model.config.model_type
+
+
+def _tp_options(block, model_type):
+    from stepfx.config import load_config
+    from stepfx.passes.tensor_parallel.plan_tensor_parallel import MODEL_TYPE_KEY
+
+    config = load_config({"tensor_parallel": {"autotp_size": 2, **block}})
+    return PassOptions(config=config, tp_size=2, tp_rank=1, tp_group_name="tp", extra={MODEL_TYPE_KEY: model_type})
+
+
+def test_deepspeed_presets_split_what_they_name():
+    """preset_model "qwen2" (DeepSpeed AutoTP's built-in specs) splits q/k/v
+    and gate/up by columns, o_proj and down_proj by rows, each placement
+    naming the preset's entry; the search still splits the vocabulary."""
+    graph, model_type = _family_graph("qwen2")
+    plan = plan_tensor_parallel(graph, _tp_options({"preset_model": "Qwen2"}, model_type)).graph.signature.extra[TP_PLAN_KEY]
+    placements = {p.name: p for p in plan.placements}
+    q, o = placements["model.layers.1.self_attn.q_proj.weight"], placements["model.layers.1.self_attn.o_proj.weight"]
+    assert (q.kind, q.why) == ("column", "tensor_parallel.preset_model 'Qwen2' entry 1")
+    assert (o.kind, o.why) == ("row", "tensor_parallel.preset_model 'Qwen2' entry 0; its output is all-reduced")
+    assert placements["model.layers.1.mlp.gate_proj.weight"].why == "tensor_parallel.preset_model 'Qwen2' entry 3"
+    assert placements["model.layers.1.self_attn.q_proj.bias"].kind == "column"
+
+
+def test_a_preset_that_does_not_fit_the_model_is_refused_by_key_and_a_shape_of_unequal_parts_fixes_it():
+    """DeepSpeed's "phi3" preset cuts the fused q/k/v in equal thirds; this
+    Phi-3 has 4 query and 2 key/value heads ([16, 8, 8] rows), so the preset
+    is a ConfigError naming preset_model (DeepSpeed would split it wrongly
+    and say nothing). A layer spec of the user's, merged before the preset
+    as DeepSpeed merges them, with DeepSpeed's shape of unequal parts
+    ([[16, 8, 8], -1]) splits it per part; "skip" keeps a weight whole."""
+    import pytest
+
+    from stepfx.config import ConfigError
+
+    graph, model_type = _family_graph("phi3")
+    with pytest.raises(ConfigError, match=r"^tensor_parallel\.preset_model: the preset 'phi3' does not fit this model"):
+        plan_tensor_parallel(graph, _tp_options({"preset_model": "phi3"}, model_type))
+    block = {"preset_model": "phi3", "partition_config": {"layer_specs": [
+        {"patterns": [r".*\.self_attn\.qkv_proj\.weight$"], "shape": [[16, 8, 8], -1], "partition_dim": 0},
+        {"patterns": [r".*layers\.0\.mlp\.(gate_up|down)_proj\.weight$"], "partition_type": "skip"},
+        {"patterns": [r".*layers\.1\.mlp\.gate_up_proj\.weight$"], "partition_type": "column",
+         "model_types": ["llama"]}]}}  # (not this model's type: the preset's entry decides)
+    plan = plan_tensor_parallel(graph, _tp_options(block, model_type)).graph.signature.extra[TP_PLAN_KEY]
+    placements = {p.name: p for p in plan.placements}
+    qkv = placements["model.layers.1.self_attn.qkv_proj.weight"]
+    assert (qkv.kind, qkv.parts, qkv.sizes) == ("column", 3, (16, 8, 8))
+    assert qkv.why.startswith("tensor_parallel.partition_config.layer_specs[0]")
+    assert placements["model.layers.0.mlp.gate_up_proj.weight"].kind == "replicated"
+    assert placements["model.layers.0.mlp.gate_up_proj.weight"].why.endswith("partition_type skip")
+    up = placements["model.layers.1.mlp.gate_up_proj.weight"]
+    assert (up.kind, up.parts, up.why) == ("column", 2, "tensor_parallel.preset_model 'phi3' entry 3 (2 fused parts)")

@@ -314,8 +314,8 @@ def test_partition_config_splits_what_its_layer_specs_name(rank_pool):
     would split it); the step still equals the reference."""
     batches = [token_batches(2, seed=0)]
     config = {**TP2, "tensor_parallel": {"autotp_size": 2, "partition_config": {"use_default_specs": False, "layer_specs": [
-        {"patterns": [r"\.fc\.weight$"], "partition_type": "column"},
-        {"patterns": [r"fc_out\.weight$"], "partition_type": "row"}]}}}
+        {"patterns": [r".*\.fc\.weight$"], "partition_type": "column"},
+        {"patterns": [r".*fc_out\.weight$"], "partition_type": "row"}]}}}
     results = rank_pool(2).run(tp_run, lm_step, one_block_gpt, sgd_plain, batches, config, timeout=300)
     _check(results, lm_step, one_block_gpt, sgd_plain, batches, tp=2)
     placements = "\n".join(results[0]["placements"])
@@ -324,6 +324,28 @@ def test_partition_config_splits_what_its_layer_specs_name(rank_pool):
     assert "blocks.0.fc_out.weight: row (dim 1): tensor_parallel.partition_config.layer_specs[1]" in placements
     assert "blocks.0.qkv.weight: replicated: matched by no tensor_parallel.partition_config" in placements
     assert results[0]["counts"] == with_head({"tp forward": 1, "tp backward": 1})  # the MLP's pair and the head
+
+
+@pytest.mark.xdist_group("tensor_parallel")
+@pytest.mark.parametrize("family, block, split", [
+    ("qwen2", {"preset_model": "qwen2"},
+     "model.layers.1.self_attn.k_proj.weight: column (dim 0): tensor_parallel.preset_model 'qwen2' entry 1"),
+    ("phi3", {"preset_model": "phi3", "partition_config": {"layer_specs": [
+        {"patterns": [r".*\.qkv_proj\.weight$"], "shape": [[16, 8, 8], -1], "partition_dim": 0}]}},
+     "model.layers.1.self_attn.qkv_proj.weight: column (dim 0, 3 parts of [16, 8, 8]): "
+     "tensor_parallel.partition_config.layer_specs[0]"),
+])
+def test_deepspeed_presets_and_fused_shapes_equal_the_reference(rank_pool, family, block, split):
+    """DeepSpeed AutoTP's preset_model (its built-in layer specs), merged
+    after the user's own specs as DeepSpeed merges them, one of which cuts
+    Phi-3's fused q/k/v in unequal parts with DeepSpeed's nested shape:
+    equal to the single process (fp32, 1e-5)."""
+    make = functools.partial(hf_family, family)
+    batches = [token_batches(2, vocab=61, seed=3)]
+    config = {**TP2, "tensor_parallel": {"autotp_size": 2, **block}}
+    results = rank_pool(2).run(tp_run, hf_step, make, sgd_momentum, batches, config, timeout=300)
+    _check(results, hf_step, make, sgd_momentum, batches, tp=2)
+    assert split in "\n".join(results[0]["placements"])
 
 
 @pytest.mark.xdist_group("tensor_parallel")

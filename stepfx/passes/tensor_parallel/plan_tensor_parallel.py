@@ -44,7 +44,7 @@ from ...graph.tp_layout import TP_PLAN_KEY, Placement, TensorParallelPlan
 from ..manager import PassOptions, PassResult
 from .placements import ATTENTION, POINTWISE, VIEWS, Refused, Sharded, aten, linear_uses, propagate
 
-__all__ = ["plan_tensor_parallel", "HF_TP_PLAN_KEY"]
+__all__ = ["plan_tensor_parallel", "HF_TP_PLAN_KEY", "MODEL_TYPE_KEY"]
 
 # what a column's product may pass through on its way to a row weight (the search; propagation decides)
 _CARRIERS = POINTWISE | VIEWS | ATTENTION | frozenset({
@@ -74,9 +74,27 @@ def plan_tensor_parallel(graph: StepGraph, options: PassOptions) -> PassResult:
     accepted: dict[str, Sharded] = {}
     found_groups = []
     details: dict[str, tuple[str, str]] = {}
-    config = getattr(getattr(options.config, "tensor_parallel", None), "partition_config", None)
+    tp_config = getattr(options.config, "tensor_parallel", None)
+    config = getattr(tp_config, "partition_config", None)
     notes: list[str] = []
     labels = None
+    preset = getattr(tp_config, "preset_model", None)
+    if preset:  # DeepSpeed's merge: the user's specs first, the preset's after them (if use_default_specs)
+        from .presets import preset_specs
+
+        specs = preset_specs(preset)
+        if config is None:
+            config = {"use_default_specs": True, "layer_specs": specs}
+            labels = [f"tensor_parallel.preset_model {preset!r} entry {i}" for i in range(len(specs))]
+        elif config["use_default_specs"]:
+            own = tuple(config["layer_specs"])
+            labels = [f"{_SPECS}[{i}]" for i in range(len(own))] + [
+                f"tensor_parallel.preset_model {preset!r} entry {i}" for i in range(len(specs))]
+            config = {"use_default_specs": True, "layer_specs": own + tuple(specs)}
+        else:
+            notes.append(f"tensor_parallel.preset_model {preset!r} not used: partition_config.use_default_specs "
+                         "is false (DeepSpeed merges a preset only with default specs on)")
+    model_type = (options.extra or {}).get(MODEL_TYPE_KEY)
     if config is None and (options.extra or {}).get(HF_TP_PLAN_KEY):
         # the Hugging Face model's own plan, where it propagates here; else the search decides
         config, labels, skipped = _hf_specs(options.extra[HF_TP_PLAN_KEY])
@@ -88,8 +106,19 @@ def plan_tensor_parallel(graph: StepGraph, options: PassOptions) -> PassResult:
                          "the search decides")
             config = labels = None
     if config is not None:  # the user's layer_specs split what they match; the search the rest, if asked
-        specified = _specified(g, outputs, tp, config, single, params, details, labels)
+        kept_whole: dict[str, str] = {}
+        try:
+            specified = _specified(g, outputs, tp, config, single, params, details, labels, model_type, kept_whole)
+        except ConfigError as exc:
+            if preset and labels and any(label.startswith("tensor_parallel.preset_model") for label in labels):
+                raise ConfigError("tensor_parallel.preset_model", f"the preset {preset!r} does not fit this model: "
+                                  f"{str(exc).split(': ', 1)[-1]}; without preset_model the search finds the splits",
+                                  value=preset, expected="a preset of this model's family, or none") from None
+            raise
         accepted.update(specified)
+        for name, reason in kept_whole.items():
+            why[name] = ("replicated", reason)
+        groups = [(c, r) for c, r in groups if not (set(c) | set(r)) & set(kept_whole)]
         if not config["use_default_specs"]:
             groups = []
             for name in params:
@@ -272,6 +301,7 @@ def _embedding_tables(g: fx.Graph) -> dict[str, int]:
 
 
 HF_TP_PLAN_KEY = "hf_tp_plan"  # PassOptions.extra: the model's own ``_tp_plan`` items (Hugging Face), if any
+MODEL_TYPE_KEY = "model_type"  # PassOptions.extra: the model's ``config.model_type`` (layer specs' model_types)
 _HF_STYLES = {"colwise": "column", "local_colwise": "column", "rowwise": "row", "local_rowwise": "row"}
 _HF_VOCABULARY = ("embedding_rowwise", "colwise_gather_output")  # what _vocabulary splits alike
 
@@ -299,36 +329,51 @@ def _hf_specs(plan) -> tuple[dict, list, list[str]]:
     return {"use_default_specs": True, "layer_specs": tuple(specs)}, labels, skipped
 
 
-def _specified(g, outputs, tp, config, single, params, details, labels=None) -> dict[str, Sharded]:
+def _specified(g, outputs, tp, config, single, params, details, labels=None, model_type=None,
+               kept_whole=None) -> dict[str, Sharded]:
     """The splits ``layer_specs`` asks for (DeepSpeed's AutoTP partition
-    config: a parameter whose name matches an entry's regular expression is
-    split by output features, "column", or input features, "row"; a fused
-    weight's ``shape`` names its parts), checked to propagate through the
-    whole step together; a split that cannot is a ConfigError naming the
-    entry and the op that refused."""
+    config: a parameter whose name matches an entry's regular expression, at
+    its start as ``re.match``, is split by output features, "column", or
+    input features, "row", or kept whole, "skip"; a fused weight's ``shape``
+    names its parts; an entry with ``model_types`` applies to those models
+    only), checked to propagate through the whole step together; a split
+    that cannot is a ConfigError naming the entry and the op that refused.
+    ``kept_whole`` receives the names an entry keeps whole (skip, or a
+    gathered output left to the vocabulary search) with why."""
     seeds: dict[str, Sharded] = {}
     entry_of: dict[str, int] = {}
+    kept_whole = {} if kept_whole is None else kept_whole
 
     def label(i):
         return labels[i] if labels is not None else f"{_SPECS}[{i}]"
 
     for i, spec in enumerate(config["layer_specs"]):
+        if spec.model_types and (model_type is None or str(model_type).lower() not in
+                                 {str(t).lower() for t in spec.model_types}):
+            continue
         patterns = [re.compile(p) for p in spec.patterns]
-        matched = [n for n in params if any(p.search(n) for p in patterns)]
+        matched = [n for n in params if any(p.match(n) for p in patterns)]
         for name in matched:
-            if name in entry_of:
+            if name in entry_of or name in kept_whole:
                 continue  # the first entry that matches decides, as DeepSpeed's
+            if spec.partition_type == "skip":
+                kept_whole[name] = f"{label(i)}: partition_type skip"
+                continue
+            if spec.gather_output:
+                kept_whole[name] = (f"{label(i)}: gather_output (a head whose output every rank reads whole): left "
+                                    "to the vocabulary search, which splits an LM head without gathering its logits")
+                continue
             u = single.get(name)
             if u is None:
                 raise ConfigError(f"{_SPECS}[{i}].patterns", f"matches {name!r}, which is not a matmul weight read "
                                   "once in the forward (an embedding, a norm, a bias or a tied weight)",
                                   value=list(spec.patterns), expected="patterns of linear layers' weights")
             entry_of[name] = i
-            parts = _parts(spec)
+            parts, sizes = _parts(spec, i)
             if spec.partition_type == "column":
-                seeds[name] = Sharded(u.out_dim if spec.partition_dim is None else spec.partition_dim, parts)
+                seeds[name] = Sharded(u.out_dim if spec.partition_dim is None else spec.partition_dim, parts, sizes=sizes)
                 if u.bias is not None:
-                    seeds[u.bias] = Sharded(0, parts)
+                    seeds[u.bias] = Sharded(0, parts, sizes=sizes)
                     details[u.bias] = ("column", f"bias of {name}")
                 details[name] = ("column", label(i) + (f" ({parts} fused parts)" if parts > 1 else ""))
             else:
@@ -344,15 +389,23 @@ def _specified(g, outputs, tp, config, single, params, details, labels=None) -> 
     return seeds
 
 
-def _parts(spec) -> int:
-    """Fused parts from a spec's ``shape`` (``[[3, -1], -1]``: 3 parts along dim 0), else 1."""
+def _parts(spec, i: int) -> tuple[int, tuple[int, ...] | None]:
+    """Fused parts from a spec's ``shape`` at its partition dimension (0 for
+    a column, 1 for a row), as DeepSpeed reads it: an int n > 0, n equal
+    parts (``[3, -1]``: q, k, v); a list, the parts' sizes (``[[4096, 1024,
+    1024], -1]``: grouped-query q, k, v). (1, None) without one."""
     if not spec.shape:
-        return 1
-    dim = spec.partition_dim or 0
+        return 1, None
+    dim = spec.partition_dim if spec.partition_dim is not None else (0 if spec.partition_type == "column" else 1)
     entry = spec.shape[dim] if dim < len(spec.shape) else None
-    if isinstance(entry, (list, tuple)) and entry and isinstance(entry[0], int) and entry[0] > 1:
-        return entry[0]
-    return 1
+    if isinstance(entry, (list, tuple)):
+        if not entry or not all(isinstance(x, int) and x > 0 for x in entry):
+            raise ConfigError(f"{_SPECS}[{i}].shape", "the sizes of fused parts must be positive integers",
+                              value=list(spec.shape), expected="e.g. [[4096, 1024, 1024], -1]")
+        return len(entry), (tuple(entry) if len(set(entry)) > 1 else None)
+    if isinstance(entry, int) and entry > 1:
+        return entry, None
+    return 1, None
 
 
 def _forward_users(g: fx.Graph) -> dict[str, int]:
