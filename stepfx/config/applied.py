@@ -30,7 +30,7 @@ APPLIED: frozenset[str] = frozenset({
     # tensor parallelism: Megatron pairs found on the graph (passes/tensor_parallel), or named by
     # partition_config's layer_specs (or a Hugging Face model's base_model_tp_plan); embeddings and LM heads split over
     # the vocabulary (vocab_parallel_lm_head); DeepSpeed's presets (preset_model, passes/tensor_parallel/presets.py);
-    # tp_overlap_comm is not honoured yet
+    "tensor_parallel.tp_overlap_comm",  # schedule_collectives: TP waits at their first reader (CUDA)
     "tensor_parallel.autotp_size",
     "tensor_parallel.partition_config",
     "tensor_parallel.preset_model",

@@ -14,7 +14,10 @@ What stepfx honours today (``applied.py``): ``autotp_size`` (Megatron pairs
 found on the graph, ``passes/tensor_parallel``) and ``partition_config``
 (its layer_specs split what they match; with ``use_default_specs`` the
 search splits the rest), ``preset_model`` (DeepSpeed's presets,
-``passes/tensor_parallel/presets.py``) and ``vocab_parallel_lm_head``. The rest is validated and listed in
+``passes/tensor_parallel/presets.py``), ``vocab_parallel_lm_head`` and
+``tp_overlap_comm`` (unset or true: on CUDA each TP collective is waited at
+its first reader, so independent work such as the backward's weight-gradient
+matmul runs meanwhile; false: waited where issued). The rest is validated and listed in
 ``Config.not_applied``.
 
 The checks that need the world and the model (``autotp_size`` divides the
@@ -94,7 +97,7 @@ class TensorParallelConfig:
     """
 
     autotp_size: int = spec(0, Int(ge=0))
-    tp_overlap_comm: bool = spec(False, Bool())
+    tp_overlap_comm: bool | None = spec(None, Optional(Bool()))  # None: on (DeepSpeed's default false: off)
     preset_model: str | None = spec(None, Optional(Str()))
     vocab_parallel_lm_head: bool | None = spec(None, Optional(Bool()))  # None: the search decides
     partition_config: FrozenMap | None = spec(None, Optional(AnyMap()))

@@ -23,7 +23,7 @@ from .data_parallel.hold_accumulated_gradients import accumulation_steps, hold_a
 from .data_parallel.place_gradients_early import place_gradients_early
 from .data_parallel.plan_zero_layout import plan_zero_layout, zero_settings
 from .data_parallel.reduce_gradients import reduce_gradients
-from .data_parallel.schedule_collectives import schedule_collectives
+from .data_parallel.schedule_collectives import data_parallel_overlap, schedule_collectives, tensor_parallel_overlap
 from .data_parallel.shard_optimizer_update import shard_optimizer_update
 from .data_parallel.shard_parameters import shard_parameters
 from .fusion.batch_optimizer_updates import batch_optimizer_updates
@@ -57,8 +57,7 @@ def _data_parallel(options) -> bool:
 
 
 def _overlap(options) -> bool:
-    zero = getattr(options.config, "zero_optimization", None)
-    return getattr(zero, "overlap_comm", None) is not False
+    return (_data_parallel(options) and data_parallel_overlap(options)) or tensor_parallel_overlap(options)
 
 
 def codegen_enabled(options) -> bool:
@@ -215,7 +214,7 @@ PIPELINE: tuple[PipelineEntry, ...] = (
         "schedule_collectives",
         schedule_collectives,
         "after every collective exists: prefetch gathers, wait as late as readers allow (CUDA only)",
-        applies=lambda options: _data_parallel(options) and options.device_type == "cuda" and _overlap(options),
+        applies=lambda options: options.device_type == "cuda" and _overlap(options),
     ),
     PipelineEntry(
         "fuse_linear_cross_entropy",

@@ -18,8 +18,8 @@ def test_keys_parse_and_unapplied_ones_are_listed():
     assert tp.degree == 2 and [s.partition_type for s in tp.layer_specs] == ["column", "row", "skip", "column"]
     assert tp.layer_specs[2].model_types == ("mixtral",) and tp.layer_specs[3].gather_output
     assert {"tensor_parallel.autotp_size", "tensor_parallel.partition_config",
-            "tensor_parallel.preset_model"}.isdisjoint(c.not_applied)
-    assert {"tensor_parallel.tp_overlap_comm"} <= set(c.not_applied)
+            "tensor_parallel.preset_model", "tensor_parallel.tp_overlap_comm"}.isdisjoint(c.not_applied)
+    assert tp.tp_overlap_comm is True and TensorParallelConfig().tp_overlap_comm is None  # unset: on
     assert Config(tensor_parallel=TensorParallelConfig(autotp_size=2)).not_applied == ()
 
 

@@ -376,3 +376,46 @@ def test_a_preset_that_does_not_fit_the_model_is_refused_by_key_and_a_shape_of_u
     assert placements["model.layers.0.mlp.gate_up_proj.weight"].why.endswith("partition_type skip")
     up = placements["model.layers.1.mlp.gate_up_proj.weight"]
     assert (up.kind, up.parts, up.why) == ("column", 2, "tensor_parallel.preset_model 'phi3' entry 3 (2 fused parts)")
+
+
+def test_tensor_parallel_waits_move_to_their_first_reader_unless_tp_overlap_comm_is_false():
+    """schedule_collectives on a split GPT block (TP 2): each TP all-reduce's
+    wait moves to just before its first reader, so in the backward the
+    weight gradient's matmul runs while the input gradient is all-reduced
+    (Megatron's overlap); with tensor_parallel.tp_overlap_comm false every
+    TP wait stays right after its collective. On CUDA the pass applies with
+    TP alone (no data parallelism)."""
+    from stepfx.capture import capture_step
+    from stepfx.config import load_config
+    from stepfx.passes.data_parallel.schedule_collectives import schedule_collectives
+    from tests.steps import lm_step, one_block_gpt, token_batches
+
+    torch.manual_seed(0)
+    model = one_block_gpt()
+    graph = capture_step(lm_step, model, torch.optim.SGD(model.parameters(), lr=0.1), token_batches(1)[0], {})
+    options = PassOptions(config=load_config({"tensor_parallel": {"autotp_size": 2}}), tp_size=2, tp_rank=0,
+                          tp_group_name="tp")
+    sharded = shard_tensor_parallel(plan_tensor_parallel(_clean(graph), options).graph, options).graph
+    c10d = torch.ops._c10d_functional
+
+    def gaps(g):
+        """Per TP all-reduce: (its phase, the matmuls between it and its wait)."""
+        nodes = list(g.nodes)
+        out = []
+        for i, n in enumerate(nodes):
+            if n.op == "call_function" and n.target is c10d.all_reduce.default:
+                (wait,) = n.users
+                between = nodes[i + 1:nodes.index(wait)]
+                out.append((n.meta["phase"], sum(b.target is torch.ops.aten.mm.default for b in between)))
+        return out
+
+    before = gaps(sharded.gm.graph)
+    assert before and all(mms == 0 for _, mms in before)
+    overlapped = gaps(schedule_collectives(sharded, options).graph.gm.graph)
+    assert any(phase is Phase.BACKWARD and mms >= 1 for phase, mms in overlapped), overlapped
+    off = PassOptions(config=load_config({"tensor_parallel": {"autotp_size": 2, "tp_overlap_comm": False}}),
+                      tp_size=2, tp_rank=0, tp_group_name="tp")
+    assert gaps(schedule_collectives(sharded, off).graph.gm.graph) == before
+    entry = next(e for e in PIPELINE if e.name == "schedule_collectives")
+    assert entry.applies(PassOptions(config=options.config, tp_size=2, device_type="cuda"))
+    assert not entry.applies(PassOptions(config=off.config, tp_size=2, device_type="cuda"))

@@ -57,6 +57,20 @@ def _prefetch_limit(options: PassOptions) -> int:
     return min(size if isinstance(size, int) else 50_000_000, live if isinstance(live, int) else 1_000_000_000)
 
 
+def data_parallel_overlap(options: PassOptions) -> bool:
+    """``zero_optimization.overlap_comm`` (unset: on)."""
+    zero = getattr(options.config, "zero_optimization", None)
+    return getattr(zero, "overlap_comm", None) is not False
+
+
+def tensor_parallel_overlap(options: PassOptions) -> bool:
+    """Tensor parallelism's collectives waited at their first reader:
+    ``tensor_parallel.tp_overlap_comm`` unset or true (false: each waited
+    right after it is issued, as before)."""
+    tp = getattr(options.config, "tensor_parallel", None)
+    return options.tp_size > 1 and getattr(tp, "tp_overlap_comm", None) is not False
+
+
 def schedule_collectives(graph: StepGraph, options: PassOptions) -> PassResult:
     g = graph.gm.graph
     if not any(n.op == "call_function" and n.target is c10d.wait_tensor.default for n in g.nodes):
@@ -64,11 +78,65 @@ def schedule_collectives(graph: StepGraph, options: PassOptions) -> PassResult:
     graph = clone_step_graph(graph)
     g = graph.gm.graph
     moved = 0
-    for phase in (Phase.FORWARD, Phase.BACKWARD):
-        moved += _prefetch_gathers(g, phase, _prefetch_limit(options))
-    sunk = _sink_waits(g)
+    dp_overlap, tp_overlap = data_parallel_overlap(options), tensor_parallel_overlap(options)
+    tp_group = options.tp_group_name if options.tp_size > 1 else None
+    if dp_overlap:
+        for phase in (Phase.FORWARD, Phase.BACKWARD):
+            moved += _prefetch_gathers(g, phase, _prefetch_limit(options), tp_group)
+    # a tensor-parallel collective of the backward issued as soon as its operand can be made, and its wait sunk
+    # to its reader, lets what does not read it run meanwhile: the weight gradient's matmul while the input
+    # gradient is all-reduced, as Megatron overlaps them
+    early = _issue_early(g, tp_group) if tp_overlap and tp_group is not None else 0
+    sunk, sunk_tp = _sink_waits(g, lambda wait: tp_overlap if _group_of(wait) == tp_group else dp_overlap, tp_group)
     graph.gm.recompile()
-    return PassResult(graph, bool(moved or sunk), f"{moved} all-gathers prefetched, {sunk} waits and unpacks moved to first use")
+    return PassResult(graph, bool(moved or sunk or early), f"{moved} all-gathers prefetched, {early} tensor-parallel "
+                      f"collectives of the backward issued early, {sunk} waits and unpacks moved to first use "
+                      f"({sunk_tp} of the tensor-parallel group)")
+
+
+def _issue_early(g: fx.Graph, tp_group: str) -> int:
+    """Each backward collective on ``tp_group`` and the pure ops only it
+    reads (the input gradient's matmul and views) move up to just after the
+    last value they need, ahead of the independent ops between (the weight
+    gradient's matmul), which then run while it is in flight."""
+    from ...graph.ops import has_side_effect, is_collective, is_random
+
+    moved = 0
+    for node in [n for n in g.nodes if n.op == "call_function" and is_collective(n)
+                 and n.target is not c10d.wait_tensor.default and n.meta.get(META_PHASE) is Phase.BACKWARD
+                 and tp_group in n.args[1:]]:
+        order = {n: i for i, n in enumerate(g.nodes)}
+        chain = {node}
+        todo = list(node.all_input_nodes)
+        while todo:
+            a = todo.pop()
+            if (a in chain or a.op != "call_function" or is_collective(a) or is_random(a) or has_side_effect(a)
+                    or a.meta.get(META_PHASE) is not Phase.BACKWARD or not set(a.users) <= chain):
+                continue
+            chain.add(a)
+            todo.extend(a.all_input_nodes)
+        needed = [a for c in chain for a in c.all_input_nodes if a not in chain]
+        if not needed:
+            continue
+        anchor = max(needed, key=order.__getitem__)
+        members = sorted(chain, key=order.__getitem__)
+        if [order[m] for m in members] == list(range(order[anchor] + 1, order[anchor] + 1 + len(members))):
+            continue  # already right after what it needs
+        cursor = anchor
+        for m in members:  # (each member's inputs: the anchor or before, or members placed before it)
+            cursor.append(m)
+            cursor = m
+        moved += 1
+    return moved
+
+
+def _group_of(wait: fx.Node) -> str | None:
+    """The group name a waited collective runs on (its last string argument)."""
+    collective = wait.args[0] if wait.args and isinstance(wait.args[0], fx.Node) else None
+    if collective is None:
+        return None
+    names = [a for a in collective.args[1:] if isinstance(a, str) and a not in ("sum", "avg", "max", "min")]
+    return names[-1] if names else None
 
 
 def _wait_of(collective: fx.Node) -> fx.Node | None:
@@ -78,10 +146,11 @@ def _wait_of(collective: fx.Node) -> fx.Node | None:
     return None
 
 
-def _prefetch_gathers(g: fx.Graph, phase: Phase, limit: int) -> int:
+def _prefetch_gathers(g: fx.Graph, phase: Phase, limit: int, tp_group: str | None = None) -> int:
     gathers = [
         n for n in g.nodes
         if n.op == "call_function" and n.target is c10d.all_gather_into_tensor.default and n.meta.get(META_PHASE) is phase
+        and (tp_group is None or tp_group not in n.args[1:])  # (sequence parallelism's gathers read activations)
     ]
     if len(gathers) < 2:
         return 0
@@ -137,12 +206,17 @@ def _sinkable(node: fx.Node, sinking: set[fx.Node]) -> bool:
     return is_view(node) or node.target is aten.div.Tensor
 
 
-def _sink_waits(g: fx.Graph) -> int:
+def _sink_waits(g: fx.Graph, allowed, tp_group: str | None = None) -> tuple[int, int]:
+    """Move each wait ``allowed(wait)`` admits, and what only unpacks it, to
+    just before its first reader. Returns (nodes moved, of them waits on the
+    ``tp_group``)."""
     sinking: set[fx.Node] = set()
     for node in g.nodes:
+        if node.op == "call_function" and node.target is c10d.wait_tensor.default and not allowed(node):
+            continue
         if _sinkable(node, sinking):
             sinking.add(node)
-    moved = 0
+    moved = moved_tp = 0
     for node in reversed(list(g.nodes)):
         if node not in sinking or not node.users:
             continue
@@ -152,4 +226,6 @@ def _sink_waits(g: fx.Graph) -> int:
         if first is not node.next and first.op != "root":
             first.prepend(node)
             moved += 1
-    return moved
+            if tp_group is not None and node.target is c10d.wait_tensor.default and _group_of(node) == tp_group:
+                moved_tp += 1
+    return moved, moved_tp
