@@ -171,13 +171,17 @@ GPT_SEQUENCE = {"reduce_scatter forward": 3, "all_gather forward": 3, "reduce_sc
 def test_sequence_parallel_tp2_equals_the_reference(rank_pool, make_model, step_fn, seed):
     """Between the column/row pairs each rank holds half of the tokens; a row's
     product is reduce-scattered, the next column's input all-gathered; the
-    norms' weight gradients are sums over each rank's tokens, all-reduced."""
+    norms' weight gradients (and the row biases') are sums over each rank's
+    tokens, all-reduced together in one collective after the backward (8
+    small ones for the GPT block, 8 + 1 for Llama's)."""
     batches = [token_batches(2, seed=seed)]
     results = rank_pool(2).run(tp_run, step_fn, make_model, sgd_momentum, batches, SP, timeout=300)
     _check(results, step_fn, make_model, sgd_momentum, batches, tp=2)
     assert any(n.startswith("sequence parallelism: the ") for n in results[0]["notes"]), results[0]["notes"]
     if make_model is one_block_gpt:  # the token-split shapes: tests/passes/test_tensor_parallel_passes.py
         assert results[0]["sequence"] == GPT_SEQUENCE
+        # backward: the batched partial gradients, and the LM head's input gradient (Megatron's f)
+        assert results[0]["counts"]["tp backward"] == 2, results[0]["counts"]
     else:
         assert results[0]["sequence"]["reduce_scatter forward"] == 2 * 2 + 1  # o, down per layer; the lookup
 

@@ -40,11 +40,12 @@ Before / after (one MLP pair, 2 ranks; shapes per rank)::
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import torch
 import torch.fx as fx
 
-from ...graph import META_GRAD_OF, META_GRAD_PIECE, META_PHASE, Role, StepGraph, Storage
+from ...graph import META_GRAD_OF, META_GRAD_PIECE, META_PHASE, Phase, Role, StepGraph, Storage
 from ...graph.build import clone_step_graph
 from ...graph.tp_layout import TP_PLAN_KEY
 from ..data_parallel.collectives import fake_like, fake_result, make_node
@@ -96,8 +97,17 @@ def shard_tensor_parallel(graph: StepGraph, options: PassOptions) -> PassResult:
     for node in [n for n in g.nodes if n in prop.decompose]:
         _decompose_addmm(g, node, group, tp)
         reduced += 1
+    batched = _gradients_reduced_after_backward(prop.reduce)
+    together = {v for values in batched.values() for v in values}
     for value, readers in prop.reduce.items():
-        _all_reduce(g, value, readers, group)
+        if value not in together:
+            _all_reduce(g, value, readers, group)
+            reduced += 1
+    for values in batched.values():
+        if len(values) == 1:
+            _all_reduce(g, values[0], prop.reduce[values[0]], group)
+        else:
+            _all_reduce_together(g, values, prop.reduce, group)
         reduced += 1
     # last: the all-reduces above read (and keep reading) what replaces these
     for node, kind in prop.vocab.items():
@@ -190,6 +200,68 @@ def _all_reduce(g: fx.Graph, value: fx.Node, readers: list[fx.Node], group: str)
     for key in (META_GRAD_OF, META_GRAD_PIECE):
         if key in value.meta:
             done.meta[key] = value.meta.pop(key)
+
+
+def _gradients_reduced_after_backward(reduce: dict) -> dict:
+    """Partial parameter gradients (a norm's weight summed over each rank's
+    tokens under sequence parallelism, a replicated key/value weight over
+    each rank's heads) whose readers all come after the backward (the
+    update, the step's outputs): by dtype, to be all-reduced together in one
+    collective after the last of them, not one small collective each."""
+    out: dict = {}
+    for value, readers in reduce.items():
+        val = value.meta.get("val")
+        if (META_GRAD_OF in value.meta and value.meta.get(META_PHASE) is Phase.BACKWARD
+                and isinstance(val, torch.Tensor) and not any(_is_symbolic(x) for x in val.shape)
+                and all(r.op == "output" or r.meta.get(META_PHASE) not in (Phase.FORWARD, Phase.BACKWARD)
+                        for r in readers)):
+            out.setdefault(val.dtype, []).append(value)
+    return out
+
+
+def _is_symbolic(size) -> bool:
+    return not isinstance(size, int)
+
+
+def _all_reduce_together(g: fx.Graph, values: list[fx.Node], reduce: dict, group: str) -> None:
+    """One all-reduce of ``values`` flattened and concatenated, after the
+    last of them; each reader reads its value's part, viewed back, and the
+    gradient marks move to those parts."""
+    order = {n: i for i, n in enumerate(g.nodes)}
+    values = sorted(values, key=order.__getitem__)
+    last = values[-1]
+    vals = [v.meta["val"] for v in values]
+    sizes = [int(v.numel()) for v in vals]
+    meta = dict(like=last, phase=Phase.BACKWARD)
+    cursor = last
+    flats = []
+    for v, val, size in zip(values, vals, sizes):
+        with g.inserting_after(cursor):
+            cursor = make_node(g, aten.view.default, (v, [size]), val=fake_like(val, (size,)), name="tp_flat", **meta)
+        flats.append(cursor)
+    total = sum(sizes)
+    with g.inserting_after(cursor):
+        packed = make_node(g, aten.cat.default, (flats,), val=fake_like(vals[0], (total,)), name="tp_pack", **meta)
+    with g.inserting_after(packed):
+        issued = make_node(g, c10d.all_reduce.default, (packed, "sum", group), val=fake_like(vals[0], (total,)),
+                           name="tp_all_reduce", **meta)
+    with g.inserting_after(issued):
+        done = make_node(g, c10d.wait_tensor.default, (issued,), val=issued.meta["val"], name="tp_wait", **meta)
+    with g.inserting_after(done):
+        parts = make_node(g, aten.split_with_sizes.default, (done, sizes),
+                          val=[fake_like(vals[0], (n,)) for n in sizes], name="tp_unpack", **meta)
+    cursor = parts
+    for i, (v, val, size) in enumerate(zip(values, vals, sizes)):
+        with g.inserting_after(cursor):
+            piece = make_node(g, operator.getitem, (parts, i), val=fake_like(val, (size,)), name="tp_part", **meta)
+        with g.inserting_after(piece):
+            cursor = make_node(g, aten.view.default, (piece, list(val.shape)), val=fake_like(val, val.shape),
+                               name="tp_reduced", **meta)
+        for reader in dict.fromkeys(reduce[v]):
+            reader.replace_input_with(v, cursor)
+        for key in (META_GRAD_OF, META_GRAD_PIECE):
+            if key in v.meta:
+                cursor.meta[key] = v.meta.pop(key)
 
 
 def _split_addmm(g: fx.Graph, node: fx.Node) -> tuple[fx.Node, fx.Node]:
