@@ -63,7 +63,7 @@ from .runtime import (
     gather_tensor_parallel,
     preflight,
 )
-from .runtime.distributed import RankMismatchError, check_tensor_parallel_batches, rank_varying_dims
+from .runtime.distributed import RankMismatchError, check_pipeline_batches, check_tensor_parallel_batches, rank_varying_dims
 from .schedules import build_scheduler
 
 __all__ = ["parallelize", "ParallelStep", "Plan", "DUMP_ENV"]
@@ -168,6 +168,7 @@ class ParallelStep:
         # the on-disk plan cache (stepfx.cache_dir), opened by the first call (a plan built otherwise,
         # as stepfx.planning's, does without)
         self._cache = plan_cache.PlanCache(None, "not used (the step's first call opens it)")
+        self._stage_owner: dict[str, int] | None = None  # pipeline: each parameter's stage, from the first capture
         self._progress = Progress(self.__name__, False)  # progress lines (rank 0, stepfx.progress), from the first call
         self._profile: Any = None  # step.profile(steps=N): the runs it measures (stepfx/report)
         # the planner's first round when it chose the ZeRO stage: (its summary, its choice)
@@ -211,6 +212,8 @@ class ParallelStep:
             raise ExecutionError(f"{self.__name__}: an earlier step failed and aborted stepfx's data-parallel group; restart the job")
         if self._calls == 1 and self._dp.active and self._dp.tp_size > 1:
             check_tensor_parallel_batches(self._dp, _batch_tensors(args, kwargs))
+        if self._calls == 1 and self._dp.active and self._dp.pp_size > 1:
+            check_pipeline_batches(self._dp, _batch_tensors(args, kwargs))
         if self._calls == 1 and self._dp.active and self.config.stepfx.dynamic == "auto":
             # one exchange at the first call: a dimension the ranks already disagree on varies
             self._varying = rank_varying_dims(self._dp, _batch_shapes(args, kwargs))
@@ -219,11 +222,15 @@ class ParallelStep:
         try:
             key = fingerprint(model, optimizer, args, kwargs, held=self._store.held) + (("capture options", options),)
             batch = [x for x in pytree.tree_leaves((tuple(args), dict(kwargs))) if isinstance(x, torch.Tensor)]
+            guarded = batch
+            if self._dp.pp_size > 1:  # a pipeline's plan is captured (and guarded) on one micro-batch
+                micro = _micro_batches(self.config)
+                guarded = [x[: x.shape[0] // micro] if x.dim() > 0 and x.shape[0] % micro == 0 else x for x in batch]
             plan = self._plans.get(key)
             if plan is None:
                 structure = fingerprint(model, optimizer, args, kwargs, held=self._store.held, batch_shapes=False) + (
                     ("capture options", options),)
-                plan = self._fitting_dynamic_plan(structure, batch)
+                plan = self._fitting_dynamic_plan(structure, guarded)
                 if plan is None:
                     dims = self._dynamic_dims(structure, args, kwargs)
                     plan = self._compile(key, model, optimizer, args, kwargs, options, structure=structure,
@@ -279,17 +286,28 @@ class ParallelStep:
                     and _same_optimizer_state(plan, held, model, optimizer)):
                 # pipeline parallelism: other stages' parameters and state are described, not kept; the next
                 # call's fingerprint says so, and this plan serves it
-                self._plans[fingerprint(model, optimizer, args, kwargs, held=held) + (("capture options", options),)] = plan
+                self._serve_from_now_on(plan, model, optimizer, args, kwargs, options)
             if plan.runs == 0 and _serves_after_tensor_parallel_move(plan, held, model, optimizer):
                 # tensor parallelism: this run moved the split parameters into the rank's store, which
                 # describes them from now on; the next call's fingerprint says so, and this plan serves it
-                self._plans[fingerprint(model, optimizer, args, kwargs, held=held) + (("capture options", options),)] = plan
+                self._serve_from_now_on(plan, model, optimizer, args, kwargs, options)
         plan.runs += 1
         if plan.guard is not None:
             plan.last_batch_shapes = [t.shape for t in batch]
         self._last = plan
         self._model, self._optimizer = model, optimizer
         return result
+
+    def _serve_from_now_on(self, plan: Plan, model, optimizer, args, kwargs, options) -> None:
+        """After a run that changed what the rank holds (released or moved
+        state), ``plan`` serves the calls that describe the holdings anew:
+        under their fingerprint, and (a variant with symbolic batch sizes)
+        for every size its guard admits under their structure."""
+        held = self._store.held
+        self._plans[fingerprint(model, optimizer, args, kwargs, held=held) + (("capture options", options),)] = plan
+        if plan.guard is not None:
+            plan.structure = fingerprint(model, optimizer, args, kwargs, held=held, batch_shapes=False) + (
+                ("capture options", options),)
 
     def _config_optimizer(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None):
         """The optimizer the step runs: the user's, or the one the config's
@@ -439,7 +457,7 @@ class ParallelStep:
         the graph specialized on a size: this call gets a variant of its own
         sizes, as without symbolic sizes."""
         mode = self.config.stepfx.dynamic
-        if mode is False or (mode == "auto" and self._dp.pp_size > 1):  # pipeline stages: one variant per shape
+        if mode is False:
             return {}
         shapes = _batch_shapes(args, kwargs)
         if mode is True:
@@ -599,7 +617,7 @@ class ParallelStep:
                    FLASH_CHECK_KEY: compat.flash_attention_takes(_device_of(model, device_type)),
                    HF_TP_PLAN_KEY: _hf_tp_plan(model) if dp.tp_size > 1 else (),
                    MODEL_TYPE_KEY: getattr(getattr(model, "config", None), "model_type", None),
-                   **_pipeline_extra(self.config, dp, model)},
+                   **_pipeline_extra(self.config, dp, model, self._stage_owner)},
         )
         self._progress("captured in %.1f s (%s ops); running %d passes...", capture_seconds,
                        f"{captured.count_ops():,}", manager.count_running(
@@ -682,6 +700,8 @@ class ParallelStep:
             keep = (lambda name: shares.get(name, 0) == self._dp.dp_rank) if shares is not None else None
             programs = split_programs(final, split_backward=schedule.split_backward, keep_update=keep,
                                       shard_gradients=zero >= 2)
+            if self._stage_owner is None:  # later captures keep these stages (partition_stages)
+                self._stage_owner = dict(programs.plan.owner)
             partitioned = {}
             if zero == 3 and shares is not None:  # runtime/pipeline_params.py
                 from .runtime.pipeline_params import partitioned_parameters
@@ -1188,21 +1208,13 @@ def _tensor_parallel_degree(config: Config, model: torch.nn.Module) -> int:
 
 
 def _pipeline_degree(config: Config) -> int:
-    """The number of pipeline ranks (1: off), checked against the world;
-    what the first version does not compose with is refused by name."""
+    """The number of pipeline ranks (1: off), checked against the world."""
     import torch.distributed as dist
 
     from .config.pipeline import pipeline_degree
 
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-    pp = pipeline_degree(config.pipeline, config.stepfx.pipeline, world, config.tensor_parallel.degree)
-    if pp <= 1:
-        return 1
-    if config.stepfx.dynamic is True:
-        raise ConfigError("stepfx.dynamic", f"pipeline parallelism ({pp} stages) does not compose with symbolic "
-                          "batch sizes yet (issue 20): each new shape is captured anew instead", value=True,
-                          expected="'auto' or false with pipeline.stages > 1")
-    return pp
+    return max(1, pipeline_degree(config.pipeline, config.stepfx.pipeline, world, config.tensor_parallel.degree))
 
 
 def _pipeline_fingerprint(executor) -> list[str]:
@@ -1231,16 +1243,20 @@ def _first_micro_batch(args: tuple, kwargs: dict, micro: int) -> tuple[tuple, di
     return pytree.tree_map(cut, (tuple(args), dict(kwargs)))
 
 
-def _pipeline_extra(config: Config, dp, model: torch.nn.Module) -> dict:
-    """PassOptions.extra for partition_stages: the number of stages and the
-    module classes above each parameter (``type:<regex>`` partitions)."""
+def _pipeline_extra(config: Config, dp, model: torch.nn.Module, pinned: dict | None = None) -> dict:
+    """PassOptions.extra for partition_stages: the number of stages, the
+    module classes above each parameter (``type:<regex>`` partitions) and
+    the owners of the step's first capture (``pinned``: a rank released
+    other stages' parameters after its first run; a later capture keeps
+    the stages)."""
     if dp.pp_size <= 1:
         return {}
-    from .passes.pipeline.partition_stages import MODULE_CLASSES_KEY, STAGES_KEY, module_classes
+    from .passes.pipeline.partition_stages import MODULE_CLASSES_KEY, PINNED_OWNER_KEY, STAGES_KEY, module_classes
 
     pipe = config.stepfx.pipeline
     virtual = pipe.virtual_stages if pipe is not None else 1
-    return {STAGES_KEY: dp.pp_size * virtual, MODULE_CLASSES_KEY: module_classes(model)}
+    return {STAGES_KEY: dp.pp_size * virtual, MODULE_CLASSES_KEY: module_classes(model),
+            **({PINNED_OWNER_KEY: dict(pinned)} if pinned else {})}
 
 
 def _hf_tp_plan(model: torch.nn.Module) -> tuple:

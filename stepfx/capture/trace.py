@@ -165,7 +165,9 @@ def collect_inputs(
         # a micro-step without update reads no optimizer state or hyperparameter
         for g, names in enumerate(group_params if not options.accumulate_only else ()):
             for name, p in zip(names, optimizer.param_groups[g]["params"]):
-                state = held_state.get(name) or state_tensors(optimizer, p, f"state[{name}]")
+                # what the rank holds for the optimizer (pieces, released state) over what the optimizer has: a
+                # pipeline rank releases another stage's moments but keeps its step counter in the optimizer
+                state = {**state_tensors(optimizer, p, f"state[{name}]"), **held_state.get(name, {})}
                 for key, value in sorted(state.items()):
                     slots.append(Slot(Role.OPTIMIZER_STATE, name, key=key))
                     values.append(value)

@@ -43,7 +43,7 @@ from ..graph import Role, StepGraph, Storage
 from ..graph.ops import is_collective
 
 __all__ = ["DataParallel", "data_parallel", "collective_fingerprint", "preflight", "rank_varying_dims",
-           "check_tensor_parallel_batches",
+           "check_tensor_parallel_batches", "check_pipeline_batches",
            "RankMismatchError"]
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -284,28 +284,64 @@ def rank_varying_dims(dp: DataParallel, shapes: dict[str, tuple[int, ...]]) -> d
     return dims
 
 
+def _batch_digests(dp: DataParallel, batch: dict[str, torch.Tensor]) -> list[Any]:
+    """Every rank's batch shapes and a digest of its values (float64 sums,
+    exact for equal data): one collective over every rank."""
+    mine = {name: (tuple(t.shape), float(t.double().sum()), float(t.double().square().sum())) for name, t in batch.items()}
+    everyone: list[Any] = [None] * dp.world_size
+    dist.all_gather_object(everyone, mine, group=dp.group)
+    return everyone
+
+
+def _first_difference(everyone: list[Any], ranks: list[int]) -> tuple[int, str, str] | None:
+    """(rank, batch tensor, "shapes" | "values") where a rank of ``ranks`` was given another batch than the first."""
+    seen = everyone[ranks[0]]
+    for r in ranks[1:]:
+        other = everyone[r]
+        for name, mine in seen.items():
+            if other.get(name) != mine:
+                return r, name, "shapes" if other.get(name, (None,))[0] != mine[0] else "values"
+    return None
+
+
 def check_tensor_parallel_batches(dp: DataParallel, batch: dict[str, torch.Tensor]) -> None:
     """Every rank of a tensor-parallel group must run on the same batch (its
     data-parallel rank's): its ranks compute one step together, so another
     batch on one of them is a wrong step, or a hang. A collective over every
-    rank at the first call: each rank's batch shapes and a digest of its
-    values (float64 sums, exact for equal data), so every rank learns of a
-    mismatch in any group and all raise together."""
-    mine = {name: (tuple(t.shape), float(t.double().sum()), float(t.double().square().sum())) for name, t in batch.items()}
-    everyone: list[Any] = [None] * dp.world_size
-    dist.all_gather_object(everyone, mine, group=dp.group)
+    rank at the first call, so every rank learns of a mismatch in any group
+    and all raise together."""
+    everyone = _batch_digests(dp, batch)
     tp = dp.tp_size
     for start in range(0, dp.world_size, tp):
-        group = everyone[start:start + tp]
-        for name, seen in group[0].items():
-            for offset, other in enumerate(group[1:], 1):
-                if other.get(name) != seen:
-                    what = "shapes" if other.get(name, (None,))[0] != seen[0] else "values"
-                    raise RankMismatchError(
-                        f"tensor-parallel ranks {start} and {start + offset} (a group of {tp}: ranks {start}-"
-                        f"{start + tp - 1}) were given different batches ({name}: {what} differ); every rank of a "
-                        "tensor-parallel group must get the same batch, its data-parallel rank's (a sampler with "
-                        f"num_replicas = world size / {tp} and rank = rank // {tp})")
+        found = _first_difference(everyone, list(range(start, start + tp)))
+        if found is not None:
+            r, name, what = found
+            raise RankMismatchError(
+                f"tensor-parallel ranks {start} and {r} (a group of {tp}: ranks {start}-"
+                f"{start + tp - 1}) were given different batches ({name}: {what} differ); every rank of a "
+                "tensor-parallel group must get the same batch, its data-parallel rank's (a sampler with "
+                f"num_replicas = world size / {tp} and rank = rank // {tp})")
+
+
+def check_pipeline_batches(dp: DataParallel, batch: dict[str, torch.Tensor]) -> None:
+    """Every rank of a pipeline (one per stage, the same place in each) runs
+    the stages of one step on the same batch: the first stage reads the
+    inputs, the last the labels, and each receives what its predecessor made
+    of that batch, sized by it. Another batch on one of them is a wrong step,
+    or a receive of the wrong size. Checked like the tensor-parallel groups,
+    at the first call, over every rank."""
+    everyone = _batch_digests(dp, batch)
+    per_stage = dp.world_size // dp.pp_size
+    for place in range(per_stage):
+        ranks = list(range(place, dp.world_size, per_stage))
+        found = _first_difference(everyone, ranks)
+        if found is not None:
+            r, name, what = found
+            raise RankMismatchError(
+                f"pipeline ranks {ranks[0]} and {r} (one pipeline: ranks {ranks}) were given different batches "
+                f"({name}: {what} differ); every stage of a pipeline must get the same batch, its data-parallel "
+                f"rank's (a sampler with num_replicas = world size / {dp.pp_size * dp.tp_size} and rank = "
+                f"(rank % {per_stage}) // {dp.tp_size})")
 
 
 def _shape(val: torch.Tensor) -> tuple:

@@ -30,9 +30,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import sympy
 import torch
 import torch.distributed as dist
 
+from .. import compat
 from ..graph import Role, StepGraph
 from ..passes.pipeline.stage_programs import StagePrograms
 from .binding import ModuleBinding
@@ -71,6 +73,17 @@ class PipelineExecutor:
         self._nodes: dict[str, Any] = {}
         self._dev = torch.device("cpu")
         self._batch_positions = [i for i, s in enumerate(graph.signature.inputs) if s.role is Role.BATCH]
+        # stepfx.dynamic: each symbolic batch size -> (step input position, dimension) it is read from, so the
+        # shape of what a stage receives is evaluated at the micro-batch's sizes
+        self._symbols: dict[Any, tuple[int, int]] = {}
+        placeholders = [n for n in graph.gm.graph.nodes if n.op == "placeholder"]
+        for pos in self._batch_positions:
+            val = placeholders[pos].meta.get("val")
+            for d, size in enumerate(getattr(val, "shape", ())):
+                expr = compat.size_expr(size)
+                if not isinstance(expr, int) and getattr(expr, "is_Symbol", False):
+                    self._symbols.setdefault(expr, (pos, d))
+        self._sizes: list[dict] = []  # per micro-batch of the running step: symbol -> its size
         # the last item of this rank that touches (stage, micro): its values go after it
         last_use: dict[tuple[int, int], int] = {}
         for i, item in enumerate(self.items):
@@ -150,6 +163,22 @@ class PipelineExecutor:
                 per_micro[i][pos] = piece
         return per_micro
 
+    def _shape(self, name: str, micro: int) -> tuple[int, ...]:
+        """The shape of value ``name`` on micro-batch ``micro`` (its symbolic sizes evaluated)."""
+        shape = self.programs.specs[name][0]
+        if all(isinstance(x, int) for x in shape):
+            return shape
+        sizes = self._sizes[micro]
+        out = []
+        for x in shape:
+            if not isinstance(x, int):
+                x = x.xreplace(sizes)
+                if not x.is_Integer:
+                    raise RuntimeError(f"stepfx: the size {shape} of {name}, received from another stage, is not "
+                                       f"determined by the batch's sizes ({dict(sizes)})")
+            out.append(int(x))
+        return tuple(out)
+
     def _call(self, kind: str, stage: int, graph_inputs: list[Any], values: dict[str, Any]) -> None:
         prog = self.programs.programs.get((kind, stage))
         if prog is None:
@@ -175,6 +204,8 @@ class PipelineExecutor:
         progs = self.programs
         self._dev = next((v.device for v in inputs if isinstance(v, torch.Tensor)), torch.device("cpu"))
         micro_inputs = self._micro_inputs(inputs)
+        self._sizes = [{sym: sympy.Integer(int(args[pos].shape[d])) for sym, (pos, d) in self._symbols.items()}
+                       for args in micro_inputs]
         store: dict[tuple[int, int], dict[str, Any]] = {}
         acc: dict[str, torch.Tensor] = {}
         forward_results: list[dict[str, Any]] = [dict() for _ in range(self.micro_batches)]
@@ -336,8 +367,8 @@ class PipelineExecutor:
             if src in mine:
                 ops.append(dist.P2POp(dist.isend, have[name].contiguous(), self._peer(dst), self.dp.pp_group, tag))
             elif dst in mine:
-                shape, dtype = self.programs.specs[name]
-                t = torch.empty(shape, dtype=dtype, device=self._dev)
+                dtype = self.programs.specs[name][1]
+                t = torch.empty(self._shape(name, 0), dtype=dtype, device=self._dev)
                 received.append((name, t))
                 ops.append(dist.P2POp(dist.irecv, t, self._peer(src), self.dp.pp_group, tag))
         if ops:
@@ -349,7 +380,8 @@ class PipelineExecutor:
     def _communicate(self, batch: CommBatch, store: dict) -> None:
         progs = self.programs
         ops = []
-        received: list[tuple[dict, str, torch.Tensor]] = []
+        received: list[tuple[dict, str, torch.Tensor, bool]] = []
+        receives: list[Action] = []
         device = None
         for action in batch.actions:
             values = store.setdefault((action.stage, action.micro), {})
@@ -373,18 +405,19 @@ class PipelineExecutor:
                     self.p2p_bytes_sent += t.numel() * t.element_size()
                     ops.append(dist.P2POp(dist.isend, t, peer, self.dp.pp_group, tag))
                 else:
-                    shape, dtype = progs.specs[name]
+                    shape, dtype = self._shape(name, action.micro), progs.specs[name][1]
                     if device is None:
                         device = self._device()
                     numel = math.prod(shape)
                     t = torch.empty((-(-numel // self.dp.tp_size),) if part else shape, dtype=dtype, device=device)
                     received.append((values, name, t, part))
+                    receives.append(action)
                     ops.append(dist.P2POp(dist.irecv, t, peer, self.dp.pp_group, tag))
         if ops:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
-        for values, name, t, part in received:
-            values[name] = self._gather_slices(t, progs.specs[name][0]) if part else t
+        for (values, name, t, part), action in zip(received, receives):
+            values[name] = self._gather_slices(t, self._shape(name, action.micro)) if part else t
 
     def _slice(self, t: torch.Tensor) -> torch.Tensor:
         """This tensor-parallel rank's slice of a value the TP group holds alike (flattened, zero-padded to a
@@ -415,12 +448,15 @@ def pipeline_fingerprint(executor: Any) -> list[str]:
     sliced = getattr(executor, "_sliced", {})
     for direction, sends in (("forward", programs.send_forward), ("backward", programs.send_backward)):
         for stage, names in enumerate(sends):
-            for name in names:
+            for i, name in enumerate(names):
                 shape, dtype = programs.specs[name]
                 part = " (in tensor-parallel slices)" if sliced.get(direction[0].upper()) and name in programs.tp_replicated else ""
-                out.append(f"stage {stage} sends {direction} {name} {list(shape)} {dtype}{part}")
-    for name, src, dst in programs.step_sends:
-        out.append(f"stage {src} sends {name} to stage {dst} once a step")
+                # the place, the dimensions and the dtype, not the name (a capture's) or the sizes: those follow
+                # the pipeline's batch (the same on each of its ranks, checked at the first call; another
+                # pipeline's batch may differ)
+                out.append(f"stage {stage} sends {direction} value #{i}: <{len(shape)} dims> {dtype}{part}")
+    for i, (name, src, dst) in enumerate(programs.step_sends):
+        out.append(f"stage {src} sends shared gradient #{i} {list(programs.specs[name][0])} to stage {dst} once a step")
     return out
 
 

@@ -349,13 +349,10 @@ def test_pipeline_degree_against_the_world():
     assert pipeline_degree(asked.pipeline, asked.stepfx.pipeline, 8) == 4
 
 
-@pytest.mark.parametrize("extra,message", [
-    ({"stepfx": {"dynamic": True}}, "stepfx.dynamic: pipeline parallelism \\(2 stages\\) does not compose")])
-def test_what_does_not_compose_yet_is_refused_by_key(monkeypatch, extra, message):
+def test_zero_stages_and_symbolic_sizes_compose_with_a_pipeline(monkeypatch):
     from stepfx.api import _pipeline_degree
 
     monkeypatch.setenv("WORLD_SIZE", "4")
-    with pytest.raises(ConfigError, match=f"^{message}"):
-        _pipeline_degree(load_config({"pipeline": {"stages": 2}, **extra}))
     for stage in (1, 2, 3):  # (stage 3: runtime/pipeline_params.py)
         assert _pipeline_degree(load_config({"pipeline": {"stages": 2}, "zero_optimization": {"stage": stage}})) == 2
+    assert _pipeline_degree(load_config({"pipeline": {"stages": 2}, "stepfx": {"dynamic": True}})) == 2

@@ -14,6 +14,8 @@ invariant to it), which Adam turns into a full-size update of arbitrary sign
 (the same reason as the tensor-parallel tests)."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -35,6 +37,10 @@ from tests.steps import hf_llama, hf_step, lm_loss, lm_step, tiny_gpt, token_bat
 
 def sgd_momentum(model):
     return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
 def _config(stages, micro, schedule, virtual=1, clip=0, **extra):
@@ -289,26 +295,61 @@ def test_zero3_ranks_keep_a_share_of_their_stage_and_gather_the_whole_back(rank_
 
 
 @pytest.mark.slow
-def test_padded_variable_length_batches_with_deepspeed_defaults(rank_pool):
+@pytest.mark.parametrize("dp", [1, 2])
+def test_padded_variable_length_batches_with_deepspeed_defaults(rank_pool, dp):
     """Hugging Face Qwen2 on dict batches padded to each batch's longest
     sequence (attention masks, labels -100 on the padding), lengths changing
-    every step (each new shape is captured anew), and a config without
-    gradient_clipping (DeepSpeed's default 1.0 clips): equal to the
-    reference micro-batch by micro-batch."""
+    every step and, at DP 2, differing between the data-parallel replicas,
+    with a config that says nothing of shapes or clipping (DeepSpeed's
+    default 1.0 clips): the sequence length becomes symbolic once seen to
+    vary, as torch.compile's automatic dynamic (2 captures over 4 steps:
+    the second when it varies, SGD's momentum appearing with it; at DP 2 the
+    replicas differ at the first call, so symbolic from the start, and the
+    momentum's capture is the second), the
+    stages each capture keeps are the first capture's, what one stage sends
+    the next is sized by the micro-batch's length; equal to the reference
+    micro-batch by micro-batch."""
     from tests.steps import padded_rank_batches, padded_step
 
-    batches = padded_rank_batches(1, 2, batch=4, lo=3, hi=12, seed=5)
+    batches = padded_rank_batches(dp, 4, batch=4, lo=3, hi=12, seed=5)
     config = {"pipeline": {"stages": 2}, "gradient_accumulation_steps": 2, "stepfx": {"pipeline": {"schedule": "1f1b"}}}
-    results = rank_pool(2).run(pp_run, padded_step, hf_qwen2, sgd_momentum, batches, config, timeout=300)
-    micro = [[({k: v.split(2)[m] for k, v in batch.items()},) for (batch,) in batches[0]] for m in range(2)]
+    results = rank_pool(2 * dp).run(pp_run, padded_step, hf_qwen2, sgd_momentum, batches, config, timeout=300)
+    assert len({tuple(b["input_ids"].shape) for (b,) in batches[0]}) > 2
+    micro = [[({k: v.split(2)[m] for k, v in batch.items()},) for (batch,) in batches[d]] for d in range(dp)
+             for m in range(2)]
     outputs, model, _ = data_parallel_reference(padded_step, hf_qwen2, sgd_momentum, micro, clip_norm=1.0)
-    expected = [torch.stack(out).mean().item() for out in outputs]
-    for got in results:
+    for rank, got in enumerate(results):
+        d = rank % dp
+        expected = [torch.stack(out[2 * d:2 * d + 2]).mean().item() for out in outputs]
         assert got["losses"] == pytest.approx(expected, rel=1e-6, abs=0)
+        assert got["captures"] == 2
     reference = dict(model.named_parameters())
     for got in results:
         for name, value in got["state"].items():
             assert (value - reference[name]).abs().max() <= 1e-5 * reference[name].abs().max(), name
+
+
+@pytest.mark.slow
+def test_adamw_with_padded_batches_of_changing_lengths(rank_pool):
+    """AdamW (its state exists from the first call) on padded batches whose
+    length changes: after the first step a rank releases the other stage's
+    moments but keeps its step counters; the capture the new length needs
+    reads them (it raised KeyError 'step' in Adam before), keeps the first
+    capture's stages and then serves every length: 2 captures over 5 steps;
+    the first step's loss is the reference's (later ones are Adam's, which
+    turns rounding noise in the key bias's gradient into full-size updates:
+    see the module docstring)."""
+    from tests.steps import padded_rank_batches, padded_step
+
+    batches = padded_rank_batches(1, 5, batch=4, lo=3, hi=12, seed=5)
+    config = {"pipeline": {"stages": 2}, "gradient_accumulation_steps": 2, "stepfx": {"pipeline": {"schedule": "1f1b"}}}
+    results = rank_pool(2).run(pp_run, padded_step, hf_qwen2, adamw, batches, config, timeout=300)
+    micro = [[({k: v.split(2)[m] for k, v in batch.items()},) for (batch,) in batches[0][:1]] for m in range(2)]
+    outputs, _, _ = data_parallel_reference(padded_step, hf_qwen2, adamw, micro, clip_norm=1.0)
+    for got in results:
+        assert got["captures"] == 2
+        assert got["losses"][0] == pytest.approx(torch.stack(outputs[0]).mean().item(), rel=1e-6, abs=0)
+        assert all(math.isfinite(x) for x in got["losses"])
 
 
 @pytest.mark.slow

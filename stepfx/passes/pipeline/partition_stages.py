@@ -59,6 +59,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.fx as fx
 
+from ... import compat
 from ...config.errors import ConfigError
 from ...graph import StepGraph
 from ...graph.ops import ATTENTION_BACKWARD_OPS, ATTENTION_OPS, has_side_effect, is_collective, is_random, is_view
@@ -77,6 +78,8 @@ PIPELINE_KEY = "pipeline"  # StepSignature.extra: the StagePlan
 MODULE_CLASSES_KEY = "module_classes"
 # options.extra: the number of stages (pipeline ranks x virtual stages) and of micro-batches (api)
 STAGES_KEY = "pipeline_stages"
+# options.extra: parameter name -> stage, from the step's first capture: a later capture (new batch sizes) keeps it
+PINNED_OWNER_KEY = "pipeline_pinned_owner"
 
 @dataclass(frozen=True)
 class DeviceRates:
@@ -135,16 +138,14 @@ def pipeline_settings(options: PassOptions) -> int:
 
 
 def _nbytes(node) -> int:
-    """Bytes of a node's value (all its tensors, for an op with several results)."""
+    """Bytes of a node's value (all its tensors, for an op with several
+    results); a symbolic size counts at its hint (the traced call's size:
+    the cost model balances the stages for the sizes it saw)."""
     val = node.meta.get("val") if isinstance(node, fx.Node) else None
     total = 0
     for t in (val if isinstance(val, (tuple, list)) else (val,)):
         if isinstance(t, torch.Tensor):
-            n = t.numel() * t.element_size()
-            if not isinstance(n, int):
-                raise ConfigError("stepfx.dynamic", f"{node.name} has a symbolic size; pipeline parallelism needs "
-                                  "static batch shapes (stepfx.dynamic: false)")
-            total += n
+            total += math.prod(compat.size_hint(x) for x in t.shape) * t.element_size()
     return total
 
 
@@ -157,7 +158,7 @@ def _is_scalar(node) -> bool:
 
 def _shape(node) -> tuple:
     val = node.meta.get("val")
-    return tuple(val.shape) if isinstance(val, torch.Tensor) else ()
+    return tuple(compat.size_hint(x) for x in val.shape) if isinstance(val, torch.Tensor) else ()
 
 
 _MATMULS = {aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default}
@@ -424,7 +425,10 @@ def partition_stages(graph: StepGraph, options: PassOptions) -> PassResult:
             first_reader[name] = index[n]
     numel = {name: (p.meta["val"].numel() if isinstance(p.meta.get("val"), torch.Tensor) else 0) for p, name in params.items()}
 
-    if split_points:
+    pinned = options.extra.get(PINNED_OWNER_KEY)
+    if pinned:  # a later capture of the same step: the stages its first capture chose (the rank released the rest)
+        cuts = _cuts_keeping(pinned, first_reader, interior, stages)
+    elif split_points:
         cuts = _cuts_at_modules(split_points, first_reader, candidates, forward, stages)
         method = "split_points"
     else:
@@ -618,6 +622,27 @@ def _matching_module(name: str, classes: tuple, pattern: re.Pattern) -> str | No
         if pattern.search(cls):
             return ".".join(parts[:depth]) or "<root>"
     return None
+
+
+def _cuts_keeping(pinned: dict[str, int], first_reader: dict[str, int], interior: list[int], stages: int) -> list[int]:
+    """Cuts that give every parameter the stage ``pinned`` says (an earlier
+    capture's owners): before each stage's first parameter reader, the last
+    point where only tensors cross. Raises when the owners cannot be kept."""
+    cuts = []
+    for s in range(1, stages):
+        firsts = [first_reader[n] for n, st in pinned.items() if st == s and n in first_reader]
+        before = [i for i in interior if firsts and i <= min(firsts)]
+        if not before:
+            raise ConfigError("pipeline.stages", f"a new capture of the step cannot give stage {s} the parameters "
+                              "its first capture gave it (the rank released the others' after its first step)")
+        cuts.append(max(before))
+    bounds = [0] + cuts + [max(interior) + 2]
+    moved = [n for n, i in first_reader.items() if n in pinned and _stage_at(bounds, i) != pinned[n]]
+    if cuts != sorted(set(cuts)) or moved:
+        raise ConfigError("pipeline.stages", "a new capture of the step cannot keep the stages of its first capture "
+                          f"({', '.join(moved[:3]) or 'cuts out of order'} would move); pin them with "
+                          "stepfx.pipeline.split_points")
+    return cuts
 
 
 def _cuts_at_modules(points: tuple[str, ...], first_reader: dict[str, int], candidates: list[int],

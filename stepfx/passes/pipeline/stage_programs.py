@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from ... import compat
 from ...config.errors import ConfigError
 from ...graph import StepGraph
 from ...graph.signature import Role
@@ -70,7 +71,9 @@ class StagePrograms:
     programs: dict[tuple[str, int], TaskProgram]  # (kind, stage) -> program; ("R", -1): replicated outputs
     send_forward: list[list[str]]  # per stage
     send_backward: list[list[str]]
-    specs: dict[str, tuple[tuple[int, ...], torch.dtype]]  # value name -> (shape, dtype) of what crosses ranks
+    # value name -> (shape, dtype) of what crosses ranks; a size is an int, or a sympy expression in the batch's
+    # symbolic sizes (stepfx.dynamic)
+    specs: dict[str, tuple[tuple, torch.dtype]]
     accumulated: dict[int, list[str]]  # stage -> the backward values its optimizer reads (summed over micro-batches)
     outputs: list[tuple[str, object]]  # per graph output: ("graph", i) | ("value", name) | ("const", value)
     output_task: list[str | None]  # per graph output: the task kind producing it ("F", "O", "R", ...) or None
@@ -346,7 +349,8 @@ def split_programs(graph: StepGraph, *, split_backward: bool = False, keep_updat
         val = by_name[name].meta.get("val")
         if not isinstance(val, torch.Tensor):
             raise ConfigError("pipeline.stages", f"{name} crosses stages and is not a tensor")
-        specs[name] = (tuple(int(x) for x in val.shape), val.dtype)
+        # (a symbolic size as its expression: the runtime evaluates it at each micro-batch's sizes)
+        specs[name] = (tuple(compat.size_expr(x) for x in val.shape), val.dtype)
     order = {n.name: i for i, n in enumerate(g.nodes)}
     return StagePrograms(
         stages=stages, plan=plan, programs=programs,
