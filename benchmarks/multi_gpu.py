@@ -10,7 +10,9 @@ peers in one torchrun invocation, and their correctness over NCCL.
 
 - ``stepfx-tp``: ``{"tensor_parallel": {"autotp_size": world}}`` on the
   unchanged model (the Megatron pairs found on the graph), bf16 with fp32
-  masters, clipping 1.0, AdamW;
+  masters, clipping 1.0, AdamW; ``stepfx-tp-no-overlap``: the same with
+  ``tp_overlap_comm: false`` (each TP collective waited where issued: the
+  A/B of the backward overlap); ``stepfx-tp-sp``: with sequence parallelism;
 - ``dtensor-tp``: a hand-written ``parallelize_module`` plan of the same
   model (ColwiseParallel q/k/v and MLP up, RowwiseParallel attention output
   and MLP down; the fused q/k/v weight's rows permuted so each rank's slice
@@ -76,7 +78,7 @@ from stepfx.testing.models import GPT, gpt_config, lm_loss  # noqa: E402
 
 PEAK_FLOPS = 989e12  # H200 dense bf16
 ADAMW = dict(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
-SYSTEMS = {"tp": "stepfx-tp,dtensor-tp,deepspeed-autotp",
+SYSTEMS = {"tp": "stepfx-tp,stepfx-tp-no-overlap,stepfx-tp-sp,dtensor-tp,deepspeed-autotp",
            "pp": "stepfx-pp-gpipe,stepfx-pp-1f1b,stepfx-pp-zb,torch-gpipe,torch-1f1b"}
 
 
@@ -152,8 +154,12 @@ def _permute_qkv(weight, bias, tp):
 def build_tp(kind, cfg, args, device, world):
     torch.manual_seed(0)
     model = GPT(cfg).to(device)
-    if kind == "stepfx-tp":
-        step = stepfx.parallelize(_stepfx_config(args, world, tensor_parallel={"autotp_size": world}))(stepfx_step)
+    if kind.startswith("stepfx-tp"):  # -no-overlap: TP collectives waited where issued (A/B of tp_overlap_comm)
+        tp = {"autotp_size": world, **({"tp_overlap_comm": False} if kind == "stepfx-tp-no-overlap" else {})}
+        extra = {"tensor_parallel": tp}
+        if kind == "stepfx-tp-sp":
+            extra["stepfx"] = {**_stepfx_config(args, world).get("stepfx", {}), "sequence_parallel": True}
+        step = stepfx.parallelize({**_stepfx_config(args, world), **extra})(stepfx_step)
         optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
         return (lambda tokens: step(model, optimizer, tokens)), step
     if kind == "dtensor-tp":
