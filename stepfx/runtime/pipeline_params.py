@@ -22,12 +22,13 @@ new value across stages once a step), and tensor-parallel shards (they live
 in the rank's store, not in the module).
 
 What it costs, against ZeRO-2 with the same pipeline: each partitioned
-parameter crosses the data-parallel group once per forward and once per
-backward (twice under a zero-bubble schedule, whose backward is two
-programs) for every micro-batch — ``2 x micro-batches x (dp - 1) / dp`` of
-the stage's partitioned bytes per rank a step, where ZeRO-2 moves none; in
-exchange a rank keeps ``1 / dp`` of them. DeepSpeed refuses ZeRO-3 with its
-pipeline engine outright.
+parameter crosses the data-parallel group once per program that reads it,
+for every micro-batch: the forward and the backward (under a zero-bubble
+schedule the input-gradient part reads a weight, the weight-gradient part
+usually not) — about ``2 x micro-batches x (dp - 1) / dp`` of the stage's
+partitioned bytes received per rank a step, where ZeRO-2 moves none; in
+exchange a rank keeps ``1 / dp`` of them. ``explain()`` gives the bytes.
+DeepSpeed refuses ZeRO-3 with its pipeline engine outright.
 """
 from __future__ import annotations
 
