@@ -356,3 +356,41 @@ def test_zero_stages_and_symbolic_sizes_compose_with_a_pipeline(monkeypatch):
     for stage in (1, 2, 3):  # (stage 3: runtime/pipeline_params.py)
         assert _pipeline_degree(load_config({"pipeline": {"stages": 2}, "zero_optimization": {"stage": stage}})) == 2
     assert _pipeline_degree(load_config({"pipeline": {"stages": 2}, "stepfx": {"dynamic": True}})) == 2
+
+
+def test_the_embedding_output_s_gradient_summed_over_two_stages_stays_in_the_backward():
+    """A first stage holding the embedding and the first layer's attention
+    (Qwen2, bf16, cut before its MLP): the gradient of the embedding's output
+    is a sum of a part from each stage (the residual stream's and the
+    attention branch's), read by the embedding's backward. It was taken for a
+    tied weight's gradient parts (a sum across stages whose readers lead only
+    to the update) and moved into the optimizer: an activation-sized value
+    summed over micro-batches, all-reduced over data-parallel ranks (a size
+    mismatch when their lengths differ) and read with the whole batch's
+    indices. The embedding's backward stays in the backward, and only
+    parameter-sized values are summed for the update."""
+    from stepfx.passes.pipeline.partition_stages import META_TASK
+    from tests.pp_workers import hf_qwen2
+    from tests.steps import padded_rank_batches, padded_step
+
+    torch.manual_seed(0)
+    model = hf_qwen2()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    create_initial_state(opt, None)
+    (batch,) = padded_rank_batches(1, 1, batch=2, lo=5, hi=8, seed=7)[0][0]
+    options = CaptureOptions(grad_accumulation=2, compute_dtype=torch.bfloat16)
+    inputs = collect_inputs(model, opt, (batch,), {}, held={}, options=options)
+    captured = capture_step(padded_step, model, opt, (batch,), {}, inputs=inputs, options=options)
+    cfg = load_config({"gradient_accumulation_steps": 2, "bf16": {"enabled": True},
+                       "stepfx": {"pipeline": {"split_points": ["model.layers.0.post_attention_layernorm"]}}})
+    graph = PassManager(PIPELINE).run(captured, PassOptions(config=cfg, extra={
+        STAGES_KEY: 2, MODULE_CLASSES_KEY: module_classes(model)}))[-1].graph
+    lookups = [n for n in graph.gm.graph.nodes if n.target is torch.ops.aten.embedding_dense_backward.default]
+    assert lookups and all(n.meta[META_TASK] == "B" for n in lookups)
+    programs = split_programs(graph)
+    params = {tuple(n.meta["val"].shape) for n in graph.gm.graph.nodes
+              if n.op == "placeholder" and n.meta["slot"].role is Role.PARAM}
+    nodes = {n.name: n for n in graph.gm.graph.nodes}
+    for names in programs.accumulated.values():
+        for name in names:
+            assert tuple(nodes[name].meta["val"].shape) in params, (name, nodes[name].meta["val"].shape)

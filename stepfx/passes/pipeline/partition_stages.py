@@ -516,7 +516,9 @@ def partition_stages(graph: StepGraph, options: PassOptions) -> PassResult:
         backward_ins = [a for a in n.all_input_nodes if a in is_bwd]
         if not n.users or not all(is_update(u) or u in feeds or u in grad_sums for u in n.users):
             continue
-        if len(backward_ins) == 1:
+        if len(backward_ins) == 1 and len(n.all_input_nodes) == 1:
+            # (only what reads the gradient alone, a cast or a view: an embedding's backward also reads the
+            # batch's indices, and the sum feeding it is of the hidden state's gradient, not of a tied weight's)
             feeds.add(n)
         elif (n.target is aten.add.Tensor and not n.kwargs and len(n.all_input_nodes) == 2
               and len({bound[a] for a in n.all_input_nodes if a in bound}) > 1):
