@@ -394,3 +394,32 @@ def test_the_embedding_output_s_gradient_summed_over_two_stages_stays_in_the_bac
     for names in programs.accumulated.values():
         for name in names:
             assert tuple(nodes[name].meta["val"].shape) in params, (name, nodes[name].meta["val"].shape)
+
+
+def test_a_capture_with_symbolic_lengths_cuts_the_same_stages_whatever_length_it_traced():
+    """Data-parallel replicas that bring different lengths capture with a
+    symbolic length at the first call, each tracing its own: the cost model
+    counts a symbolic size as one value on every rank (SYMBOLIC_SIZE), so
+    every replica computes the same costs and cuts the same stages."""
+    from stepfx.passes.pipeline.partition_stages import PIPELINE_KEY
+    from tests.pp_workers import hf_qwen2
+    from tests.steps import padded_batch, padded_step
+
+    owners = []
+    for lengths in ([2, 2], [32, 30]):
+        torch.manual_seed(0)
+        model = hf_qwen2()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        create_initial_state(opt, None)
+        batch = padded_batch(lengths, generator=torch.Generator().manual_seed(1))
+        options = CaptureOptions(grad_accumulation=1)
+        inputs = collect_inputs(model, opt, (batch,), {}, held={}, options=options)
+        dims = {s.name: frozenset({1}) for s in inputs.slots if s.role is Role.BATCH}
+        captured = capture_step(padded_step, model, opt, (batch,), {}, inputs=inputs, options=options,
+                                dynamic_dims=dims)
+        cfg = load_config({"pipeline": {"stages": 3}})
+        graph = PassManager(PIPELINE).run(captured, PassOptions(config=cfg, extra={
+            STAGES_KEY: 3, MODULE_CLASSES_KEY: module_classes(model)}))[-1].graph
+        plan = graph.signature.extra[PIPELINE_KEY]
+        owners.append((plan.owner, plan.costs, plan.crossing_bytes))
+    assert owners[0] == owners[1] and len(set(owners[0][0].values())) == 3  # (the costs too: every decision)

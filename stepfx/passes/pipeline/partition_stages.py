@@ -137,15 +137,26 @@ def pipeline_settings(options: PassOptions) -> int:
     return int(options.extra.get(STAGES_KEY, 1) or 1)
 
 
+# a symbolic batch size, as the cost model counts it: one value for every rank (each rank's traced sizes
+# differ when data-parallel replicas bring different lengths, and every rank must cut the same stages)
+SYMBOLIC_SIZE = 1024
+
+
+def _size(x) -> int:
+    if not compat.is_symbolic(x):
+        return int(x)
+    expr = compat.size_expr(x)
+    return int(expr.xreplace({sym: SYMBOLIC_SIZE for sym in expr.free_symbols}))
+
+
 def _nbytes(node) -> int:
     """Bytes of a node's value (all its tensors, for an op with several
-    results); a symbolic size counts at its hint (the traced call's size:
-    the cost model balances the stages for the sizes it saw)."""
+    results); a symbolic size counts as ``SYMBOLIC_SIZE``."""
     val = node.meta.get("val") if isinstance(node, fx.Node) else None
     total = 0
     for t in (val if isinstance(val, (tuple, list)) else (val,)):
         if isinstance(t, torch.Tensor):
-            total += math.prod(compat.size_hint(x) for x in t.shape) * t.element_size()
+            total += math.prod(_size(x) for x in t.shape) * t.element_size()
     return total
 
 
@@ -153,12 +164,12 @@ def _is_scalar(node) -> bool:
     """A one-element value (a loss, a scale factor): read by a gradient op it does not say which stage
     the op differentiates, and it costs nothing to send along."""
     val = node.meta.get("val")
-    return isinstance(val, torch.Tensor) and val.numel() == 1
+    return isinstance(val, torch.Tensor) and all(not compat.is_symbolic(x) and int(x) == 1 for x in val.shape)
 
 
 def _shape(node) -> tuple:
     val = node.meta.get("val")
-    return tuple(compat.size_hint(x) for x in val.shape) if isinstance(val, torch.Tensor) else ()
+    return tuple(_size(x) for x in val.shape) if isinstance(val, torch.Tensor) else ()
 
 
 _MATMULS = {aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default}
