@@ -694,21 +694,24 @@ class ParallelStep:
             validate(schedule)
             zero_config = self.config.zero_optimization
             zero = zero_config.stage if isinstance(zero_config.stage, int) else 0
-            shares = None
+            shares = names = None
             if zero >= 1 and self._dp.dp_size > 1:
-                shares = zero1_shares(final, self._dp.dp_size)
+                if zero == 3:  # runtime/pipeline_params.py
+                    from .runtime.pipeline_params import partitionable
+
+                    persist = zero_config.param_persistence_threshold
+                    names = partitionable(final, persist if isinstance(persist, int) else 0)
+                shares = zero1_shares(final, self._dp.dp_size, first=names or frozenset())
             keep = (lambda name: shares.get(name, 0) == self._dp.dp_rank) if shares is not None else None
             programs = split_programs(final, split_backward=schedule.split_backward, keep_update=keep,
                                       shard_gradients=zero >= 2)
             if self._stage_owner is None:  # later captures keep these stages (partition_stages)
                 self._stage_owner = dict(programs.plan.owner)
             partitioned = {}
-            if zero == 3 and shares is not None:  # runtime/pipeline_params.py
+            if names:
                 from .runtime.pipeline_params import partitioned_parameters
 
-                persist = zero_config.param_persistence_threshold
-                partitioned = partitioned_parameters(final, programs, shares, self._dp, schedule.stage_rank,
-                                                     persist if isinstance(persist, int) else 0)
+                partitioned = partitioned_parameters(final, programs, names, shares, self._dp, schedule.stage_rank)
             prefetch = zero_config.prefetch_bucket_size
             return PipelineExecutor(final, binding, self._dp, programs, schedule, micro, update_shares=shares,
                                     shard_gradients=zero >= 2, partitioned=partitioned,

@@ -460,11 +460,14 @@ def pipeline_fingerprint(executor: Any) -> list[str]:
     return out
 
 
-def zero1_shares(graph: StepGraph, dp_size: int) -> dict[str, int]:
+def zero1_shares(graph: StepGraph, dp_size: int, first: frozenset[str] = frozenset()) -> dict[str, int]:
     """ZeRO-1 under pipeline parallelism: which data-parallel rank of its
     stage updates (and keeps the optimizer state of) each parameter. Whole
     parameters, largest first to the least loaded rank of the stage, as
-    torch's ZeroRedundancyOptimizer partitions; the same on every rank."""
+    torch's ZeroRedundancyOptimizer partitions; the same on every rank.
+    ``first`` (ZeRO-3: the parameters a rank keeps only its share of) are
+    placed before the rest, so that they balance among themselves and the
+    rest evens out the optimizer state."""
     from ..passes.pipeline.partition_stages import PIPELINE_KEY
 
     owner = graph.signature.extra[PIPELINE_KEY].owner
@@ -474,7 +477,7 @@ def zero1_shares(graph: StepGraph, dp_size: int) -> dict[str, int]:
             sizes[n.meta["slot"].name] = n.meta["val"].numel()
     shares: dict[str, int] = {}
     load = {}
-    for name in sorted(sizes, key=lambda k: (-sizes[k], k)):
+    for name in sorted(sizes, key=lambda k: (k not in first, -sizes[k], k)):
         stage = owner[name]
         loads = load.setdefault(stage, [0] * dp_size)
         d = min(range(dp_size), key=lambda r: (loads[r], r))

@@ -40,7 +40,7 @@ import torch.fx as fx
 
 from ..graph import Role, StepGraph, Storage
 
-__all__ = ["partitioned_parameters", "insert_fetches", "FETCHED_KINDS"]
+__all__ = ["partitionable", "partitioned_parameters", "insert_fetches", "FETCHED_KINDS"]
 
 FETCHED_KINDS = ("F", "B", "BI", "BW")  # the programs every data-parallel rank of a stage runs alike
 
@@ -68,25 +68,48 @@ class _WaitFetch(torch.nn.Module):
         return buffer
 
 
-def partitioned_parameters(graph: StepGraph, programs, shares: dict[str, int], dp, stage_rank: list[int],
-                           persist: int) -> dict[int, int]:
+def partitionable(graph: StepGraph, persist: int) -> frozenset[str]:
+    """The parameters ZeRO-3 partitions under a pipeline (see the module
+    docstring for what stays whole): in the module, not 0-d, at least
+    ``persist`` elements, read by the forward and backward of one stage only
+    (through the casts and views every stage copies)."""
+    from ..passes.pipeline.partition_stages import META_STAGE, META_TASK, PIPELINE_KEY
+
+    owner = graph.signature.extra[PIPELINE_KEY].owner
+    out = set()
+    for slot, ph in zip(graph.signature.inputs, (n for n in graph.gm.graph.nodes if n.op == "placeholder")):
+        val = ph.meta.get("val")
+        if (slot.role is not Role.PARAM or slot.storage is not Storage.USER or owner.get(slot.name) is None
+                or not isinstance(val, torch.Tensor) or val.dim() == 0 or val.numel() < persist):
+            continue
+        stages, todo, seen = set(), list(ph.users), set()
+        while todo:
+            u = todo.pop()
+            if u in seen:
+                continue
+            seen.add(u)
+            if u.meta.get(META_STAGE) is None:
+                todo.extend(u.users)  # (a copy every stage that reads it makes)
+            elif u.meta.get(META_TASK) in FETCHED_KINDS:
+                stages.add(u.meta[META_STAGE])
+        if len(stages) <= 1:
+            out.add(slot.name)
+    return frozenset(out)
+
+
+def partitioned_parameters(graph: StepGraph, programs, names: frozenset[str], shares: dict[str, int], dp,
+                           stage_rank: list[int]) -> dict[int, int]:
     """Step input position -> the global rank that keeps that parameter, for
-    every parameter that ZeRO-3 partitions (see the module docstring for what
-    stays whole), of every stage (``stage_rank``: the pipeline rank that runs
-    each stage): the same on every rank."""
+    every parameter of ``names`` (:func:`partitionable`), of every stage
+    (``stage_rank``: the pipeline rank that runs each stage): the same on
+    every rank."""
     owner = programs.plan.owner
     shared = {graph.signature.outputs[i].name for i, _, _, _ in programs.param_sends}
     per_stage = dp.world_size // dp.pp_size
-    placeholders = [n for n in graph.gm.graph.nodes if n.op == "placeholder"]
     out = {}
-    for i, (slot, ph) in enumerate(zip(graph.signature.inputs, placeholders)):
-        if (slot.role is not Role.PARAM or slot.storage is not Storage.USER or slot.name not in shares
-                or slot.name in shared or owner.get(slot.name) is None):
-            continue
-        val = ph.meta.get("val")
-        if not isinstance(val, torch.Tensor) or val.dim() == 0 or val.numel() < persist:
-            continue
-        out[i] = stage_rank[owner[slot.name]] * per_stage + dp.tp_rank + shares[slot.name] * dp.tp_size
+    for i, slot in enumerate(graph.signature.inputs):
+        if slot.role is Role.PARAM and slot.name in names and slot.name in shares and slot.name not in shared:
+            out[i] = stage_rank[owner[slot.name]] * per_stage + dp.tp_rank + shares[slot.name] * dp.tp_size
     return out
 
 
