@@ -711,7 +711,7 @@ class ParallelStep:
             if names:
                 from .runtime.pipeline_params import partitioned_parameters
 
-                partitioned = partitioned_parameters(final, programs, names, shares, self._dp, schedule.stage_rank)
+                partitioned = partitioned_parameters(final, names, shares, self._dp, schedule.stage_rank)
             prefetch = zero_config.prefetch_bucket_size
             return PipelineExecutor(final, binding, self._dp, programs, schedule, micro, update_shares=shares,
                                     shard_gradients=zero >= 2, partitioned=partitioned,

@@ -104,6 +104,7 @@ class PipelineExecutor:
         # ZeRO-3 (runtime/pipeline_params.py): step input position -> the global rank that keeps the parameter;
         # this rank's forward and backward programs fetch the others from it as they read them
         self.partitioned = dict(partitioned or {})
+        self._keepers = {graph.signature.inputs[i].name: r for i, r in self.partitioned.items()}
         self.fetched: dict[tuple[str, int], list[int]] = {}  # program -> the step input positions it fetches
         if self.partitioned:
             from .pipeline_params import FETCHED_KINDS, insert_fetches
@@ -131,11 +132,7 @@ class PipelineExecutor:
 
     def partitioned_keeper(self, name: str) -> int | None:
         """ZeRO-3: the global rank that keeps parameter ``name`` between steps (None: every rank of its stage)."""
-        keepers = getattr(self, "_keepers", None)
-        if keepers is None:
-            inputs = self.graph.signature.inputs
-            keepers = self._keepers = {inputs[i].name: r for i, r in self.partitioned.items()}
-        return keepers.get(name)
+        return self._keepers.get(name)
 
     # -- helpers ----------------------------------------------------------------
     def _peer(self, stage: int) -> int:
@@ -380,8 +377,7 @@ class PipelineExecutor:
     def _communicate(self, batch: CommBatch, store: dict) -> None:
         progs = self.programs
         ops = []
-        received: list[tuple[dict, str, torch.Tensor, bool]] = []
-        receives: list[Action] = []
+        received: list[tuple[dict, str, torch.Tensor, bool, int]] = []  # (values, name, buffer, sliced, micro)
         device = None
         for action in batch.actions:
             values = store.setdefault((action.stage, action.micro), {})
@@ -410,14 +406,13 @@ class PipelineExecutor:
                         device = self._device()
                     numel = math.prod(shape)
                     t = torch.empty((-(-numel // self.dp.tp_size),) if part else shape, dtype=dtype, device=device)
-                    received.append((values, name, t, part))
-                    receives.append(action)
+                    received.append((values, name, t, part, action.micro))
                     ops.append(dist.P2POp(dist.irecv, t, peer, self.dp.pp_group, tag))
         if ops:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
-        for (values, name, t, part), action in zip(received, receives):
-            values[name] = self._gather_slices(t, self._shape(name, action.micro)) if part else t
+        for values, name, t, part, micro in received:
+            values[name] = self._gather_slices(t, self._shape(name, micro)) if part else t
 
     def _slice(self, t: torch.Tensor) -> torch.Tensor:
         """This tensor-parallel rank's slice of a value the TP group holds alike (flattened, zero-padded to a

@@ -97,20 +97,19 @@ def partitionable(graph: StepGraph, persist: int) -> frozenset[str]:
     return frozenset(out)
 
 
-def partitioned_parameters(graph: StepGraph, programs, names: frozenset[str], shares: dict[str, int], dp,
+def partitioned_parameters(graph: StepGraph, names: frozenset[str], shares: dict[str, int], dp,
                            stage_rank: list[int]) -> dict[int, int]:
     """Step input position -> the global rank that keeps that parameter, for
     every parameter of ``names`` (:func:`partitionable`), of every stage
     (``stage_rank``: the pipeline rank that runs each stage): the same on
     every rank."""
-    owner = programs.plan.owner
-    shared = {graph.signature.outputs[i].name for i, _, _, _ in programs.param_sends}
+    from ..passes.pipeline.partition_stages import PIPELINE_KEY
+
+    owner = graph.signature.extra[PIPELINE_KEY].owner
     per_stage = dp.world_size // dp.pp_size
-    out = {}
-    for i, slot in enumerate(graph.signature.inputs):
-        if slot.role is Role.PARAM and slot.name in names and slot.name in shares and slot.name not in shared:
-            out[i] = stage_rank[owner[slot.name]] * per_stage + dp.tp_rank + shares[slot.name] * dp.tp_size
-    return out
+    return {i: stage_rank[owner[slot.name]] * per_stage + dp.tp_rank + shares[slot.name] * dp.tp_size
+            for i, slot in enumerate(graph.signature.inputs)
+            if slot.role is Role.PARAM and slot.name in names and slot.name in shares}
 
 
 def insert_fetches(program, owners: dict[int, int], group: Any, rank: int, budget: int) -> list[int]:

@@ -438,7 +438,7 @@ def partition_stages(graph: StepGraph, options: PassOptions) -> PassResult:
 
     pinned = options.extra.get(PINNED_OWNER_KEY)
     if pinned:  # a later capture of the same step: the stages its first capture chose (the rank released the rest)
-        cuts = _cuts_keeping(pinned, first_reader, interior, stages)
+        cuts = _cuts_keeping(pinned, first_reader, interior, stages, len(forward))
     elif split_points:
         cuts = _cuts_at_modules(split_points, first_reader, candidates, forward, stages)
         method = "split_points"
@@ -637,7 +637,8 @@ def _matching_module(name: str, classes: tuple, pattern: re.Pattern) -> str | No
     return None
 
 
-def _cuts_keeping(pinned: dict[str, int], first_reader: dict[str, int], interior: list[int], stages: int) -> list[int]:
+def _cuts_keeping(pinned: dict[str, int], first_reader: dict[str, int], interior: list[int], stages: int,
+                  n_forward: int) -> list[int]:
     """Cuts that give every parameter the stage ``pinned`` says (an earlier
     capture's owners): before each stage's first parameter reader, the last
     point where only tensors cross. Raises when the owners cannot be kept."""
@@ -649,7 +650,7 @@ def _cuts_keeping(pinned: dict[str, int], first_reader: dict[str, int], interior
             raise ConfigError("pipeline.stages", f"a new capture of the step cannot give stage {s} the parameters "
                               "its first capture gave it (the rank released the others' after its first step)")
         cuts.append(max(before))
-    bounds = [0] + cuts + [max(interior) + 2]
+    bounds = [0] + cuts + [n_forward]
     moved = [n for n, i in first_reader.items() if n in pinned and _stage_at(bounds, i) != pinned[n]]
     if cuts != sorted(set(cuts)) or moved:
         raise ConfigError("pipeline.stages", "a new capture of the step cannot keep the stages of its first capture "

@@ -77,23 +77,8 @@ def plan_tensor_parallel(graph: StepGraph, options: PassOptions) -> PassResult:
     tp_config = getattr(options.config, "tensor_parallel", None)
     config = getattr(tp_config, "partition_config", None)
     notes: list[str] = []
-    labels = None
     preset = getattr(tp_config, "preset_model", None)
-    if preset:  # DeepSpeed's merge: the user's specs first, the preset's after them (if use_default_specs)
-        from .presets import preset_specs
-
-        specs = preset_specs(preset)
-        if config is None:
-            config = {"use_default_specs": True, "layer_specs": specs}
-            labels = [f"tensor_parallel.preset_model {preset!r} entry {i}" for i in range(len(specs))]
-        elif config["use_default_specs"]:
-            own = tuple(config["layer_specs"])
-            labels = [f"{_SPECS}[{i}]" for i in range(len(own))] + [
-                f"tensor_parallel.preset_model {preset!r} entry {i}" for i in range(len(specs))]
-            config = {"use_default_specs": True, "layer_specs": own + tuple(specs)}
-        else:
-            notes.append(f"tensor_parallel.preset_model {preset!r} not used: partition_config.use_default_specs "
-                         "is false (DeepSpeed merges a preset only with default specs on)")
+    config, labels, with_preset = _with_preset(config, preset, notes)
     model_type = (options.extra or {}).get(MODEL_TYPE_KEY)
     if config is None and (options.extra or {}).get(HF_TP_PLAN_KEY):
         # the Hugging Face model's own plan, where it propagates here; else the search decides
@@ -110,10 +95,11 @@ def plan_tensor_parallel(graph: StepGraph, options: PassOptions) -> PassResult:
         try:
             specified = _specified(g, outputs, tp, config, single, params, details, labels, model_type, kept_whole)
         except ConfigError as exc:
-            if preset and labels and any(label.startswith("tensor_parallel.preset_model") for label in labels):
-                raise ConfigError("tensor_parallel.preset_model", f"the preset {preset!r} does not fit this model: "
-                                  f"{str(exc).split(': ', 1)[-1]}; without preset_model the search finds the splits",
-                                  value=preset, expected="a preset of this model's family, or none") from None
+            if with_preset:
+                merged = " (merged after partition_config's specs)" if with_preset == "merged" else ""
+                raise ConfigError("tensor_parallel.preset_model", f"the preset {preset!r}{merged} does not fit this "
+                                  f"model: {str(exc).split(': ', 1)[-1]}; without preset_model the search finds the "
+                                  "splits", value=preset, expected="a preset of this model's family, or none") from None
             raise
         accepted.update(specified)
         for name, reason in kept_whole.items():
@@ -182,6 +168,28 @@ def plan_tensor_parallel(graph: StepGraph, options: PassOptions) -> PassResult:
 
 
 _SPECS = "tensor_parallel.partition_config.layer_specs"
+
+
+def _with_preset(config, preset: str | None, notes: list[str]) -> tuple[dict | None, list[str] | None, str | None]:
+    """``partition_config`` with DeepSpeed's ``preset_model`` merged as
+    DeepSpeed merges them (the user's specs first, the preset's after, when
+    ``use_default_specs``): (config, a label per entry or None, "alone" /
+    "merged" / None as the preset is used)."""
+    if not preset:
+        return config, None, None
+    from .presets import preset_specs
+
+    specs = preset_specs(preset)
+    preset_labels = [f"tensor_parallel.preset_model {preset!r} entry {i}" for i in range(len(specs))]
+    if config is None:
+        return {"use_default_specs": True, "layer_specs": specs}, preset_labels, "alone"
+    if not config["use_default_specs"]:
+        notes.append(f"tensor_parallel.preset_model {preset!r} not used: partition_config.use_default_specs "
+                     "is false (DeepSpeed merges a preset only with default specs on)")
+        return config, None, None
+    own = tuple(config["layer_specs"])
+    return ({"use_default_specs": True, "layer_specs": own + tuple(specs)},
+            [f"{_SPECS}[{i}]" for i in range(len(own))] + preset_labels, "merged")
 
 
 def _sequence_parallel(g, outputs, tp, options, accepted, uses) -> tuple[int | None, str]:

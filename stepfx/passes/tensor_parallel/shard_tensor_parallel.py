@@ -45,6 +45,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from ... import compat
 from ...graph import META_GRAD_OF, META_GRAD_PIECE, META_PHASE, Phase, Role, StepGraph, Storage
 from ...graph.build import clone_step_graph
 from ...graph.tp_layout import TP_PLAN_KEY
@@ -212,15 +213,11 @@ def _gradients_reduced_after_backward(reduce: dict) -> dict:
     for value, readers in reduce.items():
         val = value.meta.get("val")
         if (META_GRAD_OF in value.meta and value.meta.get(META_PHASE) is Phase.BACKWARD
-                and isinstance(val, torch.Tensor) and not any(_is_symbolic(x) for x in val.shape)
+                and isinstance(val, torch.Tensor) and not any(compat.is_symbolic(x) for x in val.shape)
                 and all(r.op == "output" or r.meta.get(META_PHASE) not in (Phase.FORWARD, Phase.BACKWARD)
                         for r in readers)):
             out.setdefault(val.dtype, []).append(value)
     return out
-
-
-def _is_symbolic(size) -> bool:
-    return not isinstance(size, int)
 
 
 def _all_reduce_together(g: fx.Graph, values: list[fx.Node], reduce: dict, group: str) -> None:
