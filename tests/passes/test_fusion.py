@@ -580,3 +580,26 @@ def test_parameter_copies_carried_between_steps_are_the_same_bits(precision):
     buffer = update.args[-1]
     assert buffer.op == "placeholder" and buffer.meta["slot"].name == "param_copies"
     assert len(update.meta[META_DONATED]) == 3 * update.args[0] + 1 and update.meta[META_DONATED][-1] == len(update.args) - 1
+
+
+def test_a_view_to_a_symbolic_size_stays_out_of_generic_regions():
+    """A view whose size is read from a symbolic batch size reads that size's node; a region takes tensors
+    only, so the view stays outside (it made the pass fail before: padded cuDNN attention's output gradient
+    view, 2026-12-05), and the pointwise ops around it still fuse."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from stepfx.graph import META_PHASE, Phase
+    from stepfx.passes.fusion.fuse_generic_regions import _regions
+
+    def f(x):
+        y = (x.sin() * 2).cos()
+        return (y.view(x.shape[0], 2, 2) + 1).exp()
+
+    gm = make_fx(f, tracing_mode="symbolic")(torch.randn(6, 4))
+    for n in gm.graph.nodes:
+        n.meta[META_PHASE] = Phase.FORWARD
+    view = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.view.default)
+    assert any(isinstance(a.meta["val"], torch.SymInt) for a in view.all_input_nodes)
+    regions = _regions(gm.graph)
+    assert regions and all(view not in r.nodes for r in regions)
+    assert sorted(len(r.nodes) for r in regions) == [2, 3]  # sin, mul, cos | add, exp

@@ -88,6 +88,8 @@ def _candidate(node: fx.Node) -> bool:
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor) or not val.is_floating_point() or not node.users:
         return False
+    if not all(isinstance(a.meta.get("val"), torch.Tensor) for a in node.all_input_nodes):
+        return False  # a view to a symbolic size reads the size's node: a region's inputs are tensors
     return all(_phase(u) == _phase(node) and _candidate(u) for u in node.users)
 
 
