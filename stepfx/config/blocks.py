@@ -229,7 +229,9 @@ class StepfxOptions:
         dropout's inputs) each rank of the group holds its share of the
         tokens; a row-parallel product is reduce-scattered over the tokens
         instead of all-reduced, and gathered before the next column-parallel
-        matmul (passes/tensor_parallel).
+        matmul (passes/tensor_parallel). With stepfx.dynamic the shared token
+        count may vary where it divides by the group at every call (a batch
+        size divisible by it); else the symbolic capture runs without it.
     """
 
     codegen: bool | None = spec(None, Optional(Bool()))

@@ -11,6 +11,7 @@ tensor, ``join`` puts the whole back from every rank's shard.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = ["TensorSplit", "Placement", "TensorParallelPlan", "TP_PLAN_KEY"]
 
@@ -83,7 +84,9 @@ class TensorParallelPlan:
     placements: tuple[Placement, ...]
     groups: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = ()
     notes: tuple[str, ...] = field(default=())
-    tokens: int | None = None  # sequence parallelism: the step's token count the ranks share (None: off)
+    # sequence parallelism: the step's token count the ranks share (None: off); under stepfx.dynamic a sympy
+    # expression in the batch's size symbols (a multiple of the group size at every call)
+    tokens: Any = None
     group: str | None = None  # the tensor-parallel group's name, as its collectives in the graph read it
 
     def split_of(self, name: str) -> TensorSplit | None:

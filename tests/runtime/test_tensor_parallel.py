@@ -221,17 +221,53 @@ def test_sequence_parallel_is_off_with_a_note_when_the_tokens_do_not_divide(rank
 def test_tp2_variable_lengths_capture_twice_and_equal_the_reference(rank_pool, sequence):
     """A new sequence length every step: the first call's static capture,
     then one symbolic capture for every other length (the token count is a
-    size of the graph, the split dimensions stay static). Sequence
-    parallelism needs a static token count: the symbolic capture runs
-    without it, saying so."""
+    size of the graph, the split dimensions stay static). With sequence
+    parallelism the symbolic capture shares a token count that varies
+    (2 sequences: a multiple of the 2 ranks at every length, odd lengths
+    included): the same collectives as with a static count, each rank's
+    share of the rows computed per call."""
     g = torch.Generator().manual_seed(0)
     batches = [[(torch.randint(0, 64, (2, length), generator=g),) for length in (9, 12, 7, 10)]]
     results = rank_pool(2).run(tp_run, lm_step, one_block_gpt, sgd_plain, batches, SP if sequence else TP2,
                                timeout=300)
     _check(results, lm_step, one_block_gpt, sgd_plain, batches, tp=2)
     assert results[0]["captures"] == 2
-    assert results[0]["counts"] == GPT_COUNTS  # the symbolic capture's: Megatron's, and the head's
-    assert any("off for this capture: its token count varies" in n for n in results[0]["notes"]) == sequence
+    if sequence:  # the symbolic capture's collectives: as with a static token count
+        assert results[0]["sequence"] == GPT_SEQUENCE and results[0]["counts"]["tp backward"] == 2
+        assert any("tokens of the step are shared by the 2 ranks" in n and "varies between calls" in n
+                   for n in results[0]["notes"]), results[0]["notes"]
+    else:
+        assert results[0]["counts"] == GPT_COUNTS  # the symbolic capture's: Megatron's, and the head's
+
+
+@pytest.mark.xdist_group("tensor_parallel")
+def test_sequence_parallel_over_padded_batches_of_varying_length(rank_pool):
+    """Hugging Face Llama on DataCollatorWithPadding batches (labels -100 on
+    the padding, an attention mask) whose length changes every step, TP 2
+    with sequence parallelism and clipping: two captures, the symbolic one
+    sequence parallel (2 sequences of any length share into 2), equal to
+    the single process."""
+    g = torch.Generator().manual_seed(4)
+    batches = [[(padded_batch(lengths, generator=g),) for lengths in ([9, 4], [6, 11], [7, 7], [12, 5])]]
+    config = {**SP, "gradient_clipping": CLIP}
+    results = rank_pool(2).run(tp_run, padded_step, hf_llama, sgd_momentum, batches, config, timeout=300)
+    _check(results, padded_step, hf_llama, sgd_momentum, batches, tp=2, clip=CLIP)
+    assert results[0]["captures"] == 2
+    assert results[0]["sequence"]["reduce_scatter forward"] == 2 * 2 + 1  # o, down per layer; the lookup
+    assert any("varies between calls" in n for n in results[0]["notes"]), results[0]["notes"]
+
+
+@pytest.mark.xdist_group("tensor_parallel")
+def test_sequence_parallel_is_off_for_a_varying_token_count_the_ranks_cannot_share(rank_pool):
+    """One sequence of a varying length over 2 ranks: an odd length would not
+    split into two shares, so the symbolic capture runs without sequence
+    parallelism, saying why and what makes it divide; still equal."""
+    g = torch.Generator().manual_seed(1)
+    batches = [[(torch.randint(0, 64, (1, length), generator=g),) for length in (9, 12, 7)]]
+    results = rank_pool(2).run(tp_run, lm_step, one_block_gpt, sgd_plain, batches, SP, timeout=300)
+    _check(results, lm_step, one_block_gpt, sgd_plain, batches, tp=2)
+    assert results[0]["captures"] == 2 and results[0]["sequence"] == {}
+    assert any("is not a multiple of 2 at every call" in n for n in results[0]["notes"]), results[0]["notes"]
 
 
 @pytest.mark.slow

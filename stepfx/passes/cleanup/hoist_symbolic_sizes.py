@@ -33,12 +33,12 @@ from ...graph.build import clone_step_graph
 from ...graph.ops import has_side_effect
 from ..manager import PassOptions, PassResult
 
-__all__ = ["hoist_symbolic_sizes"]
+__all__ = ["hoist_symbolic_sizes", "SizeBuilder", "symbol_sources"]
 
 aten = torch.ops.aten
 
 
-def _symbol_sources(graph: fx.Graph) -> dict:
+def symbol_sources(graph: fx.Graph) -> dict:
     """Symbol -> (batch placeholder, dim) that holds it as a size (the first)."""
     sources: dict = {}
     for node in graph.nodes:
@@ -62,12 +62,15 @@ def _expressible(expr, sources: dict) -> bool:
     return False
 
 
-class _Builder:
+class SizeBuilder:
     """Emits Python arithmetic on hoisted ``sym_size`` reads of the batch
-    inputs for a size expression (each symbol read once per graph)."""
+    inputs for a size expression (each symbol read once per graph, right
+    after the placeholders). ``reuse``: an expression built once is read by
+    every later ``build`` of it (callers that build in graph order); else
+    each ``build`` makes its arithmetic right before its reader."""
 
-    def __init__(self, g: fx.Graph, sources: dict, after: fx.Node):
-        self.g, self.sources, self.after = g, sources, after
+    def __init__(self, g: fx.Graph, sources: dict, after: fx.Node, reuse: bool = True):
+        self.g, self.sources, self.after, self.reuse = g, sources, after, reuse
         self.symbols: dict = {}
         self.built: dict = {}  # expression -> the node computing it (earlier in the graph)
 
@@ -80,20 +83,23 @@ class _Builder:
             self.symbols[expr] = node
         return self.symbols[expr]
 
-    def build(self, expr, before: fx.Node):
+    def build(self, expr, before: fx.Node, like: fx.Node | None = None):
+        """A node computing ``expr`` (or its int), made before ``before``, with ``like``'s metadata
+        (phase, source; ``before``'s by default)."""
+        like = before if like is None else like
         if expr.is_Integer:
             return int(expr)
         if expr in self.sources:
-            return self.symbol(expr, before)
-        if expr in self.built:
+            return self.symbol(expr, like)
+        if self.reuse and expr in self.built:
             return self.built[expr]
         op = {sympy.Add: operator.add, sympy.Mul: operator.mul}.get(type(expr), operator.floordiv)
-        args = [self.build(a, before) for a in expr.args]
+        args = [self.build(a, before, like) for a in expr.args]
         out = args[0]
         for arg in args[1:]:
             with self.g.inserting_before(before):
                 node = self.g.call_function(op, (out, arg))
-            _annotate(node, before, op(*[a.meta["val"] if isinstance(a, fx.Node) else a for a in (out, arg)]))
+            _annotate(node, like, op(*[a.meta["val"] if isinstance(a, fx.Node) else a for a in (out, arg)]))
             out = node
         self.built[expr] = out
         return out
@@ -106,7 +112,7 @@ def _annotate(node: fx.Node, like: fx.Node, val) -> None:
 
 
 def hoist_symbolic_sizes(graph: StepGraph, options: PassOptions) -> PassResult:
-    sources = _symbol_sources(graph.gm.graph)
+    sources = symbol_sources(graph.gm.graph)
     if not sources:
         return PassResult(graph, False)
 
@@ -122,8 +128,8 @@ def hoist_symbolic_sizes(graph: StepGraph, options: PassOptions) -> PassResult:
         return PassResult(graph, False)
     graph = clone_step_graph(graph)
     g = graph.gm.graph
-    sources = _symbol_sources(g)
-    builder = _Builder(g, sources, [n for n in g.nodes if n.op == "placeholder"][-1])
+    sources = symbol_sources(g)
+    builder = SizeBuilder(g, sources, [n for n in g.nodes if n.op == "placeholder"][-1])
     moved = 0
     for node in list(g.nodes):
         if not movable(node):

@@ -136,8 +136,12 @@ def _is(size, n: int) -> bool:
 
 
 def _divides(size, by: int) -> bool:
-    """Whether a static size divides by ``by`` (a symbolic size is never split)."""
-    return not compat.is_symbolic(size) and int(size) % by == 0
+    """Whether a size divides by ``by`` at every call: a static one, or a
+    symbolic one whose expression is a multiple of ``by`` for every value
+    of its symbols (``4*s0`` by 2: a batch of 4 sequences of any length)."""
+    if compat.is_symbolic(size):
+        return sympy.Mod(compat.size_expr(size), by) == 0
+    return int(size) % by == 0
 
 
 def _same(a, b) -> bool:
@@ -164,7 +168,7 @@ class Propagation:
     # sequence parallelism (``tokens``: the step's token count, None when off): partial values reduce-scattered
     # over the tokens for per-token readers, token-split values gathered for the readers that need them whole,
     # replicated operands sliced to the rank's tokens where they meet token-split ones
-    tokens: int | None = None
+    tokens: int | sympy.Expr | None = None  # an expression in the batch's symbols under stepfx.dynamic
     scatter: dict = field(default_factory=dict)  # partial node -> [readers taking its token shard]
     gather: dict = field(default_factory=dict)  # token-split node -> [readers needing it whole]
     slices: dict = field(default_factory=dict)  # reader -> [replicated operands it reads sliced to its tokens]
@@ -186,15 +190,14 @@ class Propagation:
         shape = _shape(value)
         if not shape or len(shape) < 2:
             return None
-        if any(compat.is_symbolic(size) for size in shape):
-            return None  # sequence parallelism needs static token counts
-        count, first = 1, None
+        tokens = sympy.sympify(self.tokens)
+        count, first = sympy.Integer(1), None
         for d, size in enumerate(shape[:-1]):
-            count *= int(size)
-            if first is None and size != 1:
+            count = sympy.expand(count * compat.size_expr(size))
+            if first is None and not _is(size, 1):
                 first = d
-            if count == self.tokens:
-                return first if first is not None and shape[first] % self.tp == 0 else None
+            if count == tokens:  # the same expression: the same count at every call
+                return first if first is not None and _divides(shape[first], self.tp) else None
         return None
 
 

@@ -34,6 +34,7 @@ import itertools
 import operator
 import re
 
+import sympy
 import torch.fx as fx
 
 from ... import compat
@@ -201,16 +202,19 @@ def _sequence_parallel(g, outputs, tp, options, accepted, uses) -> tuple[int | N
         return None, ""
     firsts = sorted((found[0].node for name, found in uses.items() if name in accepted), key=_order)
     shape = firsts[0].args[1 if firsts[0].target is aten.addmm.default else 0].meta["val"].shape
-    if compat.is_symbolic(shape[0]):
-        return None, ("sequence parallelism is off for this capture: its token count varies between calls "
-                      "(stepfx.dynamic); a rank's share of the tokens must be static")
-    tokens = int(shape[0])
+    tokens = compat.size_expr(shape[0])
+    if compat.is_symbolic(shape[0]) and sympy.Mod(tokens, tp) != 0:
+        return None, (f"sequence parallelism is off for this capture: its token count {tokens} varies between calls "
+                      f"(stepfx.dynamic) and is not a multiple of {tp} at every call (a batch size divisible by "
+                      f"the tensor-parallel size makes it one)")
     try:
         propagate(g, dict(accepted), tp, outputs, tokens=tokens)
     except Refused as e:
         return None, f"sequence parallelism is off: {e.describe()}"
+    varies = " (a count that varies between calls: each rank takes its share of every call's)" \
+        if compat.is_symbolic(shape[0]) else ""
     return tokens, (f"sequence parallelism: the {tokens} tokens of the step are shared by the {tp} ranks between "
-                    "the column/row pairs (reduce-scattered after a row, gathered before a column)")
+                    f"the column/row pairs (reduce-scattered after a row, gathered before a column){varies}")
 _VOCAB_KEY = "tensor_parallel.vocab_parallel_lm_head"
 
 

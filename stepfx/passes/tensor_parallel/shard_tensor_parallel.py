@@ -42,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 
+import sympy
 import torch
 import torch.fx as fx
 
@@ -49,6 +50,7 @@ from ... import compat
 from ...graph import META_GRAD_OF, META_GRAD_PIECE, META_PHASE, Phase, Role, StepGraph, Storage
 from ...graph.build import clone_step_graph
 from ...graph.tp_layout import TP_PLAN_KEY
+from ..cleanup.hoist_symbolic_sizes import SizeBuilder, symbol_sources
 from ..data_parallel.collectives import fake_like, fake_result, make_node
 from ..manager import PassOptions, PassResult
 from .placements import PARTIAL, VIEWS, Sharded, aten, propagate
@@ -140,16 +142,13 @@ def _local_arguments(node: fx.Node, state, tp: int) -> None:
     if target in VIEWS or target is aten.expand.default:
         # the split dimension's size per rank; the others as written (symbolic ones are nodes)
         sizes = list(node.args[1])
-        if not isinstance(sizes[state.dim], int):
-            raise AssertionError(f"{node.format_node()}: split dimension {state.dim} has a symbolic size")
-        if sizes[state.dim] != -1:
-            sizes[state.dim] //= tp
+        sizes[state.dim] = _per_rank(node, sizes[state.dim], tp)
         node.args = (node.args[0], sizes) + tuple(node.args[2:])
     elif target is aten.embedding_dense_backward.default:  # the table's rows
         node.args = (node.args[0], node.args[1], node.args[2] // tp) + tuple(node.args[3:])
     elif target is aten.slice_backward.default:
         sizes = list(node.args[1])
-        sizes[state.dim] //= tp
+        sizes[state.dim] = _per_rank(node, sizes[state.dim], tp)
         node.args = (node.args[0], sizes) + tuple(node.args[2:])
     elif target in (aten.split.Tensor, aten.split_with_sizes.default):
         src_state = state[0]
@@ -158,6 +157,22 @@ def _local_arguments(node: fx.Node, state, tp: int) -> None:
             size = node.args[1]
             size = [s // tp for s in size] if isinstance(size, (list, tuple)) else size // tp
             node.args = (node.args[0], size) + tuple(node.args[2:])
+
+
+def _per_rank(reader: fx.Node, size, tp: int):
+    """A size written in ``reader``'s arguments, of a dimension the ranks split: its share per rank. A
+    symbolic one (sequence parallelism over a token count that varies: a node computing it) is divided by a
+    node made before the reader; the split checked that it divides at every call."""
+    if isinstance(size, fx.Node):
+        val = size.meta["val"]
+        with reader.graph.inserting_before(reader):
+            share = reader.graph.call_function(operator.floordiv, (size, tp))
+        share.meta.update({k: v for k, v in reader.meta.items() if k != "val"})
+        share.meta["val"] = val // tp
+        return share
+    if not isinstance(size, int):
+        raise AssertionError(f"{reader.format_node()}: the split dimension's size {size!r} is neither an int nor a node")
+    return size if size == -1 else size // tp
 
 
 def _run_fake(node: fx.Node, state, tp: int):
@@ -323,6 +338,7 @@ def _sequence_parallel(g: fx.Graph, prop, options: PassOptions) -> int:
     replicated operands sliced to the rank's tokens. New nodes get their
     states, so the local shapes below cover them. Returns the collectives added."""
     tp, group, count = options.tp_size, options.tp_group_name, 0
+    sizes = _sizes(g)
     for node in [n for n in g.nodes if n in prop.decompose and isinstance(prop.states.get(n), Sharded)]:
         state = prop.states[node]
         prop.decompose.discard(node)
@@ -330,31 +346,37 @@ def _sequence_parallel(g: fx.Graph, prop, options: PassOptions) -> int:
         prop.states[mm], prop.states[added] = PARTIAL, state
         prop.scatter[mm] = [added]
     for value, readers in list(prop.scatter.items()):
-        _token_collective(g, prop, value, readers, tp, group, scatter=True)
+        _token_collective(g, prop, value, readers, tp, group, sizes, scatter=True)
         count += 1
     for value, readers in list(prop.gather.items()):
-        _token_collective(g, prop, value, readers, tp, group, scatter=False)
+        _token_collective(g, prop, value, readers, tp, group, sizes, scatter=False)
         count += 1
     for reader, operands in prop.slices.items():
         for operand, dim in operands:
-            sliced = _token_slice(g, reader, operand, dim, tp, options.tp_rank)
+            sliced = _token_slice(g, reader, operand, dim, tp, options.tp_rank, sizes)
             if reader in prop.reduce.get(operand, ()):  # a partial operand: the slice reads it all-reduced
                 prop.reduce[operand] = [sliced if r is reader else r for r in prop.reduce[operand]]
     return count
 
 
-def _token_collective(g, prop, value, readers, tp: int, group: str, *, scatter: bool) -> None:
+def _token_collective(g, prop, value, readers, tp: int, group: str, sizes: SizeBuilder, *, scatter: bool) -> None:
     """value (whole shape in its meta) as [tokens, rest] rows, reduce-scattered
     (a partial value: each rank keeps the sum of its tokens' rows) or
     all-gathered (a token-split value: every rank gets all rows), and back
     to the value's dimensions, for ``readers``."""
     val = value.meta["val"]
-    rows = prop.tokens
-    flat_shape = (rows, val.numel() // rows)
+    tokens = sympy.sympify(prop.tokens)
+    rest = sympy.cancel(compat.size_expr(val.numel()) / tokens)
+    if not rest.is_Integer:
+        raise AssertionError(f"{value.format_node()}: {val.numel()} elements are not {tokens} tokens' rows")
+    rest = int(rest)
+    flat_shape = (val.numel() // rest, rest)  # SymInts where the tokens vary
     token = Sharded(0, tokens=True)
     meta = dict(like=value, phase=value.meta.get(META_PHASE))
-    with g.inserting_after(value):
-        flat = make_node(g, aten.reshape.default, (value, list(flat_shape)), val=fake_like(val, flat_shape),
+    after = value.next  # the sizes the reshapes read are made between the value and its first reader
+    rows = sizes.build(tokens, after, value) if compat.is_symbolic(flat_shape[0]) else int(flat_shape[0])
+    with g.inserting_before(after):
+        flat = make_node(g, aten.reshape.default, (value, [rows, rest]), val=fake_like(val, flat_shape),
                          name="sp_rows", **meta)
     with g.inserting_after(flat):
         if scatter:
@@ -365,8 +387,10 @@ def _token_collective(g, prop, value, readers, tp: int, group: str, *, scatter: 
                                val=fake_like(val, flat_shape), name="tp_all_gather", **meta)
     with g.inserting_after(issued):
         done = make_node(g, c10d.wait_tensor.default, (issued,), val=fake_like(val, flat_shape), name="tp_wait", **meta)
-    with g.inserting_after(done):
-        out = make_node(g, aten.reshape.default, (done, list(val.shape)), val=fake_like(val, val.shape),
+    anchor = done.next  # the sizes, then the reshape, right before what followed the wait
+    shape = [sizes.build(compat.size_expr(x), anchor, value) if compat.is_symbolic(x) else int(x) for x in val.shape]
+    with g.inserting_before(anchor):
+        out = make_node(g, aten.reshape.default, (done, shape), val=fake_like(val, val.shape),
                         name="sp_tokens" if scatter else "sp_gathered", **meta)
     if scatter:
         dim = prop.token_dim(value)
@@ -377,11 +401,23 @@ def _token_collective(g, prop, value, readers, tp: int, group: str, *, scatter: 
         reader.replace_input_with(value, out)
 
 
-def _token_slice(g, reader, operand, dim: int, tp: int, rank: int) -> fx.Node:
+def _sizes(g: fx.Graph) -> SizeBuilder:
+    """Arithmetic on the batch's size symbols, each made right before its reader (sequence parallelism over a
+    token count that varies: row counts and slice bounds per call)."""
+    placeholders = [n for n in g.nodes if n.op == "placeholder"]
+    return SizeBuilder(g, symbol_sources(g), placeholders[-1], reuse=False)
+
+
+def _token_slice(g, reader, operand, dim: int, tp: int, rank: int, sizes: SizeBuilder) -> fx.Node:
     """This rank's tokens of a replicated operand (no communication)."""
     val = operand.meta["val"]
     size = val.shape[dim] // tp
-    args = (operand, dim, rank * size, (rank + 1) * size)
+    if compat.is_symbolic(size):  # a token count that varies: the bounds are computed per call
+        share = sympy.expand(compat.size_expr(val.shape[dim]) / tp)
+        bounds = (sizes.build(rank * share, reader), sizes.build((rank + 1) * share, reader))
+    else:
+        bounds = (rank * int(size), (rank + 1) * int(size))
+    args = (operand, dim, *bounds)
     with g.inserting_before(reader):
         sliced = make_node(g, aten.slice.Tensor, args, val=fake_result(aten.slice.Tensor, args), name="sp_slice",
                            like=reader, phase=reader.meta.get(META_PHASE))
