@@ -272,17 +272,20 @@ def test_sequence_parallel_is_off_for_a_varying_token_count_the_ranks_cannot_sha
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("tensor_parallel")
-def test_tp2_dp2_zero_3_padded_batches_of_other_lengths_on_each_data_parallel_rank(rank_pool):
+@pytest.mark.parametrize("sequence", [False, True], ids=["tp", "sequence-parallel"])
+def test_tp2_dp2_zero_3_padded_batches_of_other_lengths_on_each_data_parallel_rank(rank_pool, sequence):
     """DataCollatorWithPadding batches (labels -100 on the padding) whose
     lengths differ per step and per data-parallel rank, Llama at TP 2 x DP 2
     x ZeRO-3: the TP group shares its batch (its activations' collectives
     sized by it), the groups differ; the ranks see the varying lengths at
-    the first call and capture symbolically from the start."""
-    batches = padded_rank_batches(2, 4, seed=5)
-    config = {**TP2, "zero_optimization": {"stage": 3}}
+    the first call and capture symbolically from the start. With sequence
+    parallelism each TP group shares its own varying token count."""
+    batches = padded_rank_batches(2, 4 if not sequence else 3, seed=5)
+    config = {**(SP if sequence else TP2), "zero_optimization": {"stage": 3}}
     results = rank_pool(4).run(tp_run, padded_step, hf_llama, sgd_momentum, batches, config, timeout=500)
     _check(results, padded_step, hf_llama, sgd_momentum, batches, tp=2)
     assert all(got["captures"] <= 2 for got in results)
+    assert bool(results[0]["sequence"]) == sequence
 
 
 @pytest.mark.xdist_group("tensor_parallel")
