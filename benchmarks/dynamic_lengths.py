@@ -83,7 +83,8 @@ def run(kind: str, args) -> dict:
     if kind.startswith("stepfx"):
         optimizer = torch.optim.AdamW(model.parameters(), **adamw)
         config = {"bf16": {"enabled": True}, "gradient_clipping": 1.0,
-                  "stepfx": {"codegen": kind.startswith("stepfx-codegen"), "dynamic": args.dynamic}}
+                  "stepfx": {"codegen": kind.startswith("stepfx-codegen"), "dynamic": args.dynamic,
+                             "attention_pad_multiple": args.attention_pad_multiple}}
         step = stepfx.parallelize(config)(stepfx_step)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), fused=device.type == "cuda", **adamw)
@@ -92,7 +93,7 @@ def run(kind: str, args) -> dict:
                 block.compile()
         step = eager_step
     n = args.warmup + args.steps
-    seqs = [args.seq] * n if fixed else lengths(args, n, seed=123)
+    seqs = [args.fixed_seq or args.seq] * n if fixed else lengths(args, n, seed=123)
     g = torch.Generator(device="cpu").manual_seed(7)
     batches = [torch.randint(0, cfg.vocab_size, (args.batch, t + 1), generator=g).to(device) for t in seqs]
     warm = []
@@ -109,10 +110,21 @@ def run(kind: str, args) -> dict:
             return step(model, optimizer, timed_batches[i])
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        cuda = device.type == "cuda"
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        sync(device)
+        start = time.perf_counter()
+        with profile(activities=activities) as prof:
             result = step(model, optimizer, timed_batches[i])
-        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+            sync(device)
+        wall = time.perf_counter() - start
+        events = prof.key_averages()
+        table = events.table(sort_by="self_cpu_time_total", row_limit=25)
         print(f"profile of call {_CALL[0]} (length {seqs[_CALL[0]]}):\n{table}", flush=True)
+        if cuda:
+            print(events.table(sort_by="self_device_time_total", row_limit=40), flush=True)
+            busy = sum(e.self_device_time_total for e in events) / 1e3
+            print(f"device kernel time {busy:.1f} ms of {wall * 1e3:.1f} ms wall (profiled)", flush=True)
         return result
 
     times, loss = timed(call, args.steps, device)
@@ -122,7 +134,7 @@ def run(kind: str, args) -> dict:
     mean_seq = sum(seqs[args.warmup:]) / args.steps
     flops_per_token = 6 * model.matmul_params() + 12 * cfg.n_layers * cfg.d_model * mean_seq
     row = {
-        "system": kind, "size": args.size, "lengths": "fixed" if fixed else f"uniform [{args.min_seq}, {args.seq}]",
+        "system": kind, "attention_pad_multiple": args.attention_pad_multiple, "size": args.size, "lengths": f"fixed {seqs[0]}" if fixed else f"uniform [{args.min_seq}, {args.seq}]",
         "distinct_lengths": len(set(seqs)), "tokens_per_s": round(tps), "mfu": round(flops_per_token * tps / PEAK_FLOPS, 4),
         "step_ms": times["step_ms"], "first_call_s": warm[0], "warmup_s": warm,
         "peak_alloc_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None,
@@ -153,10 +165,13 @@ def main() -> None:
     ap.add_argument("--size", default="1.3B")
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--min-seq", type=int, default=1024)
+    ap.add_argument("--fixed-seq", type=int, default=0, help="length of the -fixed systems (default --seq)")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--dynamic", default="auto", help='stepfx.dynamic for the stepfx systems ("auto", true, false)')
+    ap.add_argument("--attention-pad-multiple", default="auto",
+                    help='stepfx.attention_pad_multiple ("auto", or a number; 0 = flash attention for symbolic lengths)')
     ap.add_argument("--systems", default="stepfx-codegen,eager,compile,stepfx-codegen-fixed")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of the script (tiny sizes)")
     ap.add_argument("--same-process", action="store_true", help="run every system in this process (cuDNN's plan cache is then shared)")
@@ -167,10 +182,12 @@ def main() -> None:
     if args.log_compiles:
         log_compiles()
     args.dynamic = {"true": True, "false": False}.get(args.dynamic, args.dynamic)
+    if args.attention_pad_multiple != "auto":
+        args.attention_pad_multiple = int(args.attention_pad_multiple)
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     meta = {"date": datetime.date.today().isoformat(), "gpu": gpu, "torch": torch.__version__,
             "command": f"python3 benchmarks/dynamic_lengths.py --size {args.size} --systems {args.systems} "
-                       f"--min-seq {args.min_seq} --seq {args.seq}"}
+                       f"--min-seq {args.min_seq} --seq {args.seq} --attention-pad-multiple {args.attention_pad_multiple}"}
     rows = []
     systems = args.systems.split(",")
     if len(systems) > 1 and not args.same_process:
@@ -182,7 +199,8 @@ def main() -> None:
         for kind in systems:
             cmd = [sys.executable, os.path.abspath(__file__), "--systems", kind, "--size", args.size, "--seq", str(args.seq),
                    "--min-seq", str(args.min_seq), "--batch", str(args.batch), "--warmup", str(args.warmup),
-                   "--steps", str(args.steps), "--dynamic", str(args.dynamic).lower(), "--device", args.device]
+                   "--steps", str(args.steps), "--dynamic", str(args.dynamic).lower(), "--device", args.device,
+                   "--fixed-seq", str(args.fixed_seq), "--attention-pad-multiple", str(args.attention_pad_multiple)]
             if args.log_compiles:
                 cmd.append("--log-compiles")
             cmd += ["--profile-call", str(args.profile_call)]

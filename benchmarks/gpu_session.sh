@@ -8,7 +8,8 @@
 #   first     benchmarks/first_step.py: the 1.3B first call cold, then warm
 #             from the plan cache (issue 21 item 6: warm <= 10 s)
 #   remat     benchmarks/remat.py: 1.3B at micro-batch 24 (issue 18 item 1)
-#   dynamic   benchmarks/dynamic_lengths.py, peers in the same run (issue 17)
+#   dynamic   benchmarks/dynamic_lengths.py, peers in the same run (issue 17); DYNAMIC_ARGS adds arguments
+#   attention benchmarks/attention_lengths.py: attention kernels and matmuls per length
 # Usage (from the repository root, on the device machine):
 #   PARTS=tests,first bash benchmarks/gpu_session.sh
 set -u
@@ -31,8 +32,11 @@ for part in $(echo "${PARTS:-tests,first,remat,dynamic}" | tr ',' ' '); do
       timeout "${REMAT_S:-300}" python3 benchmarks/remat.py --out "$OUT" ${REMAT_ARGS:-} > "$OUT/remat.log" 2>&1
       note remat $? ;;
     dynamic)
-      timeout "${DYNAMIC_S:-330}" python3 benchmarks/dynamic_lengths.py --out "$OUT" > "$OUT/dynamic.log" 2>&1
+      timeout "${DYNAMIC_S:-330}" python3 benchmarks/dynamic_lengths.py --out "$OUT" ${DYNAMIC_ARGS:-} >> "$OUT/dynamic.log" 2>&1
       note dynamic $? ;;
+    attention)
+      timeout "${ATTENTION_S:-120}" python3 benchmarks/attention_lengths.py --out "$OUT" > "$OUT/attention.log" 2>&1
+      note attention $? ;;
     *) echo "unknown part $part" ;;
   esac
 done

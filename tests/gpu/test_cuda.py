@@ -321,38 +321,48 @@ def test_symbolic_lengths_with_compiled_kernels_equal_one_capture_per_length():
 
 @gpu
 @pytest.mark.gpu
-def test_symbolic_lengths_run_flash_attention():
-    """With symbolic lengths the step's cuDNN attention (forward and backward)
-    runs as flash attention (no cuDNN plan to build per new length): no cuDNN
-    attention op is left in the symbolic plan, and the losses and the SGD
-    updates (learning rate x gradient, so a wrong attention gradient shows
-    in full) track the cuDNN step within bf16 rounding: each parameter's
-    update within 3e-2 of the cuDNN step's, normwise. (Adam would hide
-    nothing and show everything: its sign-like step flips elements whose
-    gradient is near zero under any rounding change.)"""
+def test_symbolic_lengths_run_padded_cudnn_or_flash_attention():
+    """With symbolic lengths the step's causal cuDNN attention (forward and
+    backward) runs as flash attention (the default), or on cuDNN over the
+    length padded to a bucket (``attention_pad_multiple``): no cuDNN plan
+    per new length. Both track the step that builds a cuDNN plan per length
+    (padded: bitwise on the H200, 2026-12-05):
+    losses within 1e-3 and the SGD updates (learning rate x gradient, so a
+    wrong attention gradient shows in full) within bf16 rounding, 3e-2
+    normwise per parameter. (Adam would hide nothing and show everything:
+    its sign-like step flips elements whose gradient is near zero under any
+    rounding change.) Buckets of 16: lengths that are not multiples of it
+    and one that is, in three buckets, on both sides of the traced one."""
     g = torch.Generator().manual_seed(0)
     seqs = [33, 64, 17, 41]
     batches = [torch.randint(0, 256, (3, t + 1), generator=g).cuda() for t in seqs]
     runs = {}
-    for disable in ([], ["choose_attention_kernels"]):
+    variants = {"padded": ({"attention_pad_multiple": 16}, []), "flash": ({"attention_pad_multiple": 0}, []),
+                "per-length cuDNN": ({}, ["choose_attention_kernels"])}
+    for name, (extra, disable) in variants.items():
         torch.manual_seed(0)
         model = _gpt_small_cuda()
         start = [p.detach().float().clone() for p in model.parameters()]
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         step = stepfx.parallelize({**CODEGEN, "bf16": {"enabled": True},
-                                   "stepfx": {"codegen": True, "dynamic": True, "disable": disable}})(lm_step)
+                                   "stepfx": {"codegen": True, "dynamic": True, "disable": disable, **extra}})(lm_step)
         losses = [step(model, opt, b).float().item() for b in batches]
-        targets = {str(n.target) for n in step.plan.graph.gm.graph.nodes if "attention" in str(n.target)}
+        targets = [str(n.target) for n in step.plan.graph.gm.graph.nodes if "attention" in str(n.target)]
         updates = [p.detach().float() - s for p, s in zip(model.parameters(), start)]
-        runs[bool(disable)] = (losses, updates, targets, len(step.plans))
-    (l0, u0, t0, n0), (l1, u1, t1, n1) = runs[False], runs[True]
-    worst = max(float((a - b).norm() / b.norm()) for a, b in zip(u0, u1) if b.norm() > 0)
-    print(f"\nflash: {sorted(t0)}; cuDNN: {sorted(t1)}; losses {l0} / {l1}; worst update difference {worst:.2e}")
-    assert n0 == 1 and n1 == 1
-    assert not any("cudnn" in t for t in t0) and any("flash_attention_backward" in t for t in t0)
-    assert any("cudnn" in t for t in t1)
-    assert all(abs(a - b) <= 1e-3 * abs(b) for a, b in zip(l0, l1))
-    assert worst <= 3e-2
+        runs[name] = (losses, updates, targets, len(step.plans))
+    l1, u1, t1, n1 = runs["per-length cuDNN"]
+    assert n1 == 1 and any("cudnn" in t for t in t1)
+    for name in ("padded", "flash"):
+        l0, u0, t0, n0 = runs[name]
+        worst = max(float((a - b).norm() / b.norm()) for a, b in zip(u0, u1) if b.norm() > 0)
+        print(f"\n{name}: {sorted(set(t0))}; losses {l0} / {l1}; worst update difference {worst:.2e}")
+        assert n0 == 1
+        if name == "flash":
+            assert not any("cudnn" in t for t in t0) and any("flash_attention_backward" in t for t in t0)
+        else:
+            assert not any("flash" in t for t in t0) and any("cudnn_attention_backward" in t for t in t0)
+        assert all(abs(a - b) <= 1e-3 * abs(b) for a, b in zip(l0, l1))
+        assert worst <= 3e-2
 
 
 def _cuda_llama():
