@@ -121,7 +121,7 @@ PIPELINE: tuple[PipelineEntry, ...] = (
         "choose_attention_kernels",
         choose_attention_kernels,
         "after fold_causal_masks (a folded mask is is_causal, no bias) and unrepeat_kv_heads (the heads it reads), "
-        "before eliminate_dead_code: with symbolic lengths attention runs cuDNN on padded buckets or flash: no plan per new length",
+        "before eliminate_dead_code: with symbolic lengths attention runs flash (or cuDNN on padded buckets): no plan per new length",
     ),
     PipelineEntry(
         "eliminate_dead_code",
