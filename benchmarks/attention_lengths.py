@@ -17,25 +17,15 @@ import argparse
 import datetime
 import json
 import os
+import sys
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-def _median_ms(fn, reps: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2]
+from benchmarks.kernels import time_ms  # noqa: E402
 
 
 def attention(backend, b: int, h: int, t: int, d: int, pad_to: int = 0):
@@ -86,11 +76,11 @@ def main() -> None:
                  "cudnn_pad128": (SDPBackend.CUDNN_ATTENTION, 128), "efficient": (SDPBackend.EFFICIENT_ATTENTION, 0)}
         for name, (backend, pad) in cases.items():
             try:
-                ms = _median_ms(attention(backend, args.batch, args.heads, t, args.head_dim, pad), args.reps)
+                ms = time_ms(attention(backend, args.batch, args.heads, t, args.head_dim, pad), 3, args.reps)
                 row[f"attn_{name}_ms"] = round(ms, 3)
             except RuntimeError as exc:
                 row[f"attn_{name}_ms"] = f"error: {str(exc).splitlines()[0][:120]}"
-        ms = _median_ms(matmuls(tokens, d), args.reps)
+        ms = time_ms(matmuls(tokens, d), 3, args.reps)
         row["matmuls_ms"] = round(ms, 3)
         row["matmuls_tflops"] = round(3 * 2 * tokens * d * d * 12 / ms / 1e9, 1)
         row["matmuls_ms_per_ktok"] = round(ms / tokens * 1e3, 4)
