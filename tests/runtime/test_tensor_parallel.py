@@ -351,14 +351,14 @@ def test_hugging_face_families_split_with_sequence_parallelism_equal_the_referen
 
 
 @pytest.mark.xdist_group("tensor_parallel")
-@pytest.mark.parametrize("family", ["gemma", "gpt2", "phi3"])
+@pytest.mark.parametrize("family", ["gemma", "gpt2"])
 def test_hugging_face_families_sequence_parallel_over_padded_batches_of_varying_length(rank_pool, family):
     """As above, on DataCollatorWithPadding batches whose length changes every
     step (an attention mask, labels -100 on the padding) with clipping: the
     symbolic capture shares its varying token count (Gemma's replicated
     k/v computed on the rank's tokens and gathered, GPT-2's whole embedding
-    sliced to them, Phi-3's fused parts). Mistral, Qwen2 and GPT-NeoX pass
-    the same check by hand (2026-12-05)."""
+    sliced to them). Phi-3, Mistral, Qwen2 and GPT-NeoX pass the same check
+    by hand (2026-12-05; kept out of the suite for its time)."""
     make = functools.partial(hf_family, family)
     g = torch.Generator().manual_seed(7)
     batches = [[(padded_batch(lengths, vocab=61, generator=g),) for lengths in ([9, 4], [6, 11], [7, 7])]]
