@@ -135,7 +135,7 @@ def _is(size, n: int) -> bool:
     return not compat.is_symbolic(size) and int(size) == n
 
 
-def _divides(size, by: int) -> bool:
+def divides(size, by: int) -> bool:
     """Whether a size divides by ``by`` at every call: a static one, or a
     symbolic one whose expression is a multiple of ``by`` for every value
     of its symbols (``4*s0`` by 2: a batch of 4 sequences of any length)."""
@@ -197,7 +197,7 @@ class Propagation:
             if first is None and not _is(size, 1):
                 first = d
             if count == tokens:  # the same expression: the same count at every call
-                return first if first is not None and _divides(shape[first], self.tp) else None
+                return first if first is not None and divides(shape[first], self.tp) else None
         return None
 
 
@@ -424,7 +424,7 @@ def _view(node: fx.Node, prop: Propagation, tp: int):
                               "into an outer one")
             if state.sizes and not _same(b[outs[0]], a[state.dim]):
                 raise Refused(node, f"a view regrouping the fused parts {list(state.sizes)} of the split dimension")
-            if not state.sizes and not _divides(b[outs[0]], state.parts * tp):
+            if not state.sizes and not divides(b[outs[0]], state.parts * tp):
                 raise Refused(node, f"the split dimension becomes {[b[o] for o in outs]}: "
                               f"{b[outs[0]]} not divisible by {state.parts} part(s) x {tp}")
             return replace(state, dim=outs[0])
@@ -775,7 +775,7 @@ def _layer_norm(node: fx.Node, prop: Propagation, *, backward: bool):
         raise Refused(node, f"a layer norm of operands split as {sorted(set(map(str, split)))}")
     for a, other in states.items():
         if other is None:
-            if not _divides(_shape(a)[state.dim], prop.tp):
+            if not divides(_shape(a)[state.dim], prop.tp):
                 raise Refused(node, "a layer norm's whole operand that does not divide into the ranks' tokens")
             prop.slices.setdefault(node, []).append((a, state.dim))  # this rank's tokens of it
     if backward:

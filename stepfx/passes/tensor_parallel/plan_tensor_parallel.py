@@ -34,7 +34,6 @@ import itertools
 import operator
 import re
 
-import sympy
 import torch.fx as fx
 
 from ... import compat
@@ -43,7 +42,7 @@ from ...config.tensor_parallel import LayerSpec
 from ...graph import META_PHASE, Phase, Role, StepGraph
 from ...graph.tp_layout import TP_PLAN_KEY, Placement, TensorParallelPlan
 from ..manager import PassOptions, PassResult
-from .placements import ATTENTION, POINTWISE, VIEWS, Refused, Sharded, aten, linear_uses, propagate
+from .placements import ATTENTION, POINTWISE, VIEWS, Refused, Sharded, aten, divides, linear_uses, propagate
 
 __all__ = ["plan_tensor_parallel", "HF_TP_PLAN_KEY", "MODEL_TYPE_KEY"]
 
@@ -203,7 +202,7 @@ def _sequence_parallel(g, outputs, tp, options, accepted, uses) -> tuple[int | N
     firsts = sorted((found[0].node for name, found in uses.items() if name in accepted), key=_order)
     shape = firsts[0].args[1 if firsts[0].target is aten.addmm.default else 0].meta["val"].shape
     tokens = compat.size_expr(shape[0])
-    if compat.is_symbolic(shape[0]) and sympy.Mod(tokens, tp) != 0:
+    if compat.is_symbolic(shape[0]) and not divides(shape[0], tp):
         return None, (f"sequence parallelism is off for this capture: its token count {tokens} varies between calls "
                       f"(stepfx.dynamic) and is not a multiple of {tp} at every call (a batch size divisible by "
                       f"the tensor-parallel size makes it one)")
