@@ -642,11 +642,15 @@ class ParallelStep:
         final = records[-1].graph
         host_budget = host_budget_bytes(self.config)
         if budget is None and host_budget is not None:  # the configured offload, checked before it allocates
-            held = estimate_memory(final).host
+            est = estimate_memory(final)
+            held = est.host + est.host_transient
             if held > host_budget:
+                copies = (f" ({format_bytes(est.host_transient)} of it copies made by speculated updates until the norm "
+                          "is known: stepfx.host_update_speculation false makes none)" if est.host_transient else "")
                 raise ConfigError("stepfx.host_memory_budget_gib", f"the offloaded state needs "
                                   f"{format_bytes(held)} of host memory on rank {dp.rank} (zero_optimization's "
-                                  "offload blocks), more than the budget", value=self.config.stepfx.host_memory_budget_gib,
+                                  f"offload blocks){copies}, more than the budget",
+                                  value=self.config.stepfx.host_memory_budget_gib,
                                   expected=f">= {held / 2**30:.6g}, or less offloaded (offload_optimizer.ratio)")
         executor = self._executor(final, model, optimizer, device_type)
         plan = Plan(key, records, executor, capture_seconds, passes_seconds, self._calls, device_type)

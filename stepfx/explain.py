@@ -76,6 +76,9 @@ def _zero_section(graph, world: int, values: dict) -> list[str]:
         what = "; ".join(w for role, w in ((Role.OPTIMIZER_STATE, "offload_optimizer: Adam's moments"),
                                            (Role.PARAM, "offload_param: the parameters' pieces")) if role in roles)
         lines.append(f"  {'host memory at rest':<24} {format_bytes(mem.host):>12}  ({what}; not in the figures above)")
+    if mem.host_transient:
+        lines.append(f"  {'host, during the update':<24} {format_bytes(mem.host_transient):>12}  (at most: copies of "
+                     "what speculated updates overwrite, until the gradient norm is known; host_update_speculation)")
     comm = communication(graph, world, values)
     if comm:
         lines.append("communication per step on this rank:")

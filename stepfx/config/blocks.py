@@ -221,6 +221,18 @@ class StepfxOptions:
         "exact" computes the unfused ops' arithmetic chunk by chunk, bitwise
         equal to the step without offloading, 2.7x slower (1.3B on the H200
         machine's 16 cores: 0.90 s against 2.35 s an update).
+    host_update_speculation: with ``offload_optimizer`` under clipping or
+        fp16 loss scaling, where the update needs the global gradient norm
+        and overflow flag (known after the backward): "auto" (default) and
+        true update each bucket on the host as soon as its gradients exist,
+        on the factor that holds when nothing is clipped and nothing
+        overflows, after copying the host state the update overwrites (8
+        bytes per element, 12 where the piece lives on the host); once the
+        norm is known the worker keeps what was right bit for bit and
+        restores and redoes the rest, so the step is the same either way
+        (runtime/host_optimizer.py). "auto" stops guessing after a step whose
+        guess was undone, until a step is not clipped again; false waits for
+        the norm (no copies).
     pipeline: pipeline parallelism's schedule, virtual stages and split
         points (config/pipeline.py: PipelineOptions); given, it turns
         pipeline parallelism on with DeepSpeed's ``pipeline.stages`` "auto".
@@ -264,6 +276,7 @@ class StepfxOptions:
     host_memory_budget_gib: float | None = spec(None, Optional(Float(gt=0.0)))
     pipeline: Any = spec(None, Optional(PipelineOptionsCheck()))
     host_adam: str = spec("fused", Choice(("fused", "exact")))
+    host_update_speculation: str | bool = spec("auto", OneOf((Choice(("auto",)), Bool())), auto_value=True)
     sequence_parallel: bool = spec(False, Bool())
     attention_pad_multiple: int | str = spec(0, OneOf((Choice(("auto",)), Int(ge=0))), auto_value=True)
 

@@ -124,6 +124,7 @@ class MemoryEstimate:
     at_rest_expr: dict[Role, Any] = field(default_factory=dict)
     peak_expr: Any = None
     host: int = 0  # bytes of state held in host memory (offload_optimizer), in none of the above
+    host_transient: int = 0  # host bytes a step may add while speculated updates wait for the norm (copies)
 
     @property
     def resident(self) -> int:
@@ -166,6 +167,20 @@ def liveness(graph: StepGraph, sizes: Sizes):
         yield n, size, frees.pop(pos[n], [])
 
 
+def speculation_copies(node: fx.Node) -> int:
+    """Bytes of host state a speculative ``host_adam_start`` (offload_optimizer)
+    copies before it overwrites them: both moments of each piece (8 bytes an
+    element), and the piece where it lives on the host (4 more). The copies
+    live until the norm is known; at most every piece of the step's starts."""
+    if node.op != "call_function" or getattr(node.target, "__name__", "") != "host_adam_start":
+        return 0
+    if not node.kwargs.get("speculative"):
+        return 0
+    count = node.args[0]
+    per = 12 if node.kwargs.get("params_on_host") else 8
+    return sum(per * int(p.meta["val"].numel()) for p in node.args[1:1 + count])  # pieces: static sizes
+
+
 def estimate_memory(graph: StepGraph, values: Mapping | None = None) -> MemoryEstimate:
     """``values``: symbol -> size to evaluate symbolic sizes at
     (:func:`size_values`; by default the sizes seen at capture)."""
@@ -177,6 +192,7 @@ def estimate_memory(graph: StepGraph, values: Mapping | None = None) -> MemoryEs
     peak_terms: collections.Counter = collections.Counter()
     host = graph.signature.extra.get(HOST_STATE_KEY, ())
     for n, size, freed in liveness(graph, sizes):
+        est.host_transient += speculation_copies(n)
         if n.op == "placeholder" and n.meta["slot"].ident in host:
             est.host += sizes.value(size)
             continue

@@ -38,6 +38,7 @@ __all__ = [
     "META_OVERFLOW",
     "META_DONATED",
     "META_HOST_RESULTS",
+    "META_UNCLIPPED",
     "placeholders",
     "output_node",
     "output_values",
@@ -55,6 +56,7 @@ META_OVERFLOW = "overflow_flag"
 # graph only when the call is the last reader of each donated value.
 META_DONATED = "donated"
 META_HOST_RESULTS = "host_results"  # indices of a node's results that are host tensors it updated in place
+META_UNCLIPPED = "unclipped_factor"  # on the unscale x clip factor: what it is when nothing is clipped ("1/loss_scale", "1")
 
 
 class Phase(str, enum.Enum):

@@ -1,20 +1,29 @@
 """The optimizer update on the host (``zero_optimization.offload_optimizer``).
 
-The compiled step calls two ops per group of parameters the
+The compiled step calls these ops per group of parameters the
 ``offload_optimizer`` pass gave to the host (graph nodes, in program order):
 
-- :func:`host_adam_start` where the group's last input exists (its
-  gradients reduced, the unscale/clip factor and overflow flag known):
-  records an event on the compute stream and hands the group to a worker
-  thread. The worker copies the gradients and the parameters' pieces down
-  on a copy stream (into pinned buffers when ``pin_memory``), runs
-  Adam/AdamW on the host state in place (torch's fused CPU kernel, or
-  :func:`adam_chunked`'s exact ops), parameter by parameter while the next
-  one comes down, and copies the updated pieces up on another stream. The
-  main thread goes on meanwhile (the worker only waits for the event): with
-  no clipping and no fp16 loss scaling a group starts as soon as its
-  gradients exist, and its update overlaps the rest of the backward; with
-  clipping every group waits for the global norm, after the backward.
+- :func:`host_adam_start` where the group's gradients exist: records an
+  event on the compute stream and hands the group to a worker thread. The
+  worker copies the gradients and the parameters' pieces down on a copy
+  stream (into pinned buffers when ``pin_memory``), runs Adam/AdamW on the
+  host state in place (torch's fused CPU kernel, or :func:`adam_chunked`'s
+  exact ops), parameter by parameter while the next one comes down, and
+  copies the updated pieces up on another stream. The main thread goes on
+  meanwhile (the worker only waits for the event), so the update overlaps
+  the rest of the backward.
+- with clipping or fp16 loss scaling the update needs the global norm and
+  the overflow flag, known only after the backward. The start then
+  *speculates*: while they are unknown, each piece is updated with the
+  factor that holds when nothing is clipped (1, or the unscale factor) and
+  no overflow, after a copy of the host state the update overwrites (the
+  moments; the piece too where it lives on the host); or, with speculation
+  off, left for later. :func:`host_adam_validate`, where the real factor
+  and flag exist, hands them to the worker, which keeps each speculated
+  update whose factor was the real one bit for bit, restores and redoes the
+  others with the real factor (all of them restored on an overflow: the step
+  is skipped), and does what was left. The result is the step without
+  speculation, bit for bit, whatever the verdict.
 - :func:`host_adam_wait` where the first updated piece is read: the job's
   result (its copies up are complete; the pieces, made on the copy stream,
   are recorded on the compute stream for the caching allocator).
@@ -27,13 +36,13 @@ H200 machine's host) through torch's fused CPU kernel, whose moments are the
 same and whose parameter rounds differently within 1e-6 relative per step
 (tests/runtime/test_offload_optimizer.py).
 
-Failure: the host state is updated in place (a copy of 8 bytes per
-parameter each step would cost more than the update). A job that has not
-begun its update when the step fails is cancelled (:func:`abort_jobs`, from
-the executor's failure path), so a step that fails before its updates leaves
-the host state as it was; a failure after an update began (a collective
-failing in the parameter all-gather that follows, which leaves the process
-group unusable anyway) leaves that group's host state updated.
+Failure: the host state is updated in place. A job that has not begun its
+update when the step fails is cancelled (:func:`abort_jobs`, from the
+executor's failure path) and speculated updates not yet validated are
+restored from their copies, so a step that fails before its validation
+leaves the host state as it was; a failure after a group was validated (a
+collective failing in the parameter all-gather that follows, which leaves
+the process group unusable anyway) leaves that group's host state updated.
 """
 from __future__ import annotations
 
@@ -43,7 +52,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-__all__ = ["host_adam_start", "host_adam_wait", "HostJob", "abort_jobs", "PinnedPool"]
+__all__ = ["host_adam_start", "host_adam_validate", "host_adam_wait", "HostJob", "abort_jobs", "PinnedPool"]
 
 _LOCK = threading.Lock()
 _WORKER: ThreadPoolExecutor | None = None
@@ -94,27 +103,127 @@ class PinnedPool:
 POOL = PinnedPool()
 
 
-class HostJob:
-    """A group's update in flight: the worker's future and what it returns."""
+class _Verdict:
+    """What a speculative group is validated against: the unscale/clip factor
+    and the overflow flag, posted by :func:`host_adam_validate` on the main
+    thread (with an event after the device computed them) and read by the
+    worker when it needs them (without stalling the compute stream)."""
 
-    def __init__(self, future: Future, cancel: threading.Event):
-        self.future = future
-        self.cancel = cancel
+    def __init__(self):
+        self._posted = threading.Event()
+        self._given: tuple = (None, None)
+        self._event = None
+        self._read: tuple | None = None
+
+    def post(self, grad_factor, found_inf, event) -> None:
+        self._given, self._event = (grad_factor, found_inf), event
+        self._posted.set()
+
+    def known(self) -> bool:
+        """Whether reading would not wait (posted, and computed on the device)."""
+        return self._posted.is_set() and (self._event is None or self._event.query())
+
+    def read(self, device, stream) -> tuple:
+        """(factor, overflow) on the host: a 0-d fp32 tensor or None, and a bool."""
+        if self._read is None:
+            self._posted.wait()
+            factor, found_inf = self._given
+            if self._event is not None:
+                factor, found_inf = _to_host(device, stream, self._event, factor, found_inf)
+            self._read = (_host_factor(factor), found_inf is not None and bool(found_inf.reshape(()).item() != 0))
+        return self._read
+
+
+class _Group:
+    """One start's parameters and where each stands: updated (``out``), updated
+    on a speculated factor with a copy of what it overwrote (``backups``,
+    ``speculated``), or not yet (``pending``)."""
+
+    def __init__(self, device, params, grads, exp_avgs, exp_avg_sqs, steps, hyper, kernel, pin, in_place):
+        self.device, self.params, self.grads = device, params, grads
+        self.exp_avgs, self.exp_avg_sqs, self.steps = exp_avgs, exp_avg_sqs, steps
+        self.hyper, self.pin, self.in_place = hyper, pin, in_place
+        self.update = adam_fused if kernel == "fused" else adam_chunked
+        self.out: list = [None] * len(params)
+        self.backups: dict[int, list] = {}
+        self.speculated: dict[int, object] = {}
+        self.pending: list[int] = []
+        self.guess = None  # the factor a speculative start assumed
+        self.streams = _streams(device) if device.type == "cuda" else (None, None)
+
+    def state_of(self, i: int, host_param) -> list:
+        """The host tensors an update of parameter ``i`` overwrites."""
+        held = [self.exp_avgs[i].view(-1), self.exp_avg_sqs[i].view(-1)]
+        return held + [host_param.view(-1)] if self.in_place else held
+
+    def back_up(self, i: int, host_param) -> None:
+        t0 = time.perf_counter()
+        copies = []
+        for t in self.state_of(i, host_param):
+            copy = POOL.take(t.numel(), t.dtype, False)
+            copy.copy_(t)
+            copies.append((t, copy))
+        self.backups[i] = copies
+        STATS["backup_s"] += time.perf_counter() - t0
+
+    def restore(self, i: int) -> None:
+        for t, copy in self.backups.pop(i, ()):
+            t.copy_(copy)
+            POOL.give(copy, False)
+        self.speculated.pop(i, None)
+        self.out[i] = None
+
+    def commit(self, i: int) -> None:
+        for _, copy in self.backups.pop(i, ()):
+            POOL.give(copy, False)
+        self.speculated.pop(i, None)
+
+    def roll_back(self) -> None:
+        """Every speculated update not yet validated undone (a failed step)."""
+        for i in list(self.backups):
+            self.restore(i)
+
+    def result(self) -> tuple:
+        return list(self.out), list(self.exp_avgs), list(self.exp_avg_sqs)
+
+
+class HostJob:
+    """A group's update in flight: the worker's future (the start; with
+    speculation, then the validation) and the group it updates."""
+
+    def __init__(self, group: _Group | None, cancel: threading.Event, verdict: _Verdict | None = None):
+        self.group, self.cancel, self.verdict = group, cancel, verdict
+        self.key = ""  # speculation "auto"'s memory of this start
+        self.future: Future | None = None
+        self.settled: Future | None = None
+
+    def result(self):
+        self.future.result()
+        return (self.settled if self.settled is not None else self.future).result()
+
+    def finish(self) -> None:
+        """Wait for the worker; undo what was updated on a speculated factor and not yet validated."""
+        for fut in (self.future, self.settled):
+            if fut is not None:
+                try:
+                    fut.result()
+                except Exception:  # the step's own failure is what the user sees
+                    pass
+        if self.group is not None:
+            self.group.roll_back()
 
 
 def abort_jobs() -> None:
-    """Cancel the jobs that have not begun their update and wait for the
-    others (the executor calls this when a step fails)."""
+    """Cancel the jobs that have not begun their update, wait for the others,
+    and undo the speculated updates not yet validated (the executor calls
+    this when a step fails)."""
     with _LOCK:
         pending = list(_PENDING)
         _PENDING.clear()
     for job in pending:
         job.cancel.set()
     for job in pending:
-        try:
-            job.future.result()
-        except Exception:  # the step's own failure is what the user sees
-            pass
+        job.finish()
 
 
 def _host_scalar(value) -> float | None:
@@ -125,8 +234,39 @@ def _host_scalar(value) -> float | None:
     return float(value)
 
 
+def _host_factor(value):
+    """The factor as the update multiplies by it: a 0-d fp32 host tensor (as the device's ``mul(grad, factor)``), or None."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu").float().reshape(())
+    return None if value is None else torch.tensor(float(value), dtype=torch.float32)
+
+
+def _to_host(device, stream, event, *values) -> list:
+    """``values`` copied to the host after ``event``, on ``stream`` (the compute stream goes on)."""
+    with torch.cuda.stream(stream):
+        stream.wait_event(event)
+        out = [v.to("cpu", non_blocking=True) if isinstance(v, torch.Tensor) and v.device.type == "cuda" else v
+               for v in values]
+        got = torch.cuda.Event()
+        got.record(stream)
+    got.synchronize()
+    return out
+
+
+def _same_factor(used, real) -> bool:
+    """Whether an update multiplied by ``used`` (None: not multiplied) is the one ``real`` asks for, bit for bit."""
+    one = torch.tensor(1.0)
+    a = one if used is None else used
+    b = one if real is None else real
+    return bool(torch.equal(a.float().reshape(()), b.float().reshape(())))
+
+
+_CLIPPED: dict = {}  # speculation "auto": start key -> whether its last validation undid a speculated update
+
+
 def host_adam_start(count: int, *flat, step_is_new: bool, eps: float, weight_decay: float, decoupled: bool,
-                    maximize: bool, pin_memory: bool, kernel: str = "fused", params_on_host: bool = False) -> HostJob:
+                    maximize: bool, pin_memory: bool, kernel: str = "fused", params_on_host: bool = False,
+                    speculative: bool | str = False, key: str = "") -> HostJob:
     """Start the update of ``count`` parameter pieces on the host. ``flat``:
     the pieces (on the device), their gradients (device), exp_avgs and
     exp_avg_sqs (host), their step counters (before this step's increment
@@ -134,7 +274,14 @@ def host_adam_start(count: int, *flat, step_is_new: bool, eps: float, weight_dec
     ``graph_ops.adam_step`` takes them (factor and flag may be None).
     ``kernel``: "fused" (torch's fused CPU Adam) or "exact"
     (:func:`adam_chunked`). ``params_on_host``: the pieces are host tensors
-    (``offload_param``), updated in place and returned as they are."""
+    (``offload_param``), updated in place and returned as they are.
+
+    ``speculative`` (True or "auto"): ``grad_factor`` is the factor assumed
+    (the unscale factor without clipping, or None) and ``found_inf`` None;
+    :func:`host_adam_validate` brings the real ones. Until it has, each piece
+    is updated on the assumption, after a copy of the host state it
+    overwrites (True; "auto": unless the last validation of ``key`` undid
+    one), or left for the validation."""
     params, grads, exp_avgs, exp_avg_sqs, steps = (list(flat[i * count:(i + 1) * count]) for i in range(5))
     lr, beta1, beta2, grad_factor, found_inf = flat[5 * count:5 * count + 5]
     device = grads[0].device if grads else torch.device("cpu")
@@ -143,24 +290,90 @@ def host_adam_start(count: int, *flat, step_is_new: bool, eps: float, weight_dec
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(device))
     cancel = threading.Event()
+    verdict = _Verdict() if speculative else None
+    job = HostJob(None, cancel, verdict)
+    job.key = key
+    guess = speculative is True or (speculative == "auto" and not _CLIPPED.get(key, False))
 
     def run():
         with torch.no_grad():  # grad mode is per thread: the graph's no_grad does not reach this one
-            return _update(device, ready, params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2, grad_factor,
-                           found_inf, step_is_new=step_is_new, eps=eps, weight_decay=weight_decay,
-                           decoupled=decoupled, maximize=maximize, pin=pin_memory, cancel=cancel, kernel=kernel,
-                           in_place=params_on_host)
+            if device.type == "cuda":
+                torch.cuda.set_device(device)  # this thread's current device (ranks other than 0 use other GPUs)
+                factor, flag, *counts = _to_host(device, _streams(device)[0], ready, grad_factor, found_inf, *steps)
+            else:
+                factor, flag, counts = grad_factor, found_inf, steps
+            if cancel.is_set():
+                raise RuntimeError("stepfx: host optimizer update cancelled (the step failed)")
+            hyper = dict(lr=_host_scalar(lr), beta1=_host_scalar(beta1), beta2=_host_scalar(beta2), eps=eps,
+                         weight_decay=weight_decay, decoupled=decoupled, maximize=maximize)
+            counts = [_host_scalar(s) + (0.0 if step_is_new else 1.0) for s in counts]
+            group = job.group = _Group(device, params, grads, exp_avgs, exp_avg_sqs, counts, hyper, kernel, pin_memory,
+                                       params_on_host)
+            factor = group.guess = _host_factor(factor)
+            if verdict is None:
+                overflow = flag is not None and bool(flag.reshape(()).item() != 0)
+                _run(group, list(range(count)), lambda i: ("skip", None) if overflow else ("real", factor))
+                return group.result()
 
-    job = HostJob(_worker().submit(run), cancel)
+            def choose(i):
+                if verdict.known():
+                    real, overflow = verdict.read(device, group.streams[0])
+                    return ("skip", None) if overflow else ("real", real)
+                return ("guess", factor) if guess else ("defer", None)
+
+            group.pending = _run(group, list(range(count)), choose)
+            return None
+
+    job.future = _worker().submit(run)
     with _LOCK:
         _PENDING.add(job)  # until its wait reads it, or a failed step aborts it
+    return job
+
+
+def host_adam_validate(job: HostJob, grad_factor, found_inf) -> HostJob:
+    """A speculative job's real factor and overflow flag (device values, once
+    the norm is known): the worker then keeps each update made on the
+    assumed factor where it is the same bit for bit, undoes and redoes the
+    others (or, on an overflow, undoes them all: the step is skipped), and
+    updates what it left for now."""
+    event = None
+    tensors = [t for t in (grad_factor, found_inf) if isinstance(t, torch.Tensor)]
+    if tensors and tensors[0].device.type == "cuda":
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(tensors[0].device))
+    job.verdict.post(grad_factor, found_inf, event)
+
+    def settle():
+        with torch.no_grad():
+            job.future.result()
+            group = job.group
+            if group.device.type == "cuda":
+                torch.cuda.set_device(group.device)
+            if job.cancel.is_set():
+                group.roll_back()
+                raise RuntimeError("stepfx: host optimizer update cancelled (the step failed)")
+            real, overflow = job.verdict.read(group.device, group.streams[0])
+            redo = []
+            for i, used in sorted(group.speculated.items()):
+                if not overflow and _same_factor(used, real):
+                    group.commit(i)
+                else:
+                    group.restore(i)
+                    redo.append(i)
+            STATS["rolled_back"] += sum(group.params[i].numel() for i in redo)
+            _CLIPPED[job.key] = overflow or not _same_factor(group.guess, real)  # whether guessing would have missed
+            todo, group.pending = redo + group.pending, []
+            _run(group, todo, lambda i: ("skip", None) if overflow else ("real", real))
+            return group.result()
+
+    job.settled = _worker().submit(settle)
     return job
 
 
 def host_adam_wait(job: HostJob) -> tuple:
     """The updated pieces (device), exp_avgs, exp_avg_sqs (host), flat:
     (param, exp_avg, exp_avg_sq) of each parameter in turn."""
-    new_params, exp_avgs, exp_avg_sqs = job.future.result()
+    new_params, exp_avgs, exp_avg_sqs = job.result()
     with _LOCK:
         _PENDING.discard(job)
     for t in new_params:
@@ -170,8 +383,10 @@ def host_adam_wait(job: HostJob) -> tuple:
 
 
 CHUNK = 1 << 18  # elements: the six fp32 slices an update touches (6 MiB) stay in cache between the ops
-STATS: dict = {"jobs": 0, "elements": 0, "wait_down_s": 0.0, "update_s": 0.0, "wait_up_s": 0.0}
-# seconds the worker spent, summed over jobs: waiting for copies down, updating, waiting for the last copies up
+STATS: dict = {"jobs": 0, "elements": 0, "wait_down_s": 0.0, "update_s": 0.0, "wait_up_s": 0.0, "backup_s": 0.0,
+                "speculated": 0, "rolled_back": 0}
+# seconds the worker spent, summed over jobs: waiting for copies down, updating, waiting for the last copies up,
+# copying the host state a speculated update overwrites; elements updated on a speculated factor, and those undone
 _SCRATCH = threading.local()
 
 
@@ -244,43 +459,49 @@ def adam_fused(p, g, m, v, *, lr: float, beta1: float, beta2: float, eps: float,
           weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=maximize)
 
 
-def _update(device, ready, params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2, grad_factor, found_inf, *,
-            step_is_new, eps, weight_decay, decoupled, maximize, pin, cancel, kernel, in_place=False):
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # this thread's current device (ranks other than 0 use other GPUs)
-        down, up = _streams(device)
-        with torch.cuda.stream(down):
-            down.wait_event(ready)
-            scalars = [s.to("cpu", non_blocking=True) if isinstance(s, torch.Tensor) and s.device.type == "cuda" else s
-                       for s in (grad_factor, found_inf, *steps)]
-            got = torch.cuda.Event()
-            got.record(down)
-        got.synchronize()
-        grad_factor, found_inf, *steps = scalars
-    if cancel.is_set():
-        raise RuntimeError("stepfx: host optimizer update cancelled (the step failed)")
-    if found_inf is not None and bool(found_inf.reshape(()).item() != 0):
-        return list(params), list(exp_avgs), list(exp_avg_sqs)  # an fp16 overflow: the step is skipped
-    factor = grad_factor.float() if isinstance(grad_factor, torch.Tensor) else grad_factor
-    hyper = dict(lr=_host_scalar(lr), beta1=_host_scalar(beta1), beta2=_host_scalar(beta2), eps=eps,
-                 weight_decay=weight_decay, grad_factor=factor, decoupled=decoupled, maximize=maximize)
-    steps = [_host_scalar(s) + (0.0 if step_is_new else 1.0) for s in steps]
-    update = adam_fused if kernel == "fused" else adam_chunked
-    if device.type != "cuda":
-        new_params = []
-        for p, g, m, v, s in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
-            p = p.detach() if in_place else p.detach().clone()  # the graph's values are written only if host-held
-            update(p.view(-1), g.reshape(-1), m.view(-1), v.view(-1), step=s, **hyper)
-            new_params.append(p)
-        return new_params, list(exp_avgs), list(exp_avg_sqs)
-    return _pipelined(params, grads, exp_avgs, exp_avg_sqs, steps, hyper, update, down, up, pin, in_place)
+def _run(group: _Group, indices: list[int], choose) -> list[int]:
+    """Update the parameters ``indices`` of ``group`` in turn; ``choose(i)``,
+    asked when the parameter's data is at hand, says how: ("real", factor),
+    ("guess", factor) (back up first), ("skip", None) (an fp16 overflow: the
+    parameter stays as it was) or ("defer", None) (this one and the rest
+    later). Returns those deferred."""
+    if group.device.type == "cuda":
+        return _pipelined(group, indices, choose)
+    for k, i in enumerate(indices):
+        mode, factor = choose(i)
+        if mode == "defer":
+            return indices[k:]
+        p = group.params[i]
+        if mode == "skip":
+            group.out[i] = p
+            continue
+        p = p.detach() if group.in_place else p.detach().clone()  # the graph's values are written only if host-held
+        _update_one(group, i, p.view(-1), group.grads[i].reshape(-1), mode, factor)
+        group.out[i] = p
+    STATS["jobs"] += 1
+    return []
 
 
-def _pipelined(params, grads, exp_avgs, exp_avg_sqs, steps, hyper, update, down, up, pin, in_place=False):
+def _update_one(group: _Group, i: int, hp, hg, mode: str, factor, owned_grad: bool = False) -> None:
+    if mode == "guess":
+        group.back_up(i, hp)
+        group.speculated[i] = factor
+        STATS["speculated"] += hp.numel()
+    t0 = time.perf_counter()
+    group.update(hp, hg, group.exp_avgs[i].view(-1), group.exp_avg_sqs[i].view(-1), step=group.steps[i],
+                 grad_factor=factor, owned_grad=owned_grad, **group.hyper)
+    STATS["update_s"] += time.perf_counter() - t0
+    STATS["elements"] += hp.numel()
+
+
+def _pipelined(group: _Group, indices: list[int], choose) -> list[int]:
     """Parameter by parameter: the next one's pieces come down while this one
     is updated, and each goes up as soon as it is; staging buffers go back to
     the pool once their copy up is done (so the host holds a few parameters'
     staging at a time, not the group's)."""
+    down, up = group.streams
+    params, grads, pin, in_place = group.params, group.grads, group.pin, group.in_place
+
     def fetch(i):
         p, g = params[i], grads[i]
         with torch.cuda.stream(down):
@@ -293,37 +514,47 @@ def _pipelined(params, grads, exp_avgs, exp_avg_sqs, steps, hyper, update, down,
             ev.record(down)
         return hp, hg, ev
 
-    new_params: list = []
-    in_flight: list = []  # (event, staging buffers) of copies up not known to be done
+    def staging(hp, hg):
+        return (hg,) if in_place else (hp, hg)
+
+    deferred: list[int] = []
+    in_flight: list = []  # (event, staging buffers) of copies not known to be done
+    t0 = time.perf_counter()
     try:
-        nxt = fetch(0) if params else None
-        for i, p in enumerate(params):
+        nxt = fetch(indices[0]) if indices else None
+        for k, i in enumerate(indices):
             hp, hg, ev = nxt
-            in_flight.append((None, (hg,) if in_place else (hp, hg)))  # the pool's staging buffers
-            nxt = fetch(i + 1) if i + 1 < len(params) else None
+            in_flight.append((None, staging(hp, hg)))
+            nxt = fetch(indices[k + 1]) if k + 1 < len(indices) else None
             t0 = time.perf_counter()
             ev.synchronize()
-            t1 = time.perf_counter()
-            update(hp, hg, exp_avgs[i].view(-1), exp_avg_sqs[i].view(-1), step=steps[i], owned_grad=True, **hyper)
-            STATS["wait_down_s"] += t1 - t0
-            STATS["update_s"] += time.perf_counter() - t1
-            STATS["elements"] += hp.numel()
+            STATS["wait_down_s"] += time.perf_counter() - t0
+            mode, factor = choose(i)
+            if mode in ("defer", "skip"):
+                in_flight[-1] = (ev, staging(hp, hg))
+                if mode == "defer":
+                    deferred = indices[k:]
+                    break
+                group.out[i] = params[i]
+                continue
+            _update_one(group, i, hp, hg, mode, factor, owned_grad=True)
             if in_place:
                 in_flight[-1] = (ev, (hg,))
-                new_params.append(p)
+                group.out[i] = params[i]
             else:
+                p = params[i]
                 with torch.cuda.stream(up):
                     out = torch.empty_like(p)
                     out.view(-1).copy_(hp, non_blocking=True)
                     done = torch.cuda.Event()
                     done.record(up)
                 in_flight[-1] = (done, (hp, hg))
-                new_params.append(out)
+                group.out[i] = out
             while in_flight and in_flight[0][0] is not None and in_flight[0][0].query():
                 for t in in_flight.pop(0)[1]:
                     POOL.give(t, pin)
         if nxt is not None:
-            in_flight.append((nxt[2], nxt[1:2] if in_place else nxt[:2]))
+            in_flight.append((nxt[2], staging(*nxt[:2])))
         STATS["jobs"] += 1
         t0 = time.perf_counter()
     finally:
@@ -336,4 +567,4 @@ def _pipelined(params, grads, exp_avgs, exp_avg_sqs, steps, hyper, update, down,
             for t in buffers:
                 POOL.give(t, pin)
     STATS["wait_up_s"] += time.perf_counter() - t0
-    return new_params, list(exp_avgs), list(exp_avg_sqs)
+    return deferred

@@ -112,3 +112,31 @@ def test_parameter_pieces_on_the_host_are_the_device_step_bitwise(codegen):
     assert abs(both_losses[-1] - ref_losses[-1]) <= 1e-3 * abs(ref_losses[-1])
     starts = [n for n in both.plan.graph.gm.graph.nodes if n.target is host_adam_start]
     assert starts and all(n.kwargs.get("params_on_host") for n in starts)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("clip", [1e9, 1e-3], ids=["kept", "redone"])
+@pytest.mark.parametrize("on_host", [False, True], ids=["device-params", "host-params"])
+def test_speculated_host_updates_are_the_unspeculated_step_bitwise(monkeypatch, clip, on_host):
+    # the worker guesses at every piece (as when the backward is long); kept or restored and redone, the result is
+    # the step that waited for the norm, bit for bit, with the pieces on the device or on the host (offload_param)
+    from stepfx.runtime import host_optimizer as H
+
+    def config(speculation):
+        c = _config(3, True, gradient_clipping=clip, bf16={"enabled": True},
+                    stepfx={"host_update_speculation": speculation})
+        if on_host:
+            c["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
+        return c
+
+    waited, _, _, waited_losses = _run(config(False), steps=3)
+    monkeypatch.setattr(H._Verdict, "known", lambda self: False)
+    H.STATS.update(speculated=0, rolled_back=0)
+    guessed, _, _, guessed_losses = _run(config(True), steps=3)
+    assert guessed_losses == waited_losses
+    ours, theirs = guessed.model_state_dict(), waited.model_state_dict()
+    assert all(torch.equal(ours[n], theirs[n]) for n in theirs)
+    ours, theirs = guessed.optimizer_state(), waited.optimizer_state()
+    assert all(torch.equal(ours[n][k], theirs[n][k]) for n in theirs for k in theirs[n])
+    assert H.STATS["speculated"] > 0 and H.STATS["rolled_back"] == (0 if clip > 1 else H.STATS["speculated"])

@@ -143,9 +143,14 @@ def test_a_failing_host_update_leaves_model_and_optimizer_as_they_were(monkeypat
     assert not all(torch.equal(before[n], p) for n, p in model.named_parameters())
 
 
-def test_fp16_overflow_skips_the_host_update():
+@pytest.mark.parametrize("guess", [False, True], ids=["as-it-comes", "guessed-then-undone"])
+def test_fp16_overflow_skips_the_host_update(monkeypatch, guess):
+    # speculated: the updates made on the unscale factor before the flag is known are restored
     from stepfx.testing.models import MLP
     from tests.steps import scaled_ce_step
+
+    if guess:
+        _guess_always(monkeypatch)
 
     torch.manual_seed(0)
     model = MLP((8, 16, 4))
@@ -164,6 +169,102 @@ def test_fp16_overflow_skips_the_host_update():
     after = step.optimizer_state()
     assert all(torch.equal(state[n][k], after[n][k]) for n in state for k in state[n])
     assert any(n.target is host_adam_start for n in step.plan.graph.gm.graph.nodes)
+    assert not guess or H.STATS["rolled_back"] > 0
+
+
+def _guess_always(monkeypatch):
+    # the worker finds the norm unknown at every piece, as on a GPU whose backward is still running: every update
+    # made before the validation is on the guessed factor (on CPU the main thread often gets there first)
+    monkeypatch.setattr(H._Verdict, "known", lambda self: False)
+    monkeypatch.setattr(H, "_CLIPPED", {})
+    H.STATS.update(speculated=0, rolled_back=0)
+
+
+def _speculative(stage, speculation=True, **extra):
+    config = _cfg(stage, **extra)
+    config["stepfx"]["host_update_speculation"] = speculation
+    return config
+
+
+@pytest.mark.parametrize("clip, bf16, stage, on_host", [(1e9, False, 2, False), (1e-3, False, 2, False),
+                                                        (1e-3, True, 3, False), (1e-3, False, 3, True)],
+                         ids=["never-clipped-kept", "clipped-redone", "clipped-redone-bf16-stage3",
+                              "clipped-redone-pieces-on-the-host"])
+def test_speculated_host_updates_equal_the_step_without_offloading_bitwise(monkeypatch, clip, bf16, stage, on_host):
+    # under clipping every host update starts before the gradient norm is known, on the unclipped factor; where
+    # the norm clips, each is restored from its copy (the moments; the piece too where it lives on the host:
+    # offload_param) and redone with the real factor
+    _guess_always(monkeypatch)
+    extra = dict(gradient_clipping=clip, bf16={"enabled": bf16})
+    config = _speculative(stage, **extra)
+    if on_host:
+        config["zero_optimization"]["offload_param"] = {"device": "cpu"}
+    step, _, _, losses = _single(config)
+    plain, _, _, plain_losses = _single({**_cfg(stage, **extra), "zero_optimization": {
+        "stage": stage, "reduce_bucket_size": 500, "stage3_param_persistence_threshold": 0}})
+    assert [l.item() for l in losses] == [l.item() for l in plain_losses]
+    ours, theirs = step.model_state_dict(), plain.model_state_dict()
+    assert all(torch.equal(ours[n], theirs[n]) for n in theirs)
+    ours, theirs = step.optimizer_state(), plain.optimizer_state()
+    assert all(torch.equal(ours[n][k], theirs[n][k]) for n in theirs for k in theirs[n])
+    speculated, undone = H.STATS["speculated"], H.STATS["rolled_back"]
+    assert speculated > 0 and undone == (0 if clip > 1 else speculated)
+    # the program: every start before the norm, its validation after it, the wait after that
+    nodes = list(step.plan.graph.gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    norm = next(n for n in nodes if n.name.startswith("grad_norm"))
+    starts = [n for n in nodes if n.target is host_adam_start]
+    assert starts and all(n.kwargs["speculative"] is True and pos[n] < pos[norm] for n in starts)
+    for start in starts:
+        (validate,) = start.users
+        assert validate.target is H.host_adam_validate and pos[validate] > pos[norm]
+        assert all(u.target is H.host_adam_wait for u in validate.users)
+    assert "validated after it" in next(r.summary for r in step.plan.records if r.name == "offload_optimizer")
+    from stepfx.graph.accounting import estimate_memory
+
+    est = estimate_memory(step.plan.graph)
+    # a copy of both moments of every piece at most, and of the piece where it lives on the host
+    pieces = sum(n.args[1 + i].meta["val"].numel() for n in starts for i in range(n.args[0]))
+    assert est.host_transient == (12 if on_host else 8) * pieces
+    assert "host, during the update" in step.explain()
+
+
+def test_auto_speculation_stops_guessing_after_a_clipped_step(monkeypatch):
+    _guess_always(monkeypatch)
+    torch.manual_seed(0)
+    model = tiny_gpt()
+    opt = adamw(model)
+    step = stepfx.parallelize(_speculative(2, "auto", gradient_clipping=1e-3))(lm_step)
+    guessed = []
+    for (batch,) in dp_batches(1, steps=3)[0]:
+        before = H.STATS["speculated"]
+        step(model, opt, batch)
+        guessed.append(H.STATS["speculated"] - before)
+    assert guessed[0] > 0 and guessed[1:] == [0, 0]  # clipped every step: one miss, then it waits for the norm
+
+
+def test_a_step_failing_after_speculated_updates_leaves_the_host_state_as_it_was(monkeypatch):
+    _guess_always(monkeypatch)
+    step, model, opt, _ = _single(_speculative(2), steps=2)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    state = {n: {k: v.clone() for k, v in s.items()} for n, s in step.optimizer_state().items()}
+    same = H._same_factor
+
+    def broken(*args):
+        raise RuntimeError("validation failed")
+
+    monkeypatch.setattr(H, "_same_factor", broken)
+    (batch,) = dp_batches(1, steps=1, seed=99)[0][0]
+    guessed = H.STATS["speculated"]
+    with pytest.raises(Exception, match="validation failed"):
+        step(model, opt, batch)
+    assert H.STATS["speculated"] > guessed  # the host state was updated on the guess, then restored
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+    after = step.optimizer_state()
+    assert all(torch.equal(state[n][k], after[n][k]) for n in state for k in state[n])
+    monkeypatch.setattr(H, "_same_factor", same)
+    step(model, opt, batch)
+    assert not all(torch.equal(before[n], p) for n, p in model.named_parameters())
 
 
 def test_an_optimizer_without_a_host_update_is_refused_by_name():

@@ -22,6 +22,14 @@ them — the ops are replaced, per ZeRO bucket and param group, by
   and ``exp_avg_sq``, which live on the host between steps (their slots are
   in ``signature.extra[HOST_STATE_KEY]``), and the updated pieces come back
   up on another stream, in a worker thread, while the device goes on;
+- with clipping or fp16 loss scaling (``stepfx.host_update_speculation``
+  "auto" or true), the start does not wait for the global norm and the
+  overflow flag: it comes right after the group's gradients, reads the
+  factor that holds when nothing is clipped (1, or ``1 / loss_scale``,
+  computed where the step begins) and the step counter as the step found
+  it, and ``host_adam_validate`` right after the real factor and flag hands
+  those to the worker, which keeps or restores and redoes each speculated
+  update (runtime/host_optimizer.py);
 - ``host_adam_wait``, right before the first updated piece is read (the
   all-gather of stages 1-2, the output of stage 3).
 
@@ -51,19 +59,19 @@ import torch.fx as fx
 from ...config.errors import ConfigError, join
 from ...config.values import AUTO
 from ...graph import HOST_STATE_KEY, HOST_STATE_NVME_KEY, Phase, Role, StepGraph
-from ...graph.step_graph import META_HOST_RESULTS
+from ...graph.step_graph import META_HOST_RESULTS, META_UNCLIPPED
 from ...graph.build import clone_step_graph
 from ...graph.layout import LAYOUT_KEY
 from ...graph.ops import has_side_effect
 from ...graph.update_rule import UPDATE_RULES_KEY
-from ...runtime.host_optimizer import host_adam_start, host_adam_wait
+from ...runtime.host_optimizer import host_adam_start, host_adam_validate, host_adam_wait
 from ..data_parallel.collectives import make_node
 from ..fusion.fuse_optimizer_update import (check_update_region, find_update_region, region_roles, region_structure,
                                             tagged_updates, unsupported_rule)
 from ..manager import PassOptions, PassResult
 from .recompute_activations import format_bytes
 
-__all__ = ["offload_optimizer", "offload_settings", "offload_block", "HOST_STATE_KEY", "META_HOST_RESULTS"]
+__all__ = ["offload_optimizer", "offload_settings", "offload_block", "start_of", "HOST_STATE_KEY", "META_HOST_RESULTS"]
 
 _PATH = "zero_optimization.offload_optimizer"
 _ROLES = ("param", "exp_avg", "exp_avg_sq")
@@ -136,9 +144,14 @@ def offload_optimizer(graph: StepGraph, options: PassOptions) -> PassResult:
     elements = moved = down = up = 0
     original = list(g.nodes)
     kernel = getattr(getattr(options.config, "stepfx", None), "host_adam", "fused")
+    speculation = getattr(getattr(options.config, "stepfx", None), "host_update_speculation", "auto")
+    speculated = 0
     for members in groups.values():
         for part in _splits(members, order):
-            host_idents |= _replace(g, part, order, original, pin=bool(block.pin_memory), kernel=kernel)
+            idents, guessed = _replace(g, part, order, original, pin=bool(block.pin_memory), kernel=kernel,
+                                       speculation=speculation)
+            host_idents |= idents
+            speculated += guessed
             elements += sum(r.leaves["param"].meta["val"].numel() for r, _ in part)
             for r, _ in part:  # per step: gradient and parameter pieces down, the updated pieces up
                 pval, gval = r.leaves["param"].meta["val"], r.leaves["grad"].meta["val"]
@@ -156,7 +169,10 @@ def offload_optimizer(graph: StepGraph, options: PassOptions) -> PassResult:
                                    f"{moved} groups ({kernel} kernel); exp_avg/exp_avg_sq held there "
                                    f"({8 * elements:,} bytes{', in files under ' + str(block.nvme_path) if block.device == 'nvme' else ''})"
                                    + f"; per step {format_bytes(down)} down, {format_bytes(up)} up"
-                                   + ("" if block.pin_memory else "; staging not pinned (pin_memory false)"))
+                                   + ("" if block.pin_memory else "; staging not pinned (pin_memory false)")
+                                   + (f"; {speculated} groups start before the gradient norm is known, on the unclipped "
+                                      f"factor, validated after it (host_update_speculation {speculation!r})"
+                                      if speculated else ""))
 
 
 def _before_gathers(nodes: list[fx.Node]) -> list[fx.Node]:
@@ -225,16 +241,19 @@ def _splits(members: list, order: dict) -> list[list]:
     return out
 
 
-def _last_input(members, order) -> int:
-    return max(order[n] for r, _ in members for n in r.leaves.values() if isinstance(n, fx.Node))
+def _last_input(members, order, skip=frozenset()) -> int:
+    return max(order[n] for r, _ in members for n in r.leaves.values() if isinstance(n, fx.Node) and n not in skip)
 
 
 def _first_read(region, order) -> int:
     return min(order[u] for root in region.roots for u in root.users if u not in region.nodes)
 
 
-def _replace(g: fx.Graph, members: list, order: dict, original: list, *, pin: bool, kernel: str) -> set:
-    """One start/wait pair for ``members``; the host-held slots' idents."""
+def _replace(g: fx.Graph, members: list, order: dict, original: list, *, pin: bool, kernel: str,
+             speculation) -> tuple[set, bool]:
+    """One start/wait pair for ``members`` (with a validation between them
+    where the start speculates); the host-held slots' idents, and whether it
+    speculates."""
     first = members[0][0]
     rule = members[0][1]
     leaves = first.leaves
@@ -247,20 +266,47 @@ def _replace(g: fx.Graph, members: list, order: dict, original: list, *, pin: bo
             return leaves[role]
         return {"lr": rule.lr, "beta1": rule.betas[0], "beta2": rule.betas[1]}.get(role)
 
+    verdict = [leaves[r] for r in ("grad_factor", "found_inf") if isinstance(leaves.get(r), fx.Node)]
+    factor = leaves.get("grad_factor")
+    speculate = bool(verdict) and speculation is not False and (factor is None or META_UNCLIPPED in factor.meta)
+    guess = (None, None)
+    if speculate and all("step_old" in r.leaves for r in regions):
+        step_role = "step_old"  # the counter as the step found it (the host adds 1): known from the start
+    if speculate:
+        unclipped = None
+        if factor is not None and factor.meta[META_UNCLIPPED] == "1/loss_scale":  # made where the step begins
+            scale = next(n for n in g.nodes if n.op == "placeholder" and n.meta["slot"].role is Role.RUNTIME_STATE
+                         and n.meta["slot"].name == "loss_scale")
+            with g.inserting_before(next(n for n in g.nodes if n.op != "placeholder")):
+                unclipped = make_node(g, torch.ops.aten.reciprocal.default, (scale,), val=factor.meta["val"],
+                                      like=first.roots[0], phase=Phase.OPTIMIZER, name="unclipped_factor")
+        guess = (unclipped, None)
     args = (count, *(r.leaves["param"] for r in regions), *(r.leaves["grad"] for r in regions),
             *(r.leaves["exp_avg"] for r in regions), *(r.leaves["exp_avg_sq"] for r in regions),
             *(r.leaves[step_role] for r in regions),
-            *(scalar(role) for role in ("lr", "beta1", "beta2", "grad_factor", "found_inf")))
+            *(scalar(role) for role in ("lr", "beta1", "beta2")),
+            *(guess if speculate else (scalar("grad_factor"), scalar("found_inf"))))
     kwargs = dict(step_is_new=step_role == "step_new", eps=rule.eps, weight_decay=rule.weight_decay,
                   decoupled=rule.decoupled, maximize=rule.maximize, pin_memory=pin, kernel=kernel)
-    after = original[_last_input(members, order)]
+    if speculate:
+        kwargs.update(speculative=speculation, key=first.param)
+    skip = set(verdict) if speculate else set()
+    if step_role == "step_old":
+        skip |= {r.leaves["step_new"] for r in regions if "step_new" in r.leaves}
+    after = original[_last_input(members, order, skip)]
     before = original[min(_first_read(r, order) for r in regions)]
     vals = tuple(r.leaves[role].meta["val"] for r in regions for role in _ROLES)
     with g.inserting_after(after):
         start = make_node(g, host_adam_start, args, kwargs, val=None, like=first.roots[0], phase=Phase.OPTIMIZER,
                           name="host_update")
+    job = start
+    if speculate:
+        known = original[_last_input(members, order)]
+        with g.inserting_after(start if order[known] <= order[after] else known):
+            job = make_node(g, host_adam_validate, (start, scalar("grad_factor"), scalar("found_inf")), val=None,
+                            like=first.roots[0], phase=Phase.OPTIMIZER, name="host_update_validated")
     with g.inserting_before(before):
-        wait = make_node(g, host_adam_wait, (start,), val=vals, like=first.roots[0], phase=Phase.OPTIMIZER,
+        wait = make_node(g, host_adam_wait, (job,), val=vals, like=first.roots[0], phase=Phase.OPTIMIZER,
                          name="host_updated")
         wait.meta[META_HOST_RESULTS] = tuple(i for i in range(len(vals)) if i % 3)
         results = {}
@@ -278,4 +324,10 @@ def _replace(g: fx.Graph, members: list, order: dict, original: list, *, pin: bo
             if leaf.op != "placeholder":
                 raise ConfigError(_PATH, f"the {role} of {region.param!r} is not state the rank holds between steps")
             idents.add(leaf.meta["slot"].ident)
-    return idents
+    return idents, speculate
+
+
+def start_of(wait: fx.Node) -> fx.Node:
+    """The ``host_adam_start`` node a ``host_adam_wait`` reads (through its validation)."""
+    job = wait.args[0]
+    return job.args[0] if job.target is host_adam_validate else job

@@ -51,7 +51,7 @@ from ...graph.step_graph import META_HOST_RESULTS, META_PHASE
 from ...graph.build import clone_step_graph
 from ...runtime.host_optimizer import host_adam_start, host_adam_wait
 from ...runtime.host_params import host_fetch_start, host_fetch_wait, host_store
-from .offload_optimizer import offload_block, offload_settings
+from .offload_optimizer import offload_block, offload_settings, start_of
 from ..data_parallel.collectives import make_node
 from ..manager import PassOptions, PassResult
 from .recompute_activations import format_bytes
@@ -119,7 +119,7 @@ def offload_parameters(graph: StepGraph, options: PassOptions) -> PassResult:
             if all(on_host):
                 node.kwargs = {**node.kwargs, "params_on_host": True}
         if node.target is host_adam_wait:
-            start = node.args[0]
+            start = start_of(node)
             count = start.args[0]
             params = start.args[1:1 + count]
             results = set(node.meta.get(META_HOST_RESULTS, ()))

@@ -180,8 +180,9 @@ def plan_memory(run: Callable[[PassOptions], list[PassRecord]], options: PassOpt
     host_budget = host_budget_bytes(options.config)
 
     def judged(level, est, offload, ratio=1.0, stage=None, params=False) -> Tried:
-        over_host = host_budget is not None and est.host > host_budget
-        return Tried(level, est.peak, est.peak <= budget and not over_host, offload, ratio, stage, params, est.host,
+        host = est.host + est.host_transient  # the copies speculated host updates make count while they live
+        over_host = host_budget is not None and host > host_budget
+        return Tried(level, est.peak, est.peak <= budget and not over_host, offload, ratio, stage, params, host,
                      over_host and est.peak <= budget)
 
     def search(pairs, config_of, offload: bool, params: bool = False) -> bool:

@@ -33,7 +33,10 @@ Ensures, when fp16 loss scaling or ``gradient_clipping`` is on:
     flag). The sum is then the same on every rank of both groups.
 - ``factor = (1 / scale) * min(1, max_norm / (norm + 1e-6))`` and every
   gradient the optimizer reads is multiplied by it: unscaling and clipping
-  folded into one multiply;
+  folded into one multiply; the factor records what it is when nothing is
+  clipped (``META_UNCLIPPED``: "1/loss_scale" or "1"), for
+  an update that starts before the norm is known (offload_optimizer's
+  speculation);
 - the node ``found_inf = not isfinite(total)`` (marked ``overflow_flag``;
   ``total`` is the scaled norm or the sum of squares): an inf or nan
   anywhere on any rank, of either group, makes it non-finite everywhere, so
@@ -68,6 +71,7 @@ from __future__ import annotations
 import torch
 
 from ...graph import META_GRAD_OF, META_GRAD_PIECE, META_OVERFLOW, META_PHASE, Phase, Role, StepGraph
+from ...graph.step_graph import META_UNCLIPPED
 from ...graph.build import clone_step_graph
 from ..data_parallel.collectives import all_reduce_sum, fake_like, getitem, make_node
 from ..data_parallel.reduce_gradients import final_gradients
@@ -183,6 +187,8 @@ def unscale_clip_gradients(graph: StepGraph, options: PassOptions) -> PassResult
             coef = make_node(g, aten.mul.Tensor, (coef, max_norm), val=scalar, name="clip_coef", **meta)
             coef = make_node(g, aten.clamp.default, (coef, None, 1.0), val=scalar, name="clip_coef", **meta)
             factor = coef if factor is None else make_node(g, aten.mul.Tensor, (factor, coef), val=scalar, name="grad_factor", **meta)
+        if factor is not None:
+            factor.meta[META_UNCLIPPED] = "1/loss_scale" if scaling and scale_in is not None else "1"
         for name, node in grads.items():
             if factor is None or not readers[name]:
                 continue
