@@ -230,9 +230,12 @@ class StepfxOptions:
         bytes per element, 12 where the piece lives on the host); once the
         norm is known the worker keeps what was right bit for bit and
         restores and redoes the rest, so the step is the same either way
-        (runtime/host_optimizer.py). "auto" stops guessing after a step whose
-        guess was undone, until a step is not clipped again; false waits for
-        the norm (no copies).
+        (runtime/host_optimizer.py). "auto" keeps the copies alive at once
+        within 2 bytes per offloaded element (a quarter of the moments: a
+        backward rarely leaves the host time for more) and stops guessing
+        after a step whose guess was undone, until a step is not clipped
+        again; true guesses wherever the norm is not known yet; false waits
+        for the norm (no copies).
     pipeline: pipeline parallelism's schedule, virtual stages and split
         points (config/pipeline.py: PipelineOptions); given, it turns
         pipeline parallelism on with DeepSpeed's ``pipeline.stages`` "auto".

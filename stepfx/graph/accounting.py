@@ -167,18 +167,24 @@ def liveness(graph: StepGraph, sizes: Sizes):
         yield n, size, frees.pop(pos[n], [])
 
 
-def speculation_copies(node: fx.Node) -> int:
-    """Bytes of host state a speculative ``host_adam_start`` (offload_optimizer)
-    copies before it overwrites them: both moments of each piece (8 bytes an
-    element), and the piece where it lives on the host (4 more). The copies
-    live until the norm is known; at most every piece of the step's starts."""
-    if node.op != "call_function" or getattr(node.target, "__name__", "") != "host_adam_start":
-        return 0
-    if not node.kwargs.get("speculative"):
-        return 0
-    count = node.args[0]
-    per = 12 if node.kwargs.get("params_on_host") else 8
-    return sum(per * int(p.meta["val"].numel()) for p in node.args[1:1 + count])  # pieces: static sizes
+def speculation_copies(graph: StepGraph) -> int:
+    """Bytes of host state the speculative ``host_adam_start`` nodes
+    (offload_optimizer) may copy before they overwrite it: both moments of
+    each piece (8 bytes an element), and the piece where it lives on the host
+    (4 more), within their ``copy_cap`` (all starts together). The copies
+    live until the norm is known."""
+    total, cap = 0, None
+    for node in graph.gm.graph.nodes:
+        if node.op != "call_function" or getattr(node.target, "__name__", "") != "host_adam_start":
+            continue
+        if not node.kwargs.get("speculative"):
+            continue
+        count = node.args[0]
+        per = 12 if node.kwargs.get("params_on_host") else 8
+        total += sum(per * int(p.meta["val"].numel()) for p in node.args[1:1 + count])  # pieces: static sizes
+        if node.kwargs.get("copy_cap") is not None:
+            cap = max(cap or 0, node.kwargs["copy_cap"])
+    return total if cap is None else min(total, cap)
 
 
 def estimate_memory(graph: StepGraph, values: Mapping | None = None) -> MemoryEstimate:
@@ -191,8 +197,8 @@ def estimate_memory(graph: StepGraph, values: Mapping | None = None) -> MemoryEs
     live_value = 0
     peak_terms: collections.Counter = collections.Counter()
     host = graph.signature.extra.get(HOST_STATE_KEY, ())
+    est.host_transient = speculation_copies(graph)
     for n, size, freed in liveness(graph, sizes):
-        est.host_transient += speculation_copies(n)
         if n.op == "placeholder" and n.meta["slot"].ident in host:
             est.host += sizes.value(size)
             continue

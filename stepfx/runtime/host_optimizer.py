@@ -156,7 +156,11 @@ class _Group:
         held = [self.exp_avgs[i].view(-1), self.exp_avg_sqs[i].view(-1)]
         return held + [host_param.view(-1)] if self.in_place else held
 
+    def copy_bytes(self, i: int) -> int:
+        return (12 if self.in_place else 8) * self.params[i].numel()
+
     def back_up(self, i: int, host_param) -> None:
+        global _COPIES_LIVE
         t0 = time.perf_counter()
         copies = []
         for t in self.state_of(i, host_param):
@@ -164,18 +168,30 @@ class _Group:
             copy.copy_(t)
             copies.append((t, copy))
         self.backups[i] = copies
+        with _LOCK:
+            _COPIES_LIVE += self.copy_bytes(i)
+            STATS["copies_peak"] = max(STATS["copies_peak"], _COPIES_LIVE)
         STATS["backup_s"] += time.perf_counter() - t0
 
-    def restore(self, i: int) -> None:
-        for t, copy in self.backups.pop(i, ()):
-            t.copy_(copy)
+    def _release(self, i: int, restore: bool) -> None:
+        global _COPIES_LIVE
+        copies = self.backups.pop(i, None)
+        if copies is None:
+            return
+        for t, copy in copies:
+            if restore:
+                t.copy_(copy)
             POOL.give(copy, False)
+        with _LOCK:
+            _COPIES_LIVE -= self.copy_bytes(i)
+
+    def restore(self, i: int) -> None:
+        self._release(i, True)
         self.speculated.pop(i, None)
         self.out[i] = None
 
     def commit(self, i: int) -> None:
-        for _, copy in self.backups.pop(i, ()):
-            POOL.give(copy, False)
+        self._release(i, False)
         self.speculated.pop(i, None)
 
     def roll_back(self) -> None:
@@ -262,11 +278,12 @@ def _same_factor(used, real) -> bool:
 
 
 _CLIPPED: dict = {}  # speculation "auto": start key -> whether its last validation undid a speculated update
+_COPIES_LIVE = 0  # bytes of host state copied by speculated updates not yet validated (all groups)
 
 
 def host_adam_start(count: int, *flat, step_is_new: bool, eps: float, weight_decay: float, decoupled: bool,
                     maximize: bool, pin_memory: bool, kernel: str = "fused", params_on_host: bool = False,
-                    speculative: bool | str = False, key: str = "") -> HostJob:
+                    speculative: bool | str = False, key: str = "", copy_cap: int | None = None) -> HostJob:
     """Start the update of ``count`` parameter pieces on the host. ``flat``:
     the pieces (on the device), their gradients (device), exp_avgs and
     exp_avg_sqs (host), their step counters (before this step's increment
@@ -281,7 +298,8 @@ def host_adam_start(count: int, *flat, step_is_new: bool, eps: float, weight_dec
     :func:`host_adam_validate` brings the real ones. Until it has, each piece
     is updated on the assumption, after a copy of the host state it
     overwrites (True; "auto": unless the last validation of ``key`` undid
-    one), or left for the validation."""
+    one), or left for the validation; not once the copies alive would pass
+    ``copy_cap`` bytes (all groups together)."""
     params, grads, exp_avgs, exp_avg_sqs, steps = (list(flat[i * count:(i + 1) * count]) for i in range(5))
     lr, beta1, beta2, grad_factor, found_inf = flat[5 * count:5 * count + 5]
     device = grads[0].device if grads else torch.device("cpu")
@@ -319,7 +337,9 @@ def host_adam_start(count: int, *flat, step_is_new: bool, eps: float, weight_dec
                 if verdict.known():
                     real, overflow = verdict.read(device, group.streams[0])
                     return ("skip", None) if overflow else ("real", real)
-                return ("guess", factor) if guess else ("defer", None)
+                if guess and (copy_cap is None or _COPIES_LIVE + group.copy_bytes(i) <= copy_cap):
+                    return ("guess", factor)
+                return ("defer", None)
 
             group.pending = _run(group, list(range(count)), choose)
             return None
@@ -384,9 +404,10 @@ def host_adam_wait(job: HostJob) -> tuple:
 
 CHUNK = 1 << 18  # elements: the six fp32 slices an update touches (6 MiB) stay in cache between the ops
 STATS: dict = {"jobs": 0, "elements": 0, "wait_down_s": 0.0, "update_s": 0.0, "wait_up_s": 0.0, "backup_s": 0.0,
-                "speculated": 0, "rolled_back": 0}
+                "speculated": 0, "rolled_back": 0, "copies_peak": 0}
 # seconds the worker spent, summed over jobs: waiting for copies down, updating, waiting for the last copies up,
-# copying the host state a speculated update overwrites; elements updated on a speculated factor, and those undone
+# copying the host state a speculated update overwrites; elements updated on a speculated factor, and those undone;
+# the most bytes of such copies alive at once
 _SCRATCH = threading.local()
 
 

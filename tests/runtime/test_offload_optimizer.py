@@ -177,7 +177,7 @@ def _guess_always(monkeypatch):
     # made before the validation is on the guessed factor (on CPU the main thread often gets there first)
     monkeypatch.setattr(H._Verdict, "known", lambda self: False)
     monkeypatch.setattr(H, "_CLIPPED", {})
-    H.STATS.update(speculated=0, rolled_back=0)
+    H.STATS.update(speculated=0, rolled_back=0, copies_peak=0)
 
 
 def _speculative(stage, speculation=True, **extra):
@@ -241,6 +241,11 @@ def test_auto_speculation_stops_guessing_after_a_clipped_step(monkeypatch):
         step(model, opt, batch)
         guessed.append(H.STATS["speculated"] - before)
     assert guessed[0] > 0 and guessed[1:] == [0, 0]  # clipped every step: one miss, then it waits for the norm
+    # the copies alive at once stay within 2 bytes per offloaded element, as the accounting says
+    from stepfx.graph.accounting import estimate_memory
+
+    cap = 2 * sum(state["exp_avg"].numel() for state in step.optimizer_state().values())
+    assert 0 < H.STATS["copies_peak"] <= cap and estimate_memory(step.plan.graph).host_transient == cap
 
 
 def test_a_step_failing_after_speculated_updates_leaves_the_host_state_as_it_was(monkeypatch):

@@ -146,10 +146,13 @@ def offload_optimizer(graph: StepGraph, options: PassOptions) -> PassResult:
     kernel = getattr(getattr(options.config, "stepfx", None), "host_adam", "fused")
     speculation = getattr(getattr(options.config, "stepfx", None), "host_update_speculation", "auto")
     speculated = 0
+    # "auto": the copies alive at once at most 2 bytes per offloaded element (a quarter of the moments); the
+    # backward of a step rarely leaves the host time to update more than that before the norm is known
+    cap = None if speculation is True else 2 * sum(r.leaves["param"].meta["val"].numel() for r, _ in regions)
     for members in groups.values():
         for part in _splits(members, order):
             idents, guessed = _replace(g, part, order, original, pin=bool(block.pin_memory), kernel=kernel,
-                                       speculation=speculation)
+                                       speculation=speculation, copy_cap=cap)
             host_idents |= idents
             speculated += guessed
             elements += sum(r.leaves["param"].meta["val"].numel() for r, _ in part)
@@ -250,7 +253,7 @@ def _first_read(region, order) -> int:
 
 
 def _replace(g: fx.Graph, members: list, order: dict, original: list, *, pin: bool, kernel: str,
-             speculation) -> tuple[set, bool]:
+             speculation, copy_cap: int | None) -> tuple[set, bool]:
     """One start/wait pair for ``members`` (with a validation between them
     where the start speculates); the host-held slots' idents, and whether it
     speculates."""
@@ -289,7 +292,7 @@ def _replace(g: fx.Graph, members: list, order: dict, original: list, *, pin: bo
     kwargs = dict(step_is_new=step_role == "step_new", eps=rule.eps, weight_decay=rule.weight_decay,
                   decoupled=rule.decoupled, maximize=rule.maximize, pin_memory=pin, kernel=kernel)
     if speculate:
-        kwargs.update(speculative=speculation, key=first.param)
+        kwargs.update(speculative=speculation, key=first.param, copy_cap=copy_cap)
     skip = set(verdict) if speculate else set()
     if step_role == "step_old":
         skip |= {r.leaves["step_new"] for r in regions if "step_new" in r.leaves}
