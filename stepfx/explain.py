@@ -12,7 +12,7 @@ import collections
 import torch
 
 from . import compat
-from .graph import CARRIED_COPIES_KEY, HOST_STATE_KEY, META_DONATED, META_PHASE, Role, format_graph
+from .graph import CARRIED_COPIES_KEY, HOST_STATE_KEY, MASTER_COPIES_KEY, META_DONATED, META_PHASE, Role, format_graph
 from .graph.accounting import Sizes, communication, estimate_memory, size_values
 from .graph.layout import LAYOUT_KEY
 from .graph.tp_layout import TP_PLAN_KEY
@@ -65,6 +65,12 @@ def _zero_section(graph, world: int, values: dict) -> list[str]:
         lines.append(f"  {role.value + ' at rest':<24} {format_bytes(mem.at_rest.get(role, 0)):>12}")
     if Role.BATCH in mem.at_rest_expr:
         lines.append(f"  {'batch':<24} {format_bytes(mem.at_rest[Role.BATCH]):>12}{_expr(mem.at_rest_expr[Role.BATCH])}")
+    masters = graph.signature.extra.get(MASTER_COPIES_KEY, {})
+    if masters:  # host_master_weights: the device keeps the pieces' 16-bit copies
+        size = sum(n.meta["val"].numel() * n.meta["val"].element_size() for n in graph.gm.graph.nodes
+                   if n.op == "placeholder" and n.meta["slot"].ident in masters)
+        lines.append(f"  {'piece copies at rest':<24} {format_bytes(size):>12}  (bf16 copies of the host-held "
+                     "fp32 master pieces)")
     carried = graph.signature.extra.get(CARRIED_COPIES_KEY, {})
     if carried:  # kept by the rank between steps, beside the parameters
         size = sum(c.total * c.dtype.itemsize for c in carried.values())
@@ -73,8 +79,11 @@ def _zero_section(graph, world: int, values: dict) -> list[str]:
     if mem.host:
         held = set(graph.signature.extra.get(HOST_STATE_KEY, ()))
         roles = {n.meta["slot"].role for n in graph.gm.graph.nodes if n.op == "placeholder" and n.meta["slot"].ident in held}
+        masters = graph.signature.extra.get(MASTER_COPIES_KEY, {})
+        pieces = ("host_master_weights: the fp32 master pieces" if masters
+                  else "offload_param: the parameters' pieces")
         what = "; ".join(w for role, w in ((Role.OPTIMIZER_STATE, "offload_optimizer: Adam's moments"),
-                                           (Role.PARAM, "offload_param: the parameters' pieces")) if role in roles)
+                                           (Role.PARAM, pieces)) if role in roles)
         lines.append(f"  {'host memory at rest':<24} {format_bytes(mem.host):>12}  ({what}; not in the figures above)")
     if mem.host_transient:
         lines.append(f"  {'host, during the update':<24} {format_bytes(mem.host_transient):>12}  (at most: copies of "

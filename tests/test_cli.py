@@ -162,7 +162,8 @@ def test_check_notes_auto_values_and_keys_not_applied(capsys):
     _, report = check_json(capsys, str(config_file("01")))
     notes = {n["key"]: n["message"] for n in report["notes"]}
     assert "resolve_auto" in notes["optimizer.params.lr"]
-    assert "accepted" in notes["zero_optimization.offload_optimizer.device"]
+    assert "accepted" in notes["zero_optimization.allgather_bucket_size"]
+    assert "zero_optimization.offload_optimizer.device" not in notes  # applied (passes/memory/offload_optimizer)
 
 
 def test_check_world_size_runs_deepspeeds_batch_arithmetic(capsys, tmp_path):

@@ -27,6 +27,16 @@ APPLIED: frozenset[str] = frozenset({
     # DeepSpeed switches choose between equivalent ways of moving the same bytes
     "zero_optimization.contiguous_gradients",
     "zero_optimization.allgather_partitions",
+    # offload (passes/memory: offload_optimizer, host_master_weights, offload_parameters); DeepSpeed's NVMe
+    # swapping knobs (buffer_count of the optimizer's, buffer_size, max_in_cpu, pipeline_read/write) are not used
+    "zero_optimization.offload_optimizer.device",
+    "zero_optimization.offload_optimizer.nvme_path",
+    "zero_optimization.offload_optimizer.pin_memory",
+    "zero_optimization.offload_optimizer.ratio",
+    "zero_optimization.offload_param.device",
+    "zero_optimization.offload_param.nvme_path",
+    "zero_optimization.offload_param.pin_memory",
+    "zero_optimization.offload_param.buffer_count",  # how many fetches run ahead of their readers
     # tensor parallelism: Megatron pairs found on the graph (passes/tensor_parallel), or named by
     # partition_config's layer_specs (or a Hugging Face model's base_model_tp_plan); embeddings and LM heads split over
     # the vocabulary (vocab_parallel_lm_head); DeepSpeed's presets (preset_model, passes/tensor_parallel/presets.py);

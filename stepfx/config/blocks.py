@@ -236,6 +236,12 @@ class StepfxOptions:
         after a step whose guess was undone, until a step is not clipped
         again; true guesses wherever the norm is not known yet; false waits
         for the norm (no copies).
+    host_master_weights: with ``offload_optimizer`` under bf16 at ZeRO-3,
+        the fp32 master pieces live on the host with the moments and the
+        device keeps their bf16 copies, made by the host update (DeepSpeed's
+        layout; passes/memory/host_master_weights.py): 12 host bytes and 2
+        device bytes per element at rest, 4 over PCIe a step (false: the fp32
+        pieces stay on the device, 8 host bytes, 4 device bytes, 10 over PCIe).
     pipeline: pipeline parallelism's schedule, virtual stages and split
         points (config/pipeline.py: PipelineOptions); given, it turns
         pipeline parallelism on with DeepSpeed's ``pipeline.stages`` "auto".
@@ -280,6 +286,7 @@ class StepfxOptions:
     pipeline: Any = spec(None, Optional(PipelineOptionsCheck()))
     host_adam: str = spec("fused", Choice(("fused", "exact")))
     host_update_speculation: str | bool = spec("auto", OneOf((Choice(("auto",)), Bool())), auto_value=True)
+    host_master_weights: bool = spec(True, Bool())
     sequence_parallel: bool = spec(False, Bool())
     attention_pad_multiple: int | str = spec(0, OneOf((Choice(("auto",)), Int(ge=0))), auto_value=True)
 

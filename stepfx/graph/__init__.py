@@ -4,7 +4,7 @@ Shared by capture (which produces step graphs), passes (which rewrite them)
 and the runtime (which binds and runs them). Imports nothing else of stepfx.
 """
 from .update_rule import UPDATE_RULES_KEY, UpdateRule
-from .signature import (CARRIED_COPIES_KEY, HOST_PINNED_KEY, HOST_STATE_KEY, HOST_STATE_NVME_KEY, RUNTIME_INIT_KEY, SHARED_STEP_KEY, STATE_ROLES, CarriedCopies, Role, Slot, StepSignature,
+from .signature import (CARRIED_COPIES_KEY, HOST_PINNED_KEY, MASTER_COPIES_KEY, HOST_STATE_KEY, HOST_STATE_NVME_KEY, RUNTIME_INIT_KEY, SHARED_STEP_KEY, STATE_ROLES, CarriedCopies, Role, Slot, StepSignature,
                         Storage, TensorSpec)
 from .step_graph import (
     META_DONATED,
@@ -29,6 +29,7 @@ __all__ = [
     "HOST_STATE_KEY",
     "HOST_STATE_NVME_KEY",
     "HOST_PINNED_KEY",
+    "MASTER_COPIES_KEY",
     "CarriedCopies",
     "Role",
     "Slot",

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import TreeSpec
 
-__all__ = ["Role", "Storage", "Slot", "StepSignature", "STATE_ROLES", "RUNTIME_INIT_KEY", "CARRIED_COPIES_KEY", "HOST_STATE_KEY", "HOST_STATE_NVME_KEY", "HOST_PINNED_KEY",
+__all__ = ["Role", "Storage", "Slot", "StepSignature", "STATE_ROLES", "RUNTIME_INIT_KEY", "CARRIED_COPIES_KEY", "HOST_STATE_KEY", "HOST_STATE_NVME_KEY", "HOST_PINNED_KEY", "MASTER_COPIES_KEY",
            "CarriedCopies", "TensorSpec", "hyperparam_tensor"]
 
 
@@ -56,6 +56,9 @@ CARRIED_COPIES_KEY = "carried_copies"
 HOST_STATE_KEY = "host_state"  # extra: idents of rank-held slots whose values live on the host (offload_optimizer)
 HOST_STATE_NVME_KEY = "host_state_nvme"  # extra: the directory whose files back those values (device "nvme")
 HOST_PINNED_KEY = "host_pinned"  # extra: those the binding keeps in pinned memory (offload_param's pin_memory)
+# extra: {ident of a RUNTIME_STATE slot: (ident of the host-held parameter piece it is the copy of, the copy's dtype)}
+# (host_master_weights: the device keeps the copy between steps, the host the fp32 master)
+MASTER_COPIES_KEY = "master_copies"
 # StepSignature.extra key: True when the graph reads one optimizer step
 # counter for all parameters (they were all equal at capture, and the
 # fingerprint keeps them so): any counter the rank holds may stand for it.

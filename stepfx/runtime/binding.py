@@ -30,11 +30,11 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..config.errors import ConfigError
-from ..graph import (CARRIED_COPIES_KEY, HOST_PINNED_KEY, HOST_STATE_KEY, HOST_STATE_NVME_KEY, RUNTIME_INIT_KEY, Role,
+from ..graph import (CARRIED_COPIES_KEY, HOST_PINNED_KEY, MASTER_COPIES_KEY, HOST_STATE_KEY, HOST_STATE_NVME_KEY, RUNTIME_INIT_KEY, Role,
                      StepSignature, Storage)
 from ..graph.layout import LAYOUT_KEY, Sharding
 from ..graph.signature import TensorSpec, hyperparam_tensor
-from .carried import CarriedCopy
+from .carried import CarriedCopy, PieceCopy
 
 __all__ = ["ModuleBinding", "RankStore"]
 
@@ -118,12 +118,18 @@ class ModuleBinding:
         self._params = params
         # the compute copies this plan carries (plans with the same layout share one)
         carried = signature.extra.get(CARRIED_COPIES_KEY, {})
+        masters = signature.extra.get(MASTER_COPIES_KEY, {})
         self._carried = {}
         for s in signature.inputs:
             if _is_carried(s, carried):
                 if s.ident not in self.store.carried:
                     layout = carried[s.key]
                     self.store.carried[s.ident] = CarriedCopy(layout, [params[n] for n in layout.names])
+                self._carried[s.ident] = self.store.carried[s.ident]
+            elif s.ident in masters:  # host_master_weights: the device copy of a host-held piece
+                if not isinstance(self.store.carried.get(s.ident), PieceCopy):
+                    piece, dtype = masters[s.ident]
+                    self.store.carried[s.ident] = PieceCopy(dtype, params[s.name].device, self._master_reader(piece))
                 self._carried[s.ident] = self.store.carried[s.ident]
         # offload_optimizer: rank-held slots whose values live on the host
         self._host_state = frozenset(signature.extra.get(HOST_STATE_KEY, ()))
@@ -163,6 +169,11 @@ class ModuleBinding:
         self._consumed = [s for s in signature.inputs if s.storage is Storage.RANK and s.role is Role.GRAD and s.ident not in out_idents]
 
     # -- inputs ---------------------------------------------------------------
+    def _master_reader(self, ident) -> Callable[[], torch.Tensor]:
+        """The reader of the host-held piece ``ident`` (made once the readers exist)."""
+        at = next(i for i, s in enumerate(self.signature.inputs) if s.ident == ident)
+        return lambda: self._readers[at]()
+
     def _user_tensor(self, slot, params) -> Callable[[], torch.Tensor]:
         """Where a rank-held slot's first value comes from."""
         if slot.role is Role.PARAM:

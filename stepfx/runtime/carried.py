@@ -40,7 +40,7 @@ import torch
 
 from ..graph import CarriedCopies
 
-__all__ = ["CarriedCopy", "WatchedParameter", "watch"]
+__all__ = ["CarriedCopy", "PieceCopy", "WatchedParameter", "watch"]
 
 class WatchedParameter(torch.nn.Parameter):
     """An ``nn.Parameter`` whose ``.data`` (get or set) is counted in
@@ -144,3 +144,43 @@ class CarriedCopy:
         if not self.watched:
             return text + ": packed every step (a parameter is an nn.Parameter subclass stepfx does not watch)"
         return text + f": packed afresh at {self.repacks} of {self.reads} steps"
+
+
+class PieceCopy:
+    """The 16-bit device copy of a rank-held parameter piece whose fp32 master
+    lives on the host (``host_master_weights``): the host update makes the
+    next one each step; it is made afresh from the master when the master
+    changed otherwise (a checkpoint loaded, a reshard: its version counter or
+    address moved since the last step), as :class:`CarriedCopy` does for whole
+    parameters. ``source`` reads the master (the binding's reader of it)."""
+
+    _ids: frozenset = frozenset()  # copies no user parameter (CarriedCopy.overlaps reads this)
+
+    def __init__(self, dtype: torch.dtype, device: torch.device, source):
+        self.dtype, self.device, self.source = dtype, device, source
+        self.token: tuple | None = None
+        self.repacks = 0
+        self.reads = 0
+
+    def overlaps(self, other) -> bool:
+        return False
+
+    def _token(self) -> tuple:
+        master = self.source()
+        return master._version, master.data_ptr()
+
+    def read(self, held: torch.Tensor | None) -> torch.Tensor:
+        self.reads += 1
+        if held is not None and self.token is not None and self._token() == self.token:
+            return held
+        self.repacks += 1
+        return self.source().detach().to(device=self.device, dtype=self.dtype, copy=True)
+
+    def stepped(self) -> None:
+        self.token = self._token()
+
+    def forget(self) -> None:
+        self.token = None
+
+    def describe(self) -> str:
+        return f"a piece's {str(self.dtype).removeprefix('torch.')} copy: made afresh at {self.repacks} of {self.reads} steps"

@@ -139,12 +139,15 @@ class _Group:
     on a speculated factor with a copy of what it overwrote (``backups``,
     ``speculated``), or not yet (``pending``)."""
 
-    def __init__(self, device, params, grads, exp_avgs, exp_avg_sqs, steps, hyper, kernel, pin, in_place):
+    def __init__(self, device, params, grads, exp_avgs, exp_avg_sqs, steps, hyper, kernel, pin, in_place,
+                 copy_dtype=None):
         self.device, self.params, self.grads = device, params, grads
         self.exp_avgs, self.exp_avg_sqs, self.steps = exp_avgs, exp_avg_sqs, steps
         self.hyper, self.pin, self.in_place = hyper, pin, in_place
         self.update = adam_fused if kernel == "fused" else adam_chunked
         self.out: list = [None] * len(params)
+        self.copy_dtype = copy_dtype  # host_master_weights: each piece's 16-bit copy goes up
+        self.copies: list = [None] * len(params)
         self.backups: dict[int, list] = {}
         self.speculated: dict[int, object] = {}
         self.pending: list[int] = []
@@ -188,7 +191,7 @@ class _Group:
     def restore(self, i: int) -> None:
         self._release(i, True)
         self.speculated.pop(i, None)
-        self.out[i] = None
+        self.out[i] = self.copies[i] = None
 
     def commit(self, i: int) -> None:
         self._release(i, False)
@@ -200,7 +203,7 @@ class _Group:
             self.restore(i)
 
     def result(self) -> tuple:
-        return list(self.out), list(self.exp_avgs), list(self.exp_avg_sqs)
+        return list(self.out), list(self.exp_avgs), list(self.exp_avg_sqs), list(self.copies)
 
 
 class HostJob:
@@ -283,7 +286,8 @@ _COPIES_LIVE = 0  # bytes of host state copied by speculated updates not yet val
 
 def host_adam_start(count: int, *flat, step_is_new: bool, eps: float, weight_decay: float, decoupled: bool,
                     maximize: bool, pin_memory: bool, kernel: str = "fused", params_on_host: bool = False,
-                    speculative: bool | str = False, key: str = "", copy_cap: int | None = None) -> HostJob:
+                    speculative: bool | str = False, key: str = "", copy_cap: int | None = None,
+                    copy_dtype: torch.dtype | None = None) -> HostJob:
     """Start the update of ``count`` parameter pieces on the host. ``flat``:
     the pieces (on the device), their gradients (device), exp_avgs and
     exp_avg_sqs (host), their step counters (before this step's increment
@@ -299,7 +303,11 @@ def host_adam_start(count: int, *flat, step_is_new: bool, eps: float, weight_dec
     is updated on the assumption, after a copy of the host state it
     overwrites (True; "auto": unless the last validation of ``key`` undid
     one), or left for the validation; not once the copies alive would pass
-    ``copy_cap`` bytes (all groups together)."""
+    ``copy_cap`` bytes (all groups together).
+
+    ``copy_dtype`` (``host_master_weights``; the pieces are host-held): each
+    updated piece's copy in that dtype is made on the host and copied up; the
+    wait returns them after the (param, exp_avg, exp_avg_sq) triples."""
     params, grads, exp_avgs, exp_avg_sqs, steps = (list(flat[i * count:(i + 1) * count]) for i in range(5))
     lr, beta1, beta2, grad_factor, found_inf = flat[5 * count:5 * count + 5]
     device = grads[0].device if grads else torch.device("cpu")
@@ -326,7 +334,7 @@ def host_adam_start(count: int, *flat, step_is_new: bool, eps: float, weight_dec
                          weight_decay=weight_decay, decoupled=decoupled, maximize=maximize)
             counts = [_host_scalar(s) + (0.0 if step_is_new else 1.0) for s in counts]
             group = job.group = _Group(device, params, grads, exp_avgs, exp_avg_sqs, counts, hyper, kernel, pin_memory,
-                                       params_on_host)
+                                       params_on_host, copy_dtype)
             factor = group.guess = _host_factor(factor)
             if verdict is None:
                 overflow = flag is not None and bool(flag.reshape(()).item() != 0)
@@ -391,15 +399,18 @@ def host_adam_validate(job: HostJob, grad_factor, found_inf) -> HostJob:
 
 
 def host_adam_wait(job: HostJob) -> tuple:
-    """The updated pieces (device), exp_avgs, exp_avg_sqs (host), flat:
-    (param, exp_avg, exp_avg_sq) of each parameter in turn."""
-    new_params, exp_avgs, exp_avg_sqs = job.result()
+    """The updated pieces (device, or host where host-held), exp_avgs,
+    exp_avg_sqs (host), flat: (param, exp_avg, exp_avg_sq) of each parameter
+    in turn; then, with ``copy_dtype``, each piece's 16-bit copy (device)."""
+    new_params, exp_avgs, exp_avg_sqs, copies = job.result()
     with _LOCK:
         _PENDING.discard(job)
-    for t in new_params:
+    made = [c for c in copies if c is not None]
+    for t in new_params + made:
         if t.device.type == "cuda":
             t.record_stream(torch.cuda.current_stream(t.device))  # made on the copy stream, read on this one
-    return tuple(x for i in range(len(new_params)) for x in (new_params[i], exp_avgs[i], exp_avg_sqs[i]))
+    triples = tuple(x for i in range(len(new_params)) for x in (new_params[i], exp_avgs[i], exp_avg_sqs[i]))
+    return triples + tuple(made)
 
 
 CHUNK = 1 << 18  # elements: the six fp32 slices an update touches (6 MiB) stay in cache between the ops
@@ -493,12 +504,12 @@ def _run(group: _Group, indices: list[int], choose) -> list[int]:
         if mode == "defer":
             return indices[k:]
         p = group.params[i]
-        if mode == "skip":
-            group.out[i] = p
-            continue
-        p = p.detach() if group.in_place else p.detach().clone()  # the graph's values are written only if host-held
-        _update_one(group, i, p.view(-1), group.grads[i].reshape(-1), mode, factor)
+        if mode != "skip":
+            p = p.detach() if group.in_place else p.detach().clone()  # the graph's values are written only if host-held
+            _update_one(group, i, p.view(-1), group.grads[i].reshape(-1), mode, factor)
         group.out[i] = p
+        if group.copy_dtype is not None:
+            group.copies[i] = p.detach().to(group.copy_dtype)
     STATS["jobs"] += 1
     return []
 
@@ -551,15 +562,27 @@ def _pipelined(group: _Group, indices: list[int], choose) -> list[int]:
             ev.synchronize()
             STATS["wait_down_s"] += time.perf_counter() - t0
             mode, factor = choose(i)
-            if mode in ("defer", "skip"):
+            if mode == "defer" or mode == "skip" and group.copy_dtype is None:
                 in_flight[-1] = (ev, staging(hp, hg))
                 if mode == "defer":
                     deferred = indices[k:]
                     break
                 group.out[i] = params[i]
                 continue
-            _update_one(group, i, hp, hg, mode, factor, owned_grad=True)
-            if in_place:
+            if mode != "skip":
+                _update_one(group, i, hp, hg, mode, factor, owned_grad=True)
+            if group.copy_dtype is not None:  # host-held piece (in place): its 16-bit copy goes up
+                staged = POOL.take(hp.numel(), group.copy_dtype, pin)
+                staged.copy_(hp)
+                with torch.cuda.stream(up):
+                    copy = torch.empty(params[i].shape, dtype=group.copy_dtype, device=group.device)
+                    copy.view(-1).copy_(staged, non_blocking=True)
+                    done = torch.cuda.Event()
+                    done.record(up)
+                in_flight[-1] = (done, (hg, staged))
+                group.copies[i] = copy
+                group.out[i] = params[i]
+            elif in_place:
                 in_flight[-1] = (ev, (hg,))
                 group.out[i] = params[i]
             else:

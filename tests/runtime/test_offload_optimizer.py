@@ -51,13 +51,17 @@ def test_clipped_offload_on_two_ranks(rank_pool):
     assert max(report.state_rel) <= 1e-6
 
 
-def test_bf16_with_partial_offload_equals_the_reference(rank_pool):
+@pytest.mark.parametrize("ratio", [0.5, 1.0], ids=["partial", "all-masters-on-the-host"])
+def test_bf16_with_partial_offload_equals_the_reference(rank_pool, ratio):
+    # ratio 1: every piece's update on the host, so the fp32 masters live there and the device keeps bf16 copies
+    # (host_master_weights); 0.5: some pieces are updated on the device, the masters stay there
     from tests.steps import lm_step_bf16_reference
 
-    config = _cfg(3, offload={"ratio": 0.5}, bf16={"enabled": True}, gradient_clipping=0)
+    config = _cfg(3, offload={"ratio": ratio}, bf16={"enabled": True}, gradient_clipping=0)
     report = assert_data_parallel_equivalent(rank_pool(2), lm_step, tiny_gpt, adamw, dp_batches(2),
                                              config=config, reference_fn=lm_step_bf16_reference, exact=True)
     assert report.bitwise
+    assert ("host as masters" in report.explains[0]) == (ratio == 1.0)
 
 
 def _single(config, model=None, opt_fn=adamw, steps=3):
@@ -225,7 +229,9 @@ def test_speculated_host_updates_equal_the_step_without_offloading_bitwise(monke
     est = estimate_memory(step.plan.graph)
     # a copy of both moments of every piece at most, and of the piece where it lives on the host
     pieces = sum(n.args[1 + i].meta["val"].numel() for n in starts for i in range(n.args[0]))
-    assert est.host_transient == (12 if on_host else 8) * pieces
+    in_place = on_host or bf16 and stage == 3  # offload_param, or host_master_weights: the piece is copied too
+    assert all(n.kwargs.get("params_on_host", False) == in_place for n in starts)
+    assert est.host_transient == (12 if in_place else 8) * pieces
     assert "host, during the update" in step.explain()
 
 
@@ -270,6 +276,71 @@ def test_a_step_failing_after_speculated_updates_leaves_the_host_state_as_it_was
     monkeypatch.setattr(H, "_same_factor", same)
     step(model, opt, batch)
     assert not all(torch.equal(before[n], p) for n, p in model.named_parameters())
+
+
+def _masters(host_master_weights, **extra):
+    config = _cfg(3, bf16={"enabled": True}, **extra)
+    config["stepfx"]["host_master_weights"] = host_master_weights
+    return config
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_fp32_masters_on_the_host_and_bf16_copies_on_the_device_are_the_same_step_bitwise(accumulation):
+    # bf16 at ZeRO-3 with every update on the host: the fp32 pieces live on the host (the host Adam updates
+    # them in place and makes their bf16 copies, which go up), the device reads only the copies; against the
+    # fp32 pieces kept on the device, bitwise: the same casts, made on the host; micro-steps read the copies
+    from stepfx.graph import MASTER_COPIES_KEY
+    from stepfx.graph.accounting import estimate_memory
+    from stepfx.runtime.carried import PieceCopy
+
+    extra = dict(gradient_accumulation_steps=accumulation)
+    steps = 3 * accumulation
+    step, _, _, losses = _single(_masters(True, **extra), steps=steps)
+    plain, _, _, plain_losses = _single(_masters(False, **extra), steps=steps)
+    assert [l.item() for l in losses] == [l.item() for l in plain_losses]
+    ours, theirs = step.model_state_dict(), plain.model_state_dict()
+    assert all(torch.equal(ours[n], theirs[n]) for n in theirs)
+    ours, theirs = step.optimizer_state(), plain.optimizer_state()
+    assert all(torch.equal(ours[n][k], theirs[n][k]) for n in theirs for k in theirs[n])
+    graph = step.plan.graph
+    masters = graph.signature.extra[MASTER_COPIES_KEY]
+    pieces = [n for n in graph.gm.graph.nodes if n.op == "placeholder" and n.meta["slot"].role is Role.PARAM]
+    assert pieces and {n.meta["slot"].ident for n in pieces} == {piece for piece, _ in masters.values()}
+    assert set(graph.signature.extra[HOST_STATE_KEY]) >= {n.meta["slot"].ident for n in pieces}
+    # no device op reads a master: the host update does, the casts became the copies
+    assert all(u.target is host_adam_start for n in pieces for u in n.users)
+    copies = [c for c in step._store.carried.values() if isinstance(c, PieceCopy)]
+    assert len(copies) == len(masters) and all(c.repacks == 1 for c in copies)  # made once, then by the update
+    # the accounting: 4 bytes an element move from the device's parameters to the host, 2 come back as copies
+    elements = sum(n.meta["val"].numel() for n in pieces)
+    ours, theirs = estimate_memory(graph), estimate_memory(plain.plan.graph)
+    assert ours.host == theirs.host + 4 * elements
+    assert ours.at_rest.get(Role.PARAM, 0) == theirs.at_rest[Role.PARAM] - 4 * elements
+    assert ours.at_rest[Role.RUNTIME_STATE] - theirs.at_rest.get(Role.RUNTIME_STATE, 0) == 2 * elements
+
+
+def test_a_checkpoint_of_host_masters_resumes_bitwise_and_remakes_the_copies(tmp_path):
+    config = _masters(True)
+    step, model, opt, _ = _single(config, steps=2)
+    step.save_checkpoint(tmp_path)
+    batches = [b for (b,) in dp_batches(1, steps=3, seed=5)[0]]
+    losses = [float(step(model, opt, b)) for b in batches]
+    torch.manual_seed(1)
+    fresh_model = tiny_gpt()
+    fresh_opt = adamw(fresh_model)
+    fresh = stepfx.parallelize(config)(lm_step)
+    fresh.load_checkpoint(tmp_path, model=fresh_model, optimizer=fresh_opt)
+    assert [float(fresh(fresh_model, fresh_opt, b)) for b in batches] == losses
+    ours, theirs = fresh.model_state_dict(), step.model_state_dict()
+    assert all(torch.equal(ours[n], theirs[n]) for n in theirs)
+    # loaded into the running step: the masters change outside a step, so the copies are made afresh from them
+    from stepfx.runtime.carried import PieceCopy
+
+    made = sum(c.repacks for c in step._store.carried.values() if isinstance(c, PieceCopy))
+    step.load_checkpoint(tmp_path)
+    again = [float(step(model, opt, b)) for b in batches]
+    assert again == losses
+    assert sum(c.repacks for c in step._store.carried.values() if isinstance(c, PieceCopy)) > made
 
 
 def test_an_optimizer_without_a_host_update_is_refused_by_name():

@@ -32,7 +32,9 @@ def _cfg(*, param=None, optimizer=None, bf16=False, clip=0.0):
         zero["offload_param"] = {"device": "cpu", **param}
     if optimizer is not None:
         zero["offload_optimizer"] = {"device": "cpu", **optimizer}
-    config = {"gradient_clipping": clip, "zero_optimization": zero, "stepfx": {"host_adam": "exact"}}
+    # the fp32 pieces on the device when offload_param is off (host_master_weights would put them on the host too)
+    config = {"gradient_clipping": clip, "zero_optimization": zero,
+              "stepfx": {"host_adam": "exact", "host_master_weights": False}}
     if bf16:
         config["bf16"] = {"enabled": True}
     return config
