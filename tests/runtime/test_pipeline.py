@@ -295,7 +295,8 @@ def test_zero3_ranks_keep_a_share_of_their_stage_and_gather_the_whole_back(rank_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dp", [1, 2])
+# DP 1 left out (suite time, 16 s): DP 2 has its capture path and more (replicas of other lengths)
+@pytest.mark.parametrize("dp", [2])
 def test_padded_variable_length_batches_with_deepspeed_defaults(rank_pool, dp):
     """Hugging Face Qwen2 on dict batches padded to each batch's longest
     sequence (attention masks, labels -100 on the padding), lengths changing
