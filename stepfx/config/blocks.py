@@ -241,7 +241,10 @@ class StepfxOptions:
         device keeps their bf16 copies, made by the host update (DeepSpeed's
         layout; passes/memory/host_master_weights.py): 12 host bytes and 2
         device bytes per element at rest, 4 over PCIe a step (false: the fp32
-        pieces stay on the device, 8 host bytes, 4 device bytes, 10 over PCIe).
+        pieces stay on the device, 8 host bytes, 4 device bytes, 10 over
+        PCIe). "auto" (default): on where 12 bytes per element fit the host
+        (``host_memory_budget_gib``, else 85% of its physical memory over the
+        local ranks); true: on regardless.
     pipeline: pipeline parallelism's schedule, virtual stages and split
         points (config/pipeline.py: PipelineOptions); given, it turns
         pipeline parallelism on with DeepSpeed's ``pipeline.stages`` "auto".
@@ -286,7 +289,7 @@ class StepfxOptions:
     pipeline: Any = spec(None, Optional(PipelineOptionsCheck()))
     host_adam: str = spec("fused", Choice(("fused", "exact")))
     host_update_speculation: str | bool = spec("auto", OneOf((Choice(("auto",)), Bool())), auto_value=True)
-    host_master_weights: bool = spec(True, Bool())
+    host_master_weights: str | bool = spec("auto", OneOf((Choice(("auto",)), Bool())), auto_value=True)
     sequence_parallel: bool = spec(False, Bool())
     attention_pad_multiple: int | str = spec(0, OneOf((Choice(("auto",)), Int(ge=0))), auto_value=True)
 

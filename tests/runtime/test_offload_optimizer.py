@@ -319,6 +319,19 @@ def test_fp32_masters_on_the_host_and_bf16_copies_on_the_device_are_the_same_ste
     assert ours.at_rest[Role.RUNTIME_STATE] - theirs.at_rest.get(Role.RUNTIME_STATE, 0) == 2 * elements
 
 
+def test_masters_stay_on_the_device_where_the_host_has_no_room_for_them():
+    # "auto" (the default): 12 host bytes an element do not fit a budget of 10 (the moments' 8 do)
+    elements = sum(p.numel() for p in tiny_gpt().parameters())
+    config = _masters("auto", gradient_clipping=0)
+    config["stepfx"]["host_memory_budget_gib"] = 10 * elements / 2**30
+    step, *_ = _single(config, steps=1)
+    record = next(r for r in step.plan.records if r.name == "host_master_weights")
+    assert not record.changed and "would not fit the host with the moments" in record.summary, record.summary
+    config["stepfx"]["host_memory_budget_gib"] = 12 * elements / 2**30
+    step, *_ = _single(config, steps=1)
+    assert next(r for r in step.plan.records if r.name == "host_master_weights").changed
+
+
 def test_a_checkpoint_of_host_masters_resumes_bitwise_and_remakes_the_copies(tmp_path):
     config = _masters(True)
     step, model, opt, _ = _single(config, steps=2)

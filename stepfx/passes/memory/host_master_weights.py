@@ -8,7 +8,10 @@ PCIe, 4 bytes of device memory at rest) and cast them to bf16 on the device
 for the gathers. Here, under bf16 at ZeRO-3 with every piece's update on the
 host (``offload_optimizer`` with ``ratio`` 1, no ``offload_param``, which
 keeps the pieces on the host its own way, and ``stepfx.host_master_weights``
-on, the default):
+"auto", the default, or true; "auto" leaves the masters on the device when,
+with the moments, 12 bytes an element would not fit the host:
+``stepfx.host_memory_budget_gib``, else 85% of the physical memory over the
+local ranks):
 
 Requires: ``offload_optimizer`` ran (the updates are host jobs) and
 ``shard_parameters`` (the pieces are rank-held slots); before the fusions,
@@ -49,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import os
 
 import torch
 import torch.fx as fx
@@ -77,7 +81,7 @@ def master_weights_apply(options: PassOptions) -> str | None:
     block = offload_settings(options)
     if block is None:
         return "no offload_optimizer"
-    if getattr(getattr(cfg, "stepfx", None), "host_master_weights", True) is False:
+    if getattr(getattr(cfg, "stepfx", None), "host_master_weights", "auto") is False:
         return "stepfx.host_master_weights is false"
     bf16 = getattr(cfg, "bf16", None)
     if bf16 is None or bf16.enabled is not True:
@@ -89,6 +93,31 @@ def master_weights_apply(options: PassOptions) -> str | None:
     if block.ratio < 1.0:
         return "offload_optimizer.ratio < 1: some pieces are updated on the device"
     return None
+
+
+def host_memory_bytes(options: PassOptions) -> tuple[int, str]:
+    """What this rank's host memory is taken to be: ``stepfx.host_memory_budget_gib``, else 85% of the machine's
+    physical memory shared by the ranks torchrun started on it (``LOCAL_WORLD_SIZE``)."""
+    budget = getattr(getattr(options.config, "stepfx", None), "host_memory_budget_gib", None)
+    if budget is not None:
+        return int(budget * 2**30), "stepfx.host_memory_budget_gib"
+    physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return int(0.85 * physical / local), f"85% of the host's {format_bytes(physical)} over {local} local rank(s)"
+
+
+def _over_host_memory(pieces: list[fx.Node], options: PassOptions) -> str | None:
+    """Why the masters stay on the device when, with the moments, they would not fit the host: counted from
+    the pieces alone (12 bytes an element), so every plan of a step (update or micro-step) decides alike."""
+    if getattr(getattr(options.config, "stepfx", None), "host_master_weights", "auto") is True:
+        return None
+    elements = sum(p.meta["val"].numel() for p in pieces)
+    room, what = host_memory_bytes(options)
+    if 12 * elements <= room:
+        return None
+    return (f"the fp32 masters would not fit the host with the moments ({format_bytes(12 * elements)} on this rank "
+            f"against {format_bytes(room)}: {what}); they stay on the device (8 host bytes an element); "
+            "stepfx.host_master_weights true moves them anyway")
 
 
 def _cast_to(node: fx.Node, dtype) -> bool:
@@ -107,6 +136,9 @@ def host_master_weights(graph: StepGraph, options: PassOptions) -> PassResult:
               and n.meta["slot"].storage is Storage.RANK and n.meta["slot"].piece is not None]
     if not pieces:
         return PassResult(graph, False, "no parameter is held in pieces by this rank")
+    over = _over_host_memory(pieces, options)
+    if over is not None:
+        return PassResult(graph, False, over)
     chosen = set(pieces)
     casts, cats, starts = [], {}, {}
     for p in pieces:
