@@ -64,6 +64,7 @@ from .runtime import (
     preflight,
 )
 from .runtime.distributed import RankMismatchError, check_pipeline_batches, check_tensor_parallel_batches, rank_varying_dims
+from .runtime.carried import PieceCopy
 from .schedules import build_scheduler
 
 __all__ = ["parallelize", "ParallelStep", "Plan", "DUMP_ENV"]
@@ -887,6 +888,14 @@ class ParallelStep:
         self._profile = profile_step(self, steps)
         return self._profile
 
+    def _apply_delayed_update(self) -> None:
+        """``stepfx.delayed_parameter_update``: the last step's host update is
+        still running; wait for it and install what it made, so what is read
+        next (or the next step) sees the latest parameters."""
+        from .runtime.host_optimizer import flush_delayed
+
+        flush_delayed(self._store)
+
     def model_state_dict(self, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
         """The whole model state (parameters and buffers) by the module's
         own ``state_dict`` keys.
@@ -898,6 +907,7 @@ class ParallelStep:
         keep whole parameters in the user's module, which this reads."""
         if self._model is None:
             raise RuntimeError(f"{self.__name__} has not been called yet")
+        self._apply_delayed_update()
         gathered = self._gather_params()
         names = {id(p): n for n, p in self._model.named_parameters()}
         state = {}
@@ -916,6 +926,7 @@ class ParallelStep:
         empties them again."""
         if self._model is None:
             raise RuntimeError(f"{self.__name__} has not been called yet")
+        self._apply_delayed_update()
         params = dict(self._model.named_parameters())
         for name, value in self._gather_params().items():
             params[name].data = value
@@ -927,6 +938,7 @@ class ParallelStep:
         otherwise it reads the user's optimizer."""
         if self._model is None:
             raise RuntimeError(f"{self.__name__} has not been called yet")
+        self._apply_delayed_update()
         names = {id(p): n for n, p in self._model.named_parameters()}
         out: dict[str, dict[str, torch.Tensor]] = {}
         if self._optimizer is not None:
@@ -991,6 +1003,7 @@ class ParallelStep:
         """Save the run where each rank writes what it holds (DeepSpeed's
         ``save_checkpoint``; see stepfx/checkpoint/checkpoint.py). A
         collective. ``tag`` defaults to ``global_step<updates>``."""
+        self._apply_delayed_update()
         from .checkpoint.checkpoint import save_checkpoint
 
         return save_checkpoint(self, save_dir, tag, client_state, async_save=async_save)
@@ -998,6 +1011,7 @@ class ParallelStep:
     def load_checkpoint(self, load_dir: str, tag: str | None = None, **kwargs) -> tuple[str, dict]:
         """Resume from a checkpoint of any world size, ZeRO stage or
         precision; returns ``(path, client_state)``. A collective."""
+        self._apply_delayed_update()
         from .checkpoint.checkpoint import load_checkpoint
 
         return load_checkpoint(self, load_dir, tag, **kwargs)
@@ -1006,6 +1020,7 @@ class ParallelStep:
         """The whole model as Hugging Face safetensors (+ config.json for
         transformers models); a collective, rank 0 writes
         (stepfx/checkpoint/export.py)."""
+        self._apply_delayed_update()
         from .checkpoint.export import save_pretrained
 
         return save_pretrained(self, directory, dtype=dtype, max_shard_size=max_shard_size)
@@ -1037,6 +1052,7 @@ class ParallelStep:
         new_layout = new.graph.signature.extra.get(LAYOUT_KEY)
         if old_layout is None or new_layout is None or old_layout.buckets == new_layout.buckets:
             return False
+        self._apply_delayed_update()
         pending = [k for k in self._store.tensors if k[0] is Role.GRAD]
         if pending:
             raise ExecutionError(
@@ -1053,6 +1069,9 @@ class ParallelStep:
                 optimizer.state[named[name]].update(state)
         for k in [k for k in self._store.tensors if k[0] in (Role.PARAM, Role.OPTIMIZER_STATE)]:
             del self._store.tensors[k]
+        for k in [k for k, c in self._store.carried.items() if isinstance(c, PieceCopy)]:  # the old pieces' copies
+            self._store.tensors.pop(k, None)
+            del self._store.carried[k]
         for k in [k for k in self._store.held if k[0] in (Role.PARAM, Role.OPTIMIZER_STATE)]:
             del self._store.held[k]
         log.info("stepfx: %s: the ZeRO layout changed (parameters that train changed); pieces re-cut from whole values",

@@ -245,6 +245,15 @@ class StepfxOptions:
         PCIe). "auto" (default): on where 12 bytes per element fit the host
         (``host_memory_budget_gib``, else 85% of its physical memory over the
         local ranks); true: on regardless.
+    delayed_parameter_update: ZeRO-Offload's one-step delayed parameter
+        update: each step's host update runs while the next step computes,
+        so the step computes at the parameters of two updates before (its
+        gradient is applied to those of the update before). Changes the
+        training (one step stale); off by default. Needs the masters on the
+        host (``host_master_weights``: bf16, ZeRO-3, ``offload_optimizer``).
+        Reading the state (``model_state_dict``, ``optimizer_state``, a
+        checkpoint) first waits for the pending update and applies it, so
+        the next step computes at the latest parameters.
     pipeline: pipeline parallelism's schedule, virtual stages and split
         points (config/pipeline.py: PipelineOptions); given, it turns
         pipeline parallelism on with DeepSpeed's ``pipeline.stages`` "auto".
@@ -290,6 +299,7 @@ class StepfxOptions:
     host_adam: str = spec("fused", Choice(("fused", "exact")))
     host_update_speculation: str | bool = spec("auto", OneOf((Choice(("auto",)), Bool())), auto_value=True)
     host_master_weights: str | bool = spec("auto", OneOf((Choice(("auto",)), Bool())), auto_value=True)
+    delayed_parameter_update: bool = spec(False, Bool())
     sequence_parallel: bool = spec(False, Bool())
     attention_pad_multiple: int | str = spec(0, OneOf((Choice(("auto",)), Int(ge=0))), auto_value=True)
 

@@ -16,7 +16,7 @@ from .cleanup.replay_checkpoint_randomness import replay_checkpoint_randomness
 from .cleanup.unrepeat_kv_heads import unrepeat_kv_heads
 from .cleanup.choose_attention_kernels import choose_attention_kernels
 from .data_parallel.fuse_bucket_packing import fuse_bucket_packing
-from .memory.host_master_weights import host_master_weights, master_weights_apply
+from .memory.host_master_weights import delayed_update, host_master_weights, master_weights_apply
 from .memory.offload_optimizer import offload_optimizer, offload_settings
 from .memory.offload_parameters import offload_parameters, param_offload_settings
 from .memory.recompute_activations import recompute_activations
@@ -216,7 +216,7 @@ PIPELINE: tuple[PipelineEntry, ...] = (
         host_master_weights,
         "right after offload_optimizer (the updates are host jobs it makes work on host-held pieces) and before "
         "schedule_collectives and the fusions (which would take the casts it replaces into kernels)",
-        applies=lambda options: master_weights_apply(options) is None,
+        applies=lambda options: master_weights_apply(options) is None or delayed_update(options),
     ),
     PipelineEntry(
         "schedule_collectives",

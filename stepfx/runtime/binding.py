@@ -128,8 +128,9 @@ class ModuleBinding:
                 self._carried[s.ident] = self.store.carried[s.ident]
             elif s.ident in masters:  # host_master_weights: the device copy of a host-held piece
                 if not isinstance(self.store.carried.get(s.ident), PieceCopy):
-                    piece, dtype = masters[s.ident]
-                    self.store.carried[s.ident] = PieceCopy(dtype, params[s.name].device, self._master_reader(piece))
+                    piece, dtype, delayed = masters[s.ident]
+                    self.store.carried[s.ident] = PieceCopy(dtype, params[s.name].device, self._master_reader(piece),
+                                                            delayed)
                 self._carried[s.ident] = self.store.carried[s.ident]
         # offload_optimizer: rank-held slots whose values live on the host
         self._host_state = frozenset(signature.extra.get(HOST_STATE_KEY, ()))

@@ -156,8 +156,12 @@ class PieceCopy:
 
     _ids: frozenset = frozenset()  # copies no user parameter (CarriedCopy.overlaps reads this)
 
-    def __init__(self, dtype: torch.dtype, device: torch.device, source):
+    def __init__(self, dtype: torch.dtype, device: torch.device, source, delayed: bool = False):
         self.dtype, self.device, self.source = dtype, device, source
+        # delayed_parameter_update: a host update may be running on the master between steps (its version moves
+        # under it), and the copy the step left is the one to read; made afresh only when forgotten (a failed
+        # step, a loaded checkpoint), when nothing runs on the master
+        self.delayed = delayed
         self.token: tuple | None = None
         self.repacks = 0
         self.reads = 0
@@ -171,13 +175,13 @@ class PieceCopy:
 
     def read(self, held: torch.Tensor | None) -> torch.Tensor:
         self.reads += 1
-        if held is not None and self.token is not None and self._token() == self.token:
+        if held is not None and self.token is not None and (self.delayed or self._token() == self.token):
             return held
         self.repacks += 1
         return self.source().detach().to(device=self.device, dtype=self.dtype, copy=True)
 
     def stepped(self) -> None:
-        self.token = self._token()
+        self.token = () if self.delayed else self._token()
 
     def forget(self) -> None:
         self.token = None

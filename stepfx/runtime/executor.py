@@ -16,7 +16,7 @@ import torch
 from ..graph import StepGraph
 from .binding import ModuleBinding
 from .distributed import DataParallel, failed_together
-from .host_optimizer import abort_jobs
+from .host_optimizer import abort_jobs, release_delayed
 from .graphs import WARMUP_RUNS, GraphedStep, NotGraphable, PoolHolder
 from .phase_timer import PhaseTimer
 
@@ -68,5 +68,6 @@ class LocalExecutor:
             abort_jobs()  # host optimizer updates not begun leave the host state as it was
             self.binding.failed()
             raise failed_together(self.dp, exc, self.runs) from exc
+        release_delayed()  # delayed parameter updates left running belong to the next steps now
         self.runs += 1
         return self.binding.write(outputs)

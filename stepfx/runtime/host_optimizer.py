@@ -52,7 +52,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-__all__ = ["host_adam_start", "host_adam_validate", "host_adam_wait", "HostJob", "abort_jobs", "PinnedPool"]
+__all__ = ["host_adam_start", "host_adam_validate", "host_adam_wait", "host_adam_swap", "flush_delayed",
+           "release_delayed", "HostJob", "abort_jobs", "PinnedPool"]
 
 _LOCK = threading.Lock()
 _WORKER: ThreadPoolExecutor | None = None
@@ -243,6 +244,8 @@ def abort_jobs() -> None:
         job.cancel.set()
     for job in pending:
         job.finish()
+    for key in [k for k, entry in _DELAYED.items() if entry[1] in pending]:  # the failed step's own
+        del _DELAYED[key]
 
 
 def _host_scalar(value) -> float | None:
@@ -396,6 +399,59 @@ def host_adam_validate(job: HostJob, grad_factor, found_inf) -> HostJob:
 
     job.settled = _worker().submit(settle)
     return job
+
+
+_DELAYED: dict = {}  # delayed_parameter_update: id(host master) -> (master, job, index, copy slot ident)
+
+
+def host_adam_swap(job: HostJob, *current, idents: tuple) -> tuple:
+    """In place of :func:`host_adam_wait` under ``stepfx.delayed_parameter_update``
+    (ZeRO-Offload's one-step delayed parameter update): this step's ``job``
+    goes on on the host while the next step computes; what the step returns
+    is, for each parameter, what the previous step's job made of it (that
+    job is waited for here: it ran during this step), or ``current`` where no
+    update of it is pending. ``current``: (piece, exp_avg, exp_avg_sq) of
+    each parameter in turn, then each piece's 16-bit copy (the pieces and
+    moments are host tensors updated in place: the same objects either way);
+    ``idents``: the copies' slot idents. Pending updates are kept by their
+    host piece (the tensor, so two decorated steps never mix theirs up);
+    :func:`flush_delayed` installs them."""
+    count = len(idents)
+    triples, copies = current[:3 * count], list(current[3 * count:])
+    for i in range(count):
+        master = triples[3 * i]
+        pending = _DELAYED.pop(id(master), None)
+        if pending is not None and pending[0] is master:
+            _, prev, j, _ = pending
+            copy = prev.result()[3][j]
+            if copy.device.type == "cuda":
+                copy.record_stream(torch.cuda.current_stream(copy.device))
+            copies[i] = copy
+    for i, ident in enumerate(idents):
+        master = triples[3 * i]
+        _DELAYED[id(master)] = (master, job, i, ident)
+    return tuple(triples) + tuple(copies)
+
+
+def release_delayed() -> None:
+    """The step succeeded: its delayed jobs belong to the steps after it, not to its failure path."""
+    with _LOCK:
+        _PENDING.difference_update(entry[1] for entry in _DELAYED.values())
+
+
+def flush_delayed(store) -> int:
+    """Wait for the pending delayed updates of the pieces ``store`` holds and
+    install their copies there (before anything reads the state between
+    steps); how many."""
+    held = {id(t) for t in store.tensors.values()}
+    done = 0
+    for key, (master, job, j, ident) in list(_DELAYED.items()):
+        if key not in held:
+            continue  # another decorated step's
+        store.tensors[ident] = job.result()[3][j]
+        del _DELAYED[key]
+        done += 1
+    return done
 
 
 def host_adam_wait(job: HostJob) -> tuple:

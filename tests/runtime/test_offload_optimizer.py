@@ -305,7 +305,7 @@ def test_fp32_masters_on_the_host_and_bf16_copies_on_the_device_are_the_same_ste
     graph = step.plan.graph
     masters = graph.signature.extra[MASTER_COPIES_KEY]
     pieces = [n for n in graph.gm.graph.nodes if n.op == "placeholder" and n.meta["slot"].role is Role.PARAM]
-    assert pieces and {n.meta["slot"].ident for n in pieces} == {piece for piece, _ in masters.values()}
+    assert pieces and {n.meta["slot"].ident for n in pieces} == {piece for piece, _, _ in masters.values()}
     assert set(graph.signature.extra[HOST_STATE_KEY]) >= {n.meta["slot"].ident for n in pieces}
     # no device op reads a master: the host update does, the casts became the copies
     assert all(u.target is host_adam_start for n in pieces for u in n.users)
@@ -354,6 +354,68 @@ def test_a_checkpoint_of_host_masters_resumes_bitwise_and_remakes_the_copies(tmp
     again = [float(step(model, opt, b)) for b in batches]
     assert again == losses
     assert sum(c.repacks for c in step._store.carried.values() if isinstance(c, PieceCopy)) > made
+
+
+def _lm_forward_backward(model, optimizer, idx):
+    from stepfx.testing.models import lm_loss
+
+    loss = lm_loss(model(idx[:, :-1]), idx[:, 1:])
+    loss.backward()
+    return loss
+
+
+@pytest.mark.parametrize("clip", [0.0, 0.5], ids=["unclipped", "clipped-speculated"])
+def test_delayed_parameter_update_is_zero_offloads_one_step_stale_update_bitwise(clip):
+    # stepfx.delayed_parameter_update: each step's host update runs while the next step computes. Against
+    # the rule written out eagerly: step t computes at the parameters before update t-1 and its gradient updates
+    # those after it; reading the state applies the pending update, and the next step computes at the latest
+    import copy
+
+    from stepfx.testing.equivalence import mixed_precision_reference
+
+    batches = [b for (b,) in dp_batches(1, steps=5)[0]]
+    config = _masters(True, gradient_clipping=clip)
+    config["stepfx"]["delayed_parameter_update"] = True
+    torch.manual_seed(0)
+    model = tiny_gpt()
+    opt = adamw(model)
+    step = stepfx.parallelize(config)(lm_step)
+    losses = [step(model, opt, b).item() for b in batches[:4]]
+    params, state = step.model_state_dict(), step.optimizer_state()  # applies the 4th update
+    after = step(model, opt, batches[4]).item()
+
+    torch.manual_seed(0)
+    stale = tiny_gpt()  # what the steps compute at
+    master = copy.deepcopy(stale)
+    ref_opt = adamw(master)
+    fwd_bwd = mixed_precision_reference(_lm_forward_backward, torch.bfloat16)
+    expected = []
+    for b in batches[:4]:
+        expected.append(fwd_bwd(stale, None, b).item())
+        before = [p.detach().clone() for p in master.parameters()]
+        for p, q in zip(master.parameters(), stale.parameters()):
+            p.grad, q.grad = q.grad, None
+        if clip:
+            torch.nn.utils.clip_grad_norm_(master.parameters(), clip)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        with torch.no_grad():
+            for q, v in zip(stale.parameters(), before):
+                q.copy_(v)
+    assert losses == expected
+    assert all(torch.equal(params[n], p) for n, p in master.named_parameters())
+    ours = {n: state[n]["exp_avg"] for n in state}
+    assert all(torch.equal(ours[n], ref_opt.state[p]["exp_avg"]) for n, p in master.named_parameters())
+    assert after == fwd_bwd(master, None, batches[4]).item()  # at the latest parameters, once the state was read
+    assert any(n.target is H.host_adam_swap for n in step.plan.graph.gm.graph.nodes)
+
+
+def test_delayed_parameter_update_without_host_masters_is_refused_by_key():
+    config = _cfg(2, bf16={"enabled": True})
+    config["stepfx"]["delayed_parameter_update"] = True
+    with pytest.raises(ConfigError, match=r"stepfx\.delayed_parameter_update: needs the fp32 masters on the host.*"
+                                          r"below ZeRO-3"):
+        _single(config, steps=1)
 
 
 def test_an_optimizer_without_a_host_update_is_refused_by_name():

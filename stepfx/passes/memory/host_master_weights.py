@@ -25,7 +25,7 @@ Ensures, for every rank-held parameter piece ``p`` (trained or frozen):
   goes up with the update and is the step's next value of
   ``c`` = a rank-held RUNTIME_STATE slot (key ``master_copy``) that the device
   keeps between steps (``signature.extra[MASTER_COPIES_KEY]``: copy ident ->
-  (piece ident, dtype); the binding makes it afresh from ``p`` when ``p`` changed
+  (piece ident, dtype, delayed); the binding makes it afresh from ``p`` when ``p`` changed
   outside the step: runtime/carried.py's :class:`PieceCopy`);
 - every cast of ``p`` to bf16 reads ``c`` instead; a bucket's
   concatenation that a cast reads is made of the copies (its other parts,
@@ -61,13 +61,14 @@ from ...errors import PassError
 from ...graph import HOST_PINNED_KEY, HOST_STATE_KEY, MASTER_COPIES_KEY, Role, Slot, StepGraph, Storage
 from ...graph.build import bind_placeholders, clone_step_graph
 from ...graph.step_graph import META_HOST_RESULTS, output_node
-from ...runtime.host_optimizer import host_adam_start, host_adam_wait
+from ...config.errors import ConfigError
+from ...runtime.host_optimizer import host_adam_start, host_adam_swap, host_adam_wait
 from ..data_parallel.collectives import fake_like, make_node
 from ..manager import PassOptions, PassResult
 from .offload_optimizer import offload_block, offload_settings, start_of
 from .recompute_activations import format_bytes
 
-__all__ = ["host_master_weights", "master_weights_apply"]
+__all__ = ["host_master_weights", "master_weights_apply", "delayed_update"]
 
 aten = torch.ops.aten
 KEY = "master_copy"
@@ -125,8 +126,17 @@ def _cast_to(node: fx.Node, dtype) -> bool:
             and set(node.kwargs) <= {"dtype", "layout", "device"} and len(node.args) == 1)
 
 
+def delayed_update(options: PassOptions) -> bool:
+    return getattr(getattr(options.config, "stepfx", None), "delayed_parameter_update", False) is True
+
+
 def host_master_weights(graph: StepGraph, options: PassOptions) -> PassResult:
     why = master_weights_apply(options)
+    delayed = delayed_update(options)
+    if why is not None and delayed:
+        raise ConfigError("stepfx.delayed_parameter_update", "needs the fp32 masters on the host, updated there while "
+                          f"the next step computes (host_master_weights), and they are not here: {why}", value=True,
+                          expected="false, or bf16 with zero_optimization.stage 3 and offload_optimizer (ratio 1)")
     if why is not None:
         return PassResult(graph, False, why)
     dtype = torch.bfloat16
@@ -137,6 +147,9 @@ def host_master_weights(graph: StepGraph, options: PassOptions) -> PassResult:
     if not pieces:
         return PassResult(graph, False, "no parameter is held in pieces by this rank")
     over = _over_host_memory(pieces, options)
+    if over is not None and delayed:
+        raise ConfigError("stepfx.delayed_parameter_update", f"needs the fp32 masters on the host: {over}", value=True,
+                          expected="false, or stepfx.host_master_weights true")
     if over is not None:
         return PassResult(graph, False, over)
     chosen = set(pieces)
@@ -173,7 +186,7 @@ def host_master_weights(graph: StepGraph, options: PassOptions) -> PassResult:
         c.meta.update(slot=slot, val=fake_like(p.meta["val"], p.meta["val"].shape, dtype))
         inputs.append(slot)
         copy_of[p] = c
-        masters[slot.ident] = (pslot.ident, dtype)
+        masters[slot.ident] = (pslot.ident, dtype, delayed)
     for p, cast in casts:
         cast.replace_all_uses_with(copy_of[p])
         g.erase_node(cast)
@@ -201,6 +214,12 @@ def host_master_weights(graph: StepGraph, options: PassOptions) -> PassResult:
         params = start.args[1:1 + count]
         start.kwargs = {**start.kwargs, "params_on_host": True, "copy_dtype": dtype}
         vals = tuple(wait.meta["val"]) + tuple(copy_of[p].meta["val"] for p in params)
+        if delayed:  # the previous step's results, this step's update left running (runtime/host_optimizer.py)
+            moments = [start.args[1 + count * k + i] for i in range(count) for k in (2, 3)]
+            current = [x for i in range(count) for x in (params[i], moments[2 * i], moments[2 * i + 1])]
+            wait.target = host_adam_swap
+            wait.args = (wait.args[0], *current, *(copy_of[p] for p in params))
+            wait.kwargs = {"idents": tuple(copy_of[p].meta["slot"].ident for p in params)}
         wait.meta["val"] = vals
         wait.meta[META_HOST_RESULTS] = tuple(sorted({*wait.meta.get(META_HOST_RESULTS, ()),
                                                      *(3 * i for i in range(count))}))
