@@ -13,6 +13,10 @@ recorded as such):
 - ``stepfx-offload``: ZeRO-2 + ``offload_optimizer: {device: cpu, pin_memory: true}``;
 - ``stepfx-offload-fused``: the same with ``stepfx.host_adam: "fused"``;
 - ``stepfx-offload-z3``: the same at ZeRO-3;
+- ``stepfx-offload-z3-devmasters``: ``stepfx-offload-z3`` with ``stepfx.host_master_weights: false`` (the fp32
+  pieces on the device, as before 2026-12-05; by default they live on the host with bf16 copies on the device);
+- ``stepfx-offload-z3-dpu``: ``stepfx-offload-z3`` with ``stepfx.delayed_parameter_update`` (ZeRO-Offload's
+  one-step delayed update: the host update runs while the next step computes);
 - ``stepfx-offload-param``: ZeRO-3 with ``offload_param`` and ``offload_optimizer`` on the host (pinned,
   the fused host Adam working on the host pieces in place; the pieces fetched ahead on a parameter stream);
 - ``deepspeed-offload``: DeepSpeed ZeRO-3 + the same offload block with its
@@ -46,15 +50,22 @@ import stepfx  # noqa: E402
 from benchmarks.single_gpu import PEAK_FLOPS, failure_row, record_row, stepfx_step, sync, timed  # noqa: E402
 from stepfx.testing.models import GPT, gpt_config, lm_loss  # noqa: E402
 
-SYSTEMS = ("stepfx,stepfx-z3,stepfx-offload,stepfx-offload-fused,stepfx-offload-z3,stepfx-offload-param,"
-           "deepspeed-offload,deepspeed-offload-torch,deepspeed-offload-param-torch")
+SYSTEMS = ("stepfx,stepfx-z3,stepfx-offload,stepfx-offload-fused,stepfx-offload-z3,stepfx-offload-z3-devmasters,"
+           "stepfx-offload-z3-dpu,stepfx-offload-param,deepspeed-offload,deepspeed-offload-torch,"
+           "deepspeed-offload-param-torch")
 ADAMW = dict(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
 
 
 def _stepfx(kind: str, model, args):
     params = kind.endswith("-param")
-    stage = 3 if kind.endswith("-z3") or params else 2
+    stage = 3 if "-z3" in kind or params else 2
     extra = {"stepfx": {"host_adam": "fused"}} if kind.endswith("-fused") or params else {}
+    if kind.endswith("-devmasters"):
+        extra = {"stepfx": {"host_master_weights": False}}
+    if kind.endswith("-dpu"):
+        extra = {"stepfx": {"delayed_parameter_update": True}}
+    if args.recompute is not None:
+        extra.setdefault("stepfx", {})["activation_memory_budget"] = args.recompute
     zero = {"stage": stage, "overlap_comm": True}
     if "offload" in kind:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
@@ -105,7 +116,8 @@ def run(kind: str, args) -> dict:
     torch.manual_seed(0)
     device = torch.device(args.device)
     cfg = gpt_config(args.size, seq_len=args.seq)
-    model = GPT(cfg).to(device)
+    with device:  # made where it trains: a 13B model made on the host first would take 50 GB of it
+        model = GPT(cfg)
     params = sum(p.numel() for p in model.parameters())
     one, step = (_deepspeed if kind.startswith("deepspeed") else _stepfx)(kind, model, args)
     g = torch.Generator().manual_seed(7)
@@ -120,7 +132,7 @@ def run(kind: str, args) -> dict:
         warm.append(round(time.perf_counter() - start, 2))
     from stepfx.runtime import host_optimizer
 
-    host_optimizer.STATS.update(jobs=0, elements=0, wait_down_s=0.0, update_s=0.0, wait_up_s=0.0)
+    host_optimizer.STATS.update({k: type(v)() for k, v in host_optimizer.STATS.items()})
     times, loss = timed(lambda i: one(batches[i % 2]), args.steps * args.gas, device)
     host = dict(host_optimizer.STATS)
     tps = args.batch * args.seq / (times["step_ms"] / 1e3)
@@ -135,7 +147,12 @@ def run(kind: str, args) -> dict:
         if host["jobs"]:  # the host worker's seconds per optimizer step
             row["host_update"] = {k: round(host[k] / args.steps, 3) for k in ("wait_down_s", "update_s", "wait_up_s")}
             row["host_update"].update(jobs_per_step=host["jobs"] / args.steps,
-                                      elements_per_s=round(host["elements"] / max(host["update_s"], 1e-9)))
+                                      elements_per_s=round(host["elements"] / max(host["update_s"], 1e-9)),
+                                      speculated_per_step=host["speculated"] / args.steps,
+                                      rolled_back_per_step=host["rolled_back"] / args.steps,
+                                      backup_s=round(host["backup_s"] / args.steps, 3),
+                                      copies_peak_gib=round(host["copies_peak"] / 2**30, 2))
+        row["masters"] = next((r.summary for r in step.plan.records if r.name == "host_master_weights"), None)
     return row
 
 
@@ -148,6 +165,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--systems", default=SYSTEMS)
+    ap.add_argument("--recompute", type=float, default=None)  # stepfx.activation_memory_budget for stepfx systems
     ap.add_argument("--device", default="cuda")  # cpu: a smoke test of the script
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args()
@@ -155,12 +173,14 @@ def main() -> None:
     meta = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
             "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "host_cpus": os.cpu_count(),
             "command": f"python3 benchmarks/offload.py --size {args.size} --seq {args.seq} --batch {args.batch} "
-                       f"--gas {args.gas} --systems {args.systems}"}
+                       f"--gas {args.gas} --systems {args.systems}"
+                       + (f" --recompute {args.recompute}" if args.recompute is not None else "")}
     if len(systems) > 1:  # one process per system
         for kind in systems:
             cmd = [sys.executable, os.path.abspath(__file__), "--systems", kind, "--size", args.size, "--seq",
                    str(args.seq), "--batch", str(args.batch), "--gas", str(args.gas), "--warmup", str(args.warmup),
-                   "--steps", str(args.steps), "--device", args.device] + (["--out", args.out] if args.out else [])
+                   "--steps", str(args.steps), "--device", args.device] + (["--out", args.out] if args.out else []) \
+                + (["--recompute", str(args.recompute)] if args.recompute is not None else [])
             done = subprocess.run(cmd, check=False)
             if done.returncode < 0 or done.returncode == 137:  # killed (the host's OOM killer): say so
                 record_row({**meta, "system": kind, "error": f"killed (exit {done.returncode})"}, args.out, "offload.jsonl")

@@ -28,13 +28,14 @@ class GPTConfig:
 
 
 def gpt_config(name: str, **overrides) -> GPTConfig:
-    """The sizes BENCHMARKS.md names: "350M", "1.3B", "6.6B"; "tiny" for tests."""
+    """The sizes BENCHMARKS.md names: "350M", "1.3B", "6.6B", "13B"; "tiny" for tests."""
     sizes = {
         "tiny": dict(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=4),
         "small": dict(vocab_size=256, seq_len=64, d_model=128, n_layers=4, n_heads=4),
         "350M": dict(d_model=1024, n_layers=24, n_heads=16),
         "1.3B": dict(d_model=2048, n_layers=24, n_heads=16),
         "6.6B": dict(d_model=4096, n_layers=32, n_heads=32),
+        "13B": dict(d_model=5120, n_layers=40, n_heads=40),  # 12.9B: issue 18's largest-model run
     }
     if name not in sizes:
         raise ValueError(f"unknown GPT size {name!r}; known: {', '.join(sizes)}")

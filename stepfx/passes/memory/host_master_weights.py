@@ -145,6 +145,10 @@ def host_master_weights(graph: StepGraph, options: PassOptions) -> PassResult:
     pieces = [n for n in g.nodes if n.op == "placeholder" and n.meta["slot"].role is Role.PARAM
               and n.meta["slot"].storage is Storage.RANK and n.meta["slot"].piece is not None]
     if not pieces:
+        if delayed:
+            raise ConfigError("stepfx.delayed_parameter_update", "has nothing to delay: no parameter is held in pieces "
+                              "by this rank (all under zero_optimization.stage3_param_persistence_threshold, updated "
+                              "on the device)", value=True, expected="false, or a lower persistence threshold")
         return PassResult(graph, False, "no parameter is held in pieces by this rank")
     over = _over_host_memory(pieces, options)
     if over is not None and delayed:
