@@ -319,6 +319,27 @@ def test_fp32_masters_on_the_host_and_bf16_copies_on_the_device_are_the_same_ste
     assert ours.at_rest[Role.RUNTIME_STATE] - theirs.at_rest.get(Role.RUNTIME_STATE, 0) == 2 * elements
 
 
+def test_frozen_pieces_keep_their_master_on_the_host_and_their_copy_unchanged():
+    # a frozen parameter at ZeRO-3 is sharded and gathered, never updated: its copy is made once and read after
+    def frozen_gpt():
+        torch.manual_seed(0)
+        model = tiny_gpt()
+        model.pos.weight.requires_grad_(False)
+        return model
+
+    config = _masters(True)
+    step, model, _, losses = _single(config, model=frozen_gpt(), steps=3)
+    config["stepfx"]["host_master_weights"] = False
+    plain, _, _, plain_losses = _single(config, model=frozen_gpt(), steps=3)
+    assert [l.item() for l in losses] == [l.item() for l in plain_losses]
+    ours, theirs = step.model_state_dict(), plain.model_state_dict()
+    assert all(torch.equal(ours[n], theirs[n]) for n in theirs)
+    from stepfx.runtime.carried import PieceCopy
+
+    frozen = [c for k, c in step._store.carried.items() if isinstance(c, PieceCopy) and k[1] == "pos.weight"]
+    assert frozen and frozen[0].repacks == 1 and frozen[0].reads == 3
+
+
 def test_masters_stay_on_the_device_where_the_host_has_no_room_for_them():
     # "auto" (the default): 12 host bytes an element do not fit a budget of 10 (the moments' 8 do)
     elements = sum(p.numel() for p in tiny_gpt().parameters())
