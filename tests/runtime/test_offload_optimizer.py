@@ -353,30 +353,6 @@ def test_masters_stay_on_the_device_where_the_host_has_no_room_for_them():
     assert next(r for r in step.plan.records if r.name == "host_master_weights").changed
 
 
-def test_a_checkpoint_of_host_masters_resumes_bitwise_and_remakes_the_copies(tmp_path):
-    config = _masters(True)
-    step, model, opt, _ = _single(config, steps=2)
-    step.save_checkpoint(tmp_path)
-    batches = [b for (b,) in dp_batches(1, steps=3, seed=5)[0]]
-    losses = [float(step(model, opt, b)) for b in batches]
-    torch.manual_seed(1)
-    fresh_model = tiny_gpt()
-    fresh_opt = adamw(fresh_model)
-    fresh = stepfx.parallelize(config)(lm_step)
-    fresh.load_checkpoint(tmp_path, model=fresh_model, optimizer=fresh_opt)
-    assert [float(fresh(fresh_model, fresh_opt, b)) for b in batches] == losses
-    ours, theirs = fresh.model_state_dict(), step.model_state_dict()
-    assert all(torch.equal(ours[n], theirs[n]) for n in theirs)
-    # loaded into the running step: the masters change outside a step, so the copies are made afresh from them
-    from stepfx.runtime.carried import PieceCopy
-
-    made = sum(c.repacks for c in step._store.carried.values() if isinstance(c, PieceCopy))
-    step.load_checkpoint(tmp_path)
-    again = [float(step(model, opt, b)) for b in batches]
-    assert again == losses
-    assert sum(c.repacks for c in step._store.carried.values() if isinstance(c, PieceCopy)) > made
-
-
 def _lm_forward_backward(model, optimizer, idx):
     from stepfx.testing.models import lm_loss
 
@@ -464,11 +440,13 @@ def test_fused_host_adam_is_within_an_ulp_per_step():
     assert 0 < worst <= 1e-6  # not the same arithmetic, and within the per-step tolerance
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_checkpoint_of_host_held_state_resumes_bitwise(tmp_path, stage):
+@pytest.mark.parametrize("stage, masters", [(2, False), (3, False), (3, True)],
+                         ids=["stage2", "stage3", "stage3-bf16-host-masters"])
+def test_checkpoint_of_host_held_state_resumes_bitwise(tmp_path, stage, masters):
     # the moments live on the host: a checkpoint holds them, a fresh run loads them into its host store,
-    # and training continues exactly as the run that never stopped
-    config = _cfg(stage)
+    # and training continues exactly as the run that never stopped; with the fp32 masters there too
+    # (host_master_weights), loading into the running step makes the bf16 copies afresh from them
+    config = _masters(True) if masters else _cfg(stage)
     step, model, opt, _ = _single(config, steps=2)
     step.save_checkpoint(tmp_path)
     batches = [b for (b,) in dp_batches(1, steps=4, seed=5)[0]]
@@ -486,6 +464,13 @@ def test_checkpoint_of_host_held_state_resumes_bitwise(tmp_path, stage):
     assert all(torch.equal(ours[n][k], theirs[n][k]) for n in theirs for k in theirs[n])
     host = fresh.plan.graph.signature.extra[HOST_STATE_KEY]
     assert host and all(ident in fresh._store.tensors for ident in host)
+    if masters:
+        from stepfx.runtime.carried import PieceCopy
+
+        made = sum(c.repacks for c in step._store.carried.values() if isinstance(c, PieceCopy))
+        step.load_checkpoint(tmp_path)
+        assert [float(step(model, opt, b)) for b in batches] == losses
+        assert sum(c.repacks for c in step._store.carried.values() if isinstance(c, PieceCopy)) > made
 
 
 def test_nvme_keeps_the_moments_in_files_and_equals_the_host_tier(tmp_path):
