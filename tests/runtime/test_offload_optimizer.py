@@ -405,6 +405,7 @@ def test_delayed_parameter_update_is_zero_offloads_one_step_stale_update_bitwise
     assert all(torch.equal(ours[n], ref_opt.state[p]["exp_avg"]) for n, p in master.named_parameters())
     assert after == fwd_bwd(master, None, batches[4]).item()  # at the latest parameters, once the state was read
     assert any(n.target is H.host_adam_swap for n in step.plan.graph.gm.graph.nodes)
+    assert "delayed parameter update" in next(r.summary for r in step.plan.records if r.name == "host_master_weights")
 
 
 def test_delayed_parameter_update_without_host_masters_is_refused_by_key():

@@ -248,4 +248,7 @@ def host_master_weights(graph: StepGraph, options: PassOptions) -> PassResult:
     elements = sum(p.meta["val"].numel() for p in pieces)
     return PassResult(graph, True, f"{len(pieces)} fp32 parameter pieces ({format_bytes(4 * elements)}) held on the "
                                    f"host as masters, their bf16 copies ({format_bytes(2 * elements)}) on the device; "
-                                   f"{written} copies made by the host update each step")
+                                   f"{written} copies made by the host update each step"
+                                   + ("; delayed parameter update: each step's host update runs while the next "
+                                      "step computes (it computes at the parameters of two updates before)"
+                                      if delayed else ""))
