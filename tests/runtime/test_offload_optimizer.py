@@ -24,8 +24,6 @@ from stepfx.testing.equivalence import assert_data_parallel_equivalent
 from tests import dp_workers as W
 from tests.steps import adam, adamw, dp_batches, lm_step, mlp_batches, sgd_momentum, tiny_gpt
 
-pytestmark = pytest.mark.xdist_group("offload")
-
 
 def _cfg(stage, *, offload=None, host_adam="exact", **extra):
     # "exact": the host computes the unfused ops' arithmetic, so the comparisons below are bitwise
