@@ -149,10 +149,11 @@ def offload_optimizer(graph: StepGraph, options: PassOptions) -> PassResult:
     # "auto": the copies alive at once at most 2 bytes per offloaded element (a quarter of the moments); the
     # backward of a step rarely leaves the host time to update more than that before the norm is known
     cap = None if speculation is True else 2 * sum(r.leaves["param"].meta["val"].numel() for r, _ in regions)
+    made: dict = {}  # the unclipped factor, made once for every start that assumes it
     for members in groups.values():
         for part in _splits(members, order):
             idents, guessed = _replace(g, part, order, original, pin=bool(block.pin_memory), kernel=kernel,
-                                       speculation=speculation, copy_cap=cap)
+                                       speculation=speculation, copy_cap=cap, made=made)
             host_idents |= idents
             speculated += guessed
             elements += sum(r.leaves["param"].meta["val"].numel() for r, _ in part)
@@ -253,7 +254,7 @@ def _first_read(region, order) -> int:
 
 
 def _replace(g: fx.Graph, members: list, order: dict, original: list, *, pin: bool, kernel: str,
-             speculation, copy_cap: int | None) -> tuple[set, bool]:
+             speculation, copy_cap: int | None, made: dict) -> tuple[set, bool]:
     """One start/wait pair for ``members`` (with a validation between them
     where the start speculates); the host-held slots' idents, and whether it
     speculates."""
@@ -278,11 +279,14 @@ def _replace(g: fx.Graph, members: list, order: dict, original: list, *, pin: bo
     if speculate:
         unclipped = None
         if factor is not None and factor.meta[META_UNCLIPPED] == "1/loss_scale":  # made where the step begins
-            scale = next(n for n in g.nodes if n.op == "placeholder" and n.meta["slot"].role is Role.RUNTIME_STATE
-                         and n.meta["slot"].name == "loss_scale")
-            with g.inserting_before(next(n for n in g.nodes if n.op != "placeholder")):
-                unclipped = make_node(g, torch.ops.aten.reciprocal.default, (scale,), val=factor.meta["val"],
-                                      like=first.roots[0], phase=Phase.OPTIMIZER, name="unclipped_factor")
+            if "1/loss_scale" not in made:
+                scale = next(n for n in g.nodes if n.op == "placeholder"
+                             and n.meta["slot"].role is Role.RUNTIME_STATE and n.meta["slot"].name == "loss_scale")
+                with g.inserting_before(next(n for n in g.nodes if n.op != "placeholder")):
+                    made["1/loss_scale"] = make_node(g, torch.ops.aten.reciprocal.default, (scale,),
+                                                     val=factor.meta["val"], like=first.roots[0],
+                                                     phase=Phase.OPTIMIZER, name="unclipped_factor")
+            unclipped = made["1/loss_scale"]
         guess = (unclipped, None)
     args = (count, *(r.leaves["param"] for r in regions), *(r.leaves["grad"] for r in regions),
             *(r.leaves["exp_avg"] for r in regions), *(r.leaves["exp_avg_sq"] for r in regions),
