@@ -472,15 +472,22 @@ def test_checkpoint_of_host_held_state_resumes_bitwise(tmp_path, stage, masters)
         assert sum(c.repacks for c in step._store.carried.values() if isinstance(c, PieceCopy)) > made
 
 
-def test_nvme_keeps_the_moments_in_files_and_equals_the_host_tier(tmp_path):
+@pytest.mark.parametrize("stage, bf16", [(2, False), (3, True)], ids=["moments", "moments-and-bf16-masters"])
+def test_nvme_keeps_the_moments_in_files_and_equals_the_host_tier(tmp_path, stage, bf16):
     # device nvme: the moments are mapped files under nvme_path (unlinked once mapped: nothing left behind);
-    # the arithmetic is the cpu tier's, bitwise; a checkpoint loaded into the running step stays in the files
+    # the arithmetic is the cpu tier's, bitwise; a checkpoint loaded into the running step stays in the files.
+    # Under bf16 at ZeRO-3 the fp32 masters live there too (host_master_weights)
     nvme = tmp_path / "nvme"
-    step, model, _, losses = _single(_cfg(2, offload={"device": "nvme", "nvme_path": str(nvme)}), steps=3)
-    host, _, _, host_losses = _single(_cfg(2), steps=3)
+    extra = {"bf16": {"enabled": True}} if bf16 else {}
+    step, model, _, losses = _single(_cfg(stage, offload={"device": "nvme", "nvme_path": str(nvme)}, **extra), steps=3)
+    host, _, _, host_losses = _single(_cfg(stage, **extra), steps=3)
     assert [float(l) for l in losses] == [float(l) for l in host_losses]
     ours, theirs = step.optimizer_state(), host.optimizer_state()
     assert all(torch.equal(ours[n][k], theirs[n][k]) for n in theirs for k in theirs[n])
+    ours, theirs = step.model_state_dict(), host.model_state_dict()
+    assert all(torch.equal(ours[n], theirs[n]) for n in theirs)
+    roles = {s.role for s in step.plan.graph.signature.inputs if s.ident in step.plan.graph.signature.extra[HOST_STATE_KEY]}
+    assert roles == ({Role.OPTIMIZER_STATE, Role.PARAM} if bf16 else {Role.OPTIMIZER_STATE})
     held = [step._store.tensors[i] for i in step.plan.graph.signature.extra[HOST_STATE_KEY]]
     assert held and all(str(t.untyped_storage().filename).startswith(str(nvme)) for t in held)
     assert os.listdir(nvme) == []
