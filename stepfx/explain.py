@@ -13,7 +13,7 @@ import torch
 
 from . import compat
 from .graph import CARRIED_COPIES_KEY, HOST_STATE_KEY, MASTER_COPIES_KEY, META_DONATED, META_PHASE, Role, format_graph
-from .graph.accounting import Sizes, communication, estimate_memory, size_values
+from .graph.accounting import HOST_ADAM_RATE, Sizes, communication, estimate_memory, host_traffic, size_values
 from .graph.layout import LAYOUT_KEY
 from .graph.tp_layout import TP_PLAN_KEY
 from .capture.tracing_checks import TRACING_CHECKS_KEY
@@ -42,7 +42,33 @@ def _expr(expr) -> str:
     return f"  = {expr} bytes" if expr is not None else ""
 
 
-def _zero_section(graph, world: int, values: dict) -> list[str]:
+def _host_traffic_lines(graph, device_type: str) -> list[str]:
+    """Offload's traffic and host work a step, as times at the cost model's rates against the device's compute."""
+    from .report.timeline import DEVICE_MODELS
+
+    t = host_traffic(graph)
+    if not t.host_elements and not t.to_host and not t.to_device:
+        return []
+    model = DEVICE_MODELS.get(device_type, DEVICE_MODELS["cuda"])
+    link = (t.to_host + t.to_device) / model.host_bandwidth
+    host = sum(n / HOST_ADAM_RATE.get(k, HOST_ADAM_RATE["fused"]) for k, n in t.host_elements.items())
+    compute = t.flops / model.flops
+    bound = max(("host-device copies", link), ("the host update", host), ("device compute", compute), key=lambda x: x[1])
+    elements = sum(t.host_elements.values())
+    return [
+        "offload per step on this rank (predicted at the cost model's rates: "
+        f"{model.host_bandwidth / 1e9:g} GB/s host link, host Adam {HOST_ADAM_RATE['fused'] / 1e9:g}e9 "
+        f"elements/s fused, {HOST_ADAM_RATE['exact'] / 1e9:g}e9 exact, {model.flops / 1e12:g} TFLOP/s):",
+        f"  {'host <-> device':<24} {format_bytes(t.to_host):>12} down, {format_bytes(t.to_device)} up: "
+        f"{1e3 * link:.1f} ms",
+        f"  {'host update':<24} {elements:>12,} elements: {1e3 * host:.1f} ms",
+        f"  {'device compute':<24} {t.flops / 1e12:>10.3g} TFLOP: {1e3 * compute:.1f} ms",
+        f"  bound by {bound[0]} where they do not overlap (the update overlaps the backward under "
+        "host_update_speculation, the next step under delayed_parameter_update)",
+    ]
+
+
+def _zero_section(graph, world: int, values: dict, device_type: str = "cuda") -> list[str]:
     layout = graph.signature.extra.get(LAYOUT_KEY)
     lines: list[str] = []
     mem = estimate_memory(graph, values)
@@ -88,6 +114,7 @@ def _zero_section(graph, world: int, values: dict) -> list[str]:
     if mem.host_transient:
         lines.append(f"  {'host, during the update':<24} {format_bytes(mem.host_transient):>12}  (at most: copies of "
                      "what speculated updates overwrite, until the gradient norm is known; host_update_speculation)")
+    lines.extend(_host_traffic_lines(graph, device_type))
     comm = communication(graph, world, values)
     if comm:
         lines.append("communication per step on this rank:")
@@ -271,7 +298,7 @@ def explain_plan(step, plan) -> str:
     lines.extend(_tracing_checks_section(plan))
     lines.extend(_tensor_parallel_section(graph))
     lines.extend(_pipeline_section(plan))
-    lines.extend(_zero_section(graph, world, values))
+    lines.extend(_zero_section(graph, world, values, plan.device_type))
     lines.extend(_training_section(step))
     lines.extend(_kernels_section(step, graph))
 

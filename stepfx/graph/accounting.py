@@ -277,3 +277,75 @@ def communication(graph: StepGraph, world_size: int, values: Mapping | None = No
         items.append(CommItem(op, node.name, size, ring_sent_bytes(op, size, ranks), expr,
                               "tensor" if tensor else "data"))
     return items
+
+
+_MATMULS = {torch.ops.aten.mm.default: 0, torch.ops.aten.addmm.default: 1, torch.ops.aten.bmm.default: 0,
+            torch.ops.aten.baddbmm.default: 1}
+
+
+def node_flops(node: fx.Node) -> float:
+    """2 x multiply-adds of matmuls and attention; 0 for the rest (memory-bound)."""
+    if node.target in _MATMULS:
+        a, b = (x.meta.get("val") for x in node.args[_MATMULS[node.target]:][:2])
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            try:
+                return 2.0 * int(a.numel()) * int(b.shape[-1])
+            except (TypeError, ValueError):  # symbolic sizes: no FLOP estimate
+                return 0.0
+    name = getattr(node.target, "__name__", "")
+    if "scaled_dot_product" in name or "attention" in name:
+        q = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], fx.Node) else None
+        if isinstance(q, torch.Tensor) and q.dim() == 4:
+            try:
+                b, h, s, d = (int(x) for x in q.shape)
+            except (TypeError, ValueError):
+                return 0.0
+            return (8.0 if "backward" in name else 4.0) * b * h * s * s * d
+    return 0.0
+
+
+# the host's Adam/AdamW, elements a second: torch's fused CPU kernel ("fused") and the unfused ops ("exact"),
+# measured on the H200 machine's 16 host cores (benchmarks/README.md, optimizer offload, 2026-12-04)
+HOST_ADAM_RATE = {"fused": 1.37e9, "exact": 0.56e9}
+
+
+@dataclass
+class HostTraffic:
+    """What a step moves between host and device and updates on the host
+    (offload_optimizer, host_master_weights, offload_param)."""
+
+    to_host: int = 0  # bytes: gradients and fp32 pieces going down, updated pieces stored back
+    to_device: int = 0  # bytes: updated pieces or their 16-bit copies going up, fetched pieces
+    host_elements: dict = field(default_factory=dict)  # host Adam kernel -> elements it updates a step
+    flops: float = 0.0  # the device's matmul and attention FLOPs in the step (node_flops)
+
+
+def host_traffic(graph: StepGraph) -> HostTraffic:
+    """The step's host traffic and host update work, from its host ops."""
+    out = HostTraffic()
+    for node in graph.gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        out.flops += node_flops(node)
+        name = getattr(node.target, "__name__", "")
+        if name == "host_adam_start":
+            count = node.args[0]
+            params, grads = node.args[1:1 + count], node.args[1 + count:1 + 2 * count]
+            numel = sum(int(p.meta["val"].numel()) for p in params)
+            out.to_host += sum(int(g.meta["val"].numel()) * g.meta["val"].element_size() for g in grads)
+            if not node.kwargs.get("params_on_host"):  # the fp32 piece goes down and comes back updated
+                size = sum(int(p.meta["val"].numel()) * p.meta["val"].element_size() for p in params)
+                out.to_host += size
+                out.to_device += size
+            copy = node.kwargs.get("copy_dtype")
+            if copy is not None:
+                out.to_device += numel * copy.itemsize
+            kernel = node.kwargs.get("kernel", "fused")
+            out.host_elements[kernel] = out.host_elements.get(kernel, 0) + numel
+        elif name == "host_fetch_start":
+            val = node.args[0].meta["val"]
+            out.to_device += int(val.numel()) * val.element_size()
+        elif name == "host_store":
+            val = node.args[1].meta["val"]
+            out.to_host += int(val.numel()) * val.element_size()
+    return out

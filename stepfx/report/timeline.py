@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 
 from ..graph import StepGraph
-from ..graph.accounting import Sizes, communication, size_values
+from ..graph.accounting import Sizes, communication, node_flops, size_values
 from ..graph.ops import allocates_nothing, is_collective
 from ..graph.printer import format_target
 
@@ -32,7 +32,6 @@ __all__ = ["DeviceModel", "DEVICE_MODELS", "predicted_timeline"]
 
 aten = torch.ops.aten
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
-_MATMULS = {aten.mm.default: 0, aten.addmm.default: 1, aten.bmm.default: 0, aten.baddbmm.default: 1}
 
 
 @dataclass(frozen=True)
@@ -55,27 +54,6 @@ DEVICE_MODELS = {
 
 def _bytes(val, sizes: Sizes) -> int:
     return sizes.value(sizes.bytes_of(val))
-
-
-def _flops(node: fx.Node) -> float:
-    """2 x multiply-adds of matmuls and attention; 0 for the rest (memory-bound)."""
-    if node.target in _MATMULS:
-        a, b = (x.meta.get("val") for x in node.args[_MATMULS[node.target]:][:2])
-        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-            try:
-                return 2.0 * int(a.numel()) * int(b.shape[-1])
-            except (TypeError, ValueError):  # symbolic sizes: no FLOP estimate
-                return 0.0
-    name = getattr(node.target, "__name__", "")
-    if "scaled_dot_product" in name or "attention" in name:
-        q = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], fx.Node) else None
-        if isinstance(q, torch.Tensor) and q.dim() == 4:
-            try:
-                b, h, s, d = (int(x) for x in q.shape)
-            except (TypeError, ValueError):
-                return 0.0
-            return (8.0 if "backward" in name else 4.0) * b * h * s * s * d
-    return 0.0
 
 
 def _device_of(val) -> str | None:
@@ -135,7 +113,7 @@ def predicted_timeline(graph: StepGraph, device_type: str, world_size: int, valu
         else:
             stream = "compute"
             moved = _bytes(node.meta.get("val"), sizes) + sum(_bytes(a.meta.get("val"), sizes) for a in node.all_input_nodes)
-            seconds = model.launch + max(_flops(node) / model.flops, moved / model.memory_bandwidth)
+            seconds = model.launch + max(node_flops(node) / model.flops, moved / model.memory_bandwidth)
             start = max(free["compute"], inputs)
             event = {"stream": stream, "node": node.name, "op": op, "start": start, "end": start + seconds}
         events.append(event)

@@ -315,6 +315,15 @@ def test_fp32_masters_on_the_host_and_bf16_copies_on_the_device_are_the_same_ste
     assert ours.host == theirs.host + 4 * elements
     assert ours.at_rest.get(Role.PARAM, 0) == theirs.at_rest[Role.PARAM] - 4 * elements
     assert ours.at_rest[Role.RUNTIME_STATE] - theirs.at_rest.get(Role.RUNTIME_STATE, 0) == 2 * elements
+    # over PCIe a step: the fp32 gradients down and the bf16 copies up, against gradients and pieces down and
+    # the pieces up; explain() says so, with times at the cost model's rates against the device's compute
+    from stepfx.graph.accounting import host_traffic
+
+    ours, theirs = host_traffic(graph), host_traffic(plain.plan.graph)
+    assert (ours.to_host, ours.to_device) == (4 * elements, 2 * elements)
+    assert (theirs.to_host, theirs.to_device) == (8 * elements, 4 * elements)
+    assert ours.host_elements == {"exact": elements} and ours.flops > 0
+    assert "offload per step on this rank" in step.explain() and "bound by" in step.explain()
 
 
 def test_frozen_pieces_keep_their_master_on_the_host_and_their_copy_unchanged():
