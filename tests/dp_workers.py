@@ -454,3 +454,21 @@ def predicted_peaks_by_stage() -> dict:
         step(model, opt, torch.randint(0, 64, (2, 9)))
         peaks[stage] = estimate_memory(step.plan.graph).peak
     return peaks
+
+
+def delayed_update_run(steps: int) -> dict:
+    """stepfx.delayed_parameter_update over the pool's ranks (bf16, ZeRO-3, host masters): the losses, then the
+    parameters once read (which applies the pending update)."""
+    from tests.steps import adamw, dp_batches
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = tiny_gpt()
+    opt = adamw(model)
+    config = {"gradient_clipping": 1.0, "bf16": {"enabled": True},
+              "stepfx": {"host_adam": "exact", "delayed_parameter_update": True},
+              "zero_optimization": {"stage": 3, "reduce_bucket_size": 500, "stage3_param_persistence_threshold": 0,
+                                    "offload_optimizer": {"device": "cpu"}}}
+    step = stepfx.parallelize(config)(lm_step)
+    losses = [step(model, opt, b).item() for (b,) in dp_batches(world, steps=steps)[rank]]
+    return {"losses": losses, "params": step.model_state_dict()}

@@ -415,6 +415,45 @@ def test_delayed_parameter_update_is_zero_offloads_one_step_stale_update_bitwise
     assert "delayed parameter update" in next(r.summary for r in step.plan.records if r.name == "host_master_weights")
 
 
+def test_delayed_parameter_update_on_two_ranks_follows_the_rule(rank_pool):
+    # each rank's loss at the stale parameters, the gradients averaged over the ranks and clipped over both;
+    # against the rule written out eagerly per rank's batch (gradients averaged as the all-reduce does, in
+    # another order: 1e-5)
+    import copy
+
+    from stepfx.testing.equivalence import mixed_precision_reference
+
+    steps = 3
+    results = rank_pool(2).run(W.delayed_update_run, steps)
+    batches = dp_batches(2, steps=steps)
+    torch.manual_seed(0)
+    stale = tiny_gpt()
+    master = copy.deepcopy(stale)
+    opt = adamw(master)
+    fwd_bwd = mixed_precision_reference(_lm_forward_backward, torch.bfloat16)
+    for i in range(steps):
+        grads = []
+        for rank in range(2):
+            loss = fwd_bwd(stale, None, batches[rank][i][0]).item()
+            assert abs(results[rank]["losses"][i] - loss) <= 1e-5 * abs(loss), (rank, i)
+            grads.append([q.grad for q in stale.parameters()])
+            for q in stale.parameters():
+                q.grad = None
+        before = [p.detach().clone() for p in master.parameters()]
+        for p, a, b in zip(master.parameters(), *grads):
+            p.grad = (a + b) / 2
+        torch.nn.utils.clip_grad_norm_(master.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for q, v in zip(stale.parameters(), before):
+                q.copy_(v)
+    for rank in range(2):
+        got = results[rank]["params"]
+        for n, p in master.named_parameters():
+            assert torch.allclose(got[n], p, rtol=1e-5, atol=1e-6), (rank, n, (got[n] - p).abs().max())
+
+
 def test_delayed_parameter_update_without_host_masters_is_refused_by_key():
     config = _cfg(2, bf16={"enabled": True})
     config["stepfx"]["delayed_parameter_update"] = True
