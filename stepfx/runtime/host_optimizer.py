@@ -43,6 +43,9 @@ restored from their copies, so a step that fails before its validation
 leaves the host state as it was; a failure after a group was validated (a
 collective failing in the parameter all-gather that follows, which leaves
 the process group unusable anyway) leaves that group's host state updated.
+Under ``delayed_parameter_update`` (:func:`host_adam_swap`) a step's update
+outlives it; a failed step drops its own (cancelled as above) and the copies
+it had taken are made afresh from the masters by the binding.
 """
 from __future__ import annotations
 

@@ -40,6 +40,13 @@ casts. Per element: host 12 bytes at rest (master and moments; DeepSpeed
 16), device 2 (the copy; 4 before), over PCIe 2 down (the gradient) and 2 up
 (the copy) a step, against 6 down and 4 up before.
 
+With ``stepfx.delayed_parameter_update`` (ZeRO-Offload's one-step delayed
+update, opt-in: it changes the training) each ``host_adam_wait`` becomes
+``host_adam_swap``: the step returns what the previous step's host update
+made and leaves its own running while the next step computes, which reads
+only the copies (runtime/host_optimizer.py). Refused by key where the
+masters cannot be on the host.
+
 Before / after (one piece)::
 
     w16 = _to_copy(w_piece, dtype=bf16)            w16 = placeholder  # c: x_w_master_copy
