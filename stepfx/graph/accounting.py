@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import collections
+import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -283,23 +284,36 @@ _MATMULS = {torch.ops.aten.mm.default: 0, torch.ops.aten.addmm.default: 1, torch
             torch.ops.aten.baddbmm.default: 1}
 
 
+def _hinted(sizes) -> list[int] | None:
+    """Sizes as ints without specializing them: a symbolic size's hint (the
+    traced call's), None where one has none (a data-dependent size)."""
+    out = []
+    for x in sizes:
+        if isinstance(x, torch.SymInt):
+            try:
+                x = compat.size_hint(x)
+            except Exception:  # an unbacked (data-dependent) size: torch raises its own guard errors
+                return None
+        out.append(int(x))
+    return out
+
+
 def node_flops(node: fx.Node) -> float:
-    """2 x multiply-adds of matmuls and attention; 0 for the rest (memory-bound)."""
+    """2 x multiply-adds of matmuls and attention; 0 for the rest (memory-bound). Symbolic sizes count at
+    their hints (never guarded on); data-dependent ones as 0."""
     if node.target in _MATMULS:
         a, b = (x.meta.get("val") for x in node.args[_MATMULS[node.target]:][:2])
         if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-            try:
-                return 2.0 * int(a.numel()) * int(b.shape[-1])
-            except (TypeError, ValueError):  # symbolic sizes: no FLOP estimate
-                return 0.0
+            sa, sb = _hinted(a.shape), _hinted(b.shape[-1:])
+            return 0.0 if sa is None or sb is None else 2.0 * math.prod(sa) * sb[0]
     name = getattr(node.target, "__name__", "")
     if "scaled_dot_product" in name or "attention" in name:
         q = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], fx.Node) else None
         if isinstance(q, torch.Tensor) and q.dim() == 4:
-            try:
-                b, h, s, d = (int(x) for x in q.shape)
-            except (TypeError, ValueError):
+            shape = _hinted(q.shape)
+            if shape is None:
                 return 0.0
+            b, h, s, d = shape
             return (8.0 if "backward" in name else 4.0) * b * h * s * s * d
     return 0.0
 
@@ -323,9 +337,11 @@ class HostTraffic:
 def host_traffic(graph: StepGraph) -> HostTraffic:
     """The step's host traffic and host update work, from its host ops."""
     out = HostTraffic()
-    for node in graph.gm.graph.nodes:
-        if node.op != "call_function":
-            continue
+    names = {"host_adam_start", "host_fetch_start", "host_store"}
+    nodes = [n for n in graph.gm.graph.nodes if n.op == "call_function"]
+    if not any(getattr(n.target, "__name__", "") in names for n in nodes):
+        return out  # no offload: nothing to count
+    for node in nodes:
         out.flops += node_flops(node)
         name = getattr(node.target, "__name__", "")
         if name == "host_adam_start":
