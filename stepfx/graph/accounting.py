@@ -174,9 +174,11 @@ def speculation_copies(graph: StepGraph) -> int:
     each piece (8 bytes an element), and the piece where it lives on the host
     (4 more), within their ``copy_cap`` (all starts together). The copies
     live until the norm is known."""
+    from ..runtime.host_optimizer import host_adam_start  # at call time: the runtime imports this module
+
     total, cap = 0, None
     for node in graph.gm.graph.nodes:
-        if node.op != "call_function" or getattr(node.target, "__name__", "") != "host_adam_start":
+        if node.target is not host_adam_start:
             continue
         if not node.kwargs.get("speculative"):
             continue
@@ -336,15 +338,16 @@ class HostTraffic:
 
 def host_traffic(graph: StepGraph) -> HostTraffic:
     """The step's host traffic and host update work, from its host ops."""
+    from ..runtime.host_optimizer import host_adam_start  # at call time: the runtime imports this module
+    from ..runtime.host_params import host_fetch_start, host_store
+
     out = HostTraffic()
-    names = {"host_adam_start", "host_fetch_start", "host_store"}
     nodes = [n for n in graph.gm.graph.nodes if n.op == "call_function"]
-    if not any(getattr(n.target, "__name__", "") in names for n in nodes):
+    if not any(n.target in (host_adam_start, host_fetch_start, host_store) for n in nodes):
         return out  # no offload: nothing to count
     for node in nodes:
         out.flops += node_flops(node)
-        name = getattr(node.target, "__name__", "")
-        if name == "host_adam_start":
+        if node.target is host_adam_start:
             count = node.args[0]
             params, grads = node.args[1:1 + count], node.args[1 + count:1 + 2 * count]
             numel = sum(int(p.meta["val"].numel()) for p in params)
@@ -358,10 +361,10 @@ def host_traffic(graph: StepGraph) -> HostTraffic:
                 out.to_device += numel * copy.itemsize
             kernel = node.kwargs.get("kernel", "fused")
             out.host_elements[kernel] = out.host_elements.get(kernel, 0) + numel
-        elif name == "host_fetch_start":
+        elif node.target is host_fetch_start:
             val = node.args[0].meta["val"]
             out.to_device += int(val.numel()) * val.element_size()
-        elif name == "host_store":
+        elif node.target is host_store:
             val = node.args[1].meta["val"]
             out.to_host += int(val.numel()) * val.element_size()
     return out

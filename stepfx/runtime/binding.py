@@ -119,6 +119,7 @@ class ModuleBinding:
         # the compute copies this plan carries (plans with the same layout share one)
         carried = signature.extra.get(CARRIED_COPIES_KEY, {})
         masters = signature.extra.get(MASTER_COPIES_KEY, {})
+        self._position = {s.ident: i for i, s in enumerate(signature.inputs)}
         self._carried = {}
         for s in signature.inputs:
             if _is_carried(s, carried):
@@ -172,7 +173,7 @@ class ModuleBinding:
     # -- inputs ---------------------------------------------------------------
     def _master_reader(self, ident) -> Callable[[], torch.Tensor]:
         """The reader of the host-held piece ``ident`` (made once the readers exist)."""
-        at = next(i for i, s in enumerate(self.signature.inputs) if s.ident == ident)
+        at = self._position[ident]
         return lambda: self._readers[at]()
 
     def _user_tensor(self, slot, params) -> Callable[[], torch.Tensor]:

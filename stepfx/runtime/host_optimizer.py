@@ -134,7 +134,7 @@ class _Verdict:
             factor, found_inf = self._given
             if self._event is not None:
                 factor, found_inf = _to_host(device, stream, self._event, factor, found_inf)
-            self._read = (_host_factor(factor), found_inf is not None and bool(found_inf.reshape(()).item() != 0))
+            self._read = (_host_factor(factor), _overflowed(found_inf))
         return self._read
 
 
@@ -214,9 +214,10 @@ class HostJob:
     """A group's update in flight: the worker's future (the start; with
     speculation, then the validation) and the group it updates."""
 
-    def __init__(self, group: _Group | None, cancel: threading.Event, verdict: _Verdict | None = None):
+    def __init__(self, group: _Group | None, cancel: threading.Event, verdict: _Verdict | None = None,
+                 key: str = ""):
         self.group, self.cancel, self.verdict = group, cancel, verdict
-        self.key = ""  # speculation "auto"'s memory of this start
+        self.key = key  # speculation "auto"'s memory of this start
         self.future: Future | None = None
         self.settled: Future | None = None
 
@@ -257,6 +258,11 @@ def _host_scalar(value) -> float | None:
     if isinstance(value, torch.Tensor):
         return float(value.item())
     return float(value)
+
+
+def _overflowed(found_inf) -> bool:
+    """The fp16 overflow flag read on the host (None: no loss scaling)."""
+    return found_inf is not None and bool(found_inf.reshape(()).item() != 0)
 
 
 def _host_factor(value):
@@ -323,8 +329,7 @@ def host_adam_start(count: int, *flat, step_is_new: bool, eps: float, weight_dec
         ready.record(torch.cuda.current_stream(device))
     cancel = threading.Event()
     verdict = _Verdict() if speculative else None
-    job = HostJob(None, cancel, verdict)
-    job.key = key
+    job = HostJob(None, cancel, verdict, key)
     guess = speculative is True or (speculative == "auto" and not _CLIPPED.get(key, False))
 
     def run():
@@ -343,7 +348,7 @@ def host_adam_start(count: int, *flat, step_is_new: bool, eps: float, weight_dec
                                        params_on_host, copy_dtype)
             factor = group.guess = _host_factor(factor)
             if verdict is None:
-                overflow = flag is not None and bool(flag.reshape(()).item() != 0)
+                overflow = _overflowed(flag)
                 _run(group, list(range(count)), lambda i: ("skip", None) if overflow else ("real", factor))
                 return group.result()
 
