@@ -5,7 +5,8 @@ attention's fused q/k/v (3 parts) -> output projection when the heads
 divide by the degree, else attention stays replicated; the MLP's up -> down
 pair always (its width divides); the tied embedding and LM head split
 over the vocabulary when the vocabulary divides, else replicated; norms
-and position embeddings replicated. The first property is the search's, on the captured graph, without ranks;
+and position embeddings replicated; dropout (in attention too) changes
+none of it: its masks over split values are drawn whole and sliced. The first property is the search's, on the captured graph, without ranks;
 the second runs generated models split over two ranks (with and without
 sequence parallelism) against the single-process step."""
 from __future__ import annotations
@@ -30,11 +31,11 @@ _CLEAN = ("functionalize_graph", "drop_profiler_nodes", "remove_aliases", "prune
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(heads=st.integers(1, 5), head_dim=st.sampled_from([2, 4]), vocab=st.integers(17, 70),
-       bias=st.booleans(), tp=st.sampled_from([2, 4]))
-def test_the_search_finds_the_megatron_pairs_of_generated_shapes(heads, head_dim, vocab, bias, tp):
+       bias=st.booleans(), tp=st.sampled_from([2, 4]), dropout=st.sampled_from([0.0, 0.1]))
+def test_the_search_finds_the_megatron_pairs_of_generated_shapes(heads, head_dim, vocab, bias, tp, dropout):
     torch.manual_seed(0)
     model = GPT(gpt_config("tiny", d_model=heads * head_dim, n_heads=heads, vocab_size=vocab, n_layers=1, seq_len=8,
-                           bias=bias))
+                           bias=bias, dropout=dropout))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     batch = torch.randint(0, vocab, (2, 7))
     graph = capture_step(lm_step, model, opt, (batch,), {})
@@ -54,9 +55,9 @@ def test_the_search_finds_the_megatron_pairs_of_generated_shapes(heads, head_dim
         "tok.weight"}, split
 
 
-def generated_gpt(heads, head_dim, vocab, bias):
+def generated_gpt(heads, head_dim, vocab, bias, dropout=0.0):
     return GPT(gpt_config("tiny", d_model=heads * head_dim, n_heads=heads, vocab_size=vocab, n_layers=1, seq_len=8,
-                          bias=bias))
+                          bias=bias, dropout=dropout))
 
 
 def sgd(model):
@@ -66,19 +67,20 @@ def sgd(model):
 @pytest.mark.xdist_group("tensor_parallel")
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(heads=st.sampled_from([2, 4]), head_dim=st.sampled_from([2, 4]), vocab=st.integers(17, 70),
-       bias=st.booleans(), batch=st.integers(1, 3), sequence=st.booleans())
+       bias=st.booleans(), batch=st.integers(1, 3), sequence=st.booleans(), dropout=st.sampled_from([0.0, 0.2]))
 def test_generated_transformers_split_over_two_ranks_equal_the_reference(rank_pool, heads, head_dim, vocab, bias,
-                                                                          batch, sequence):
+                                                                          batch, sequence, dropout):
     """Whatever the search splits (the vocabulary when it divides, sequence
     parallelism when the batch's tokens divide into whole rows; head counts
     the degree does not divide are a ConfigError, tested in
     tests/config/test_config_tensor_parallel.py), the split step equals the single process
-    (fp32, 1e-5 relative, losses and parameters over 2 steps)."""
+    (fp32, 1e-5 relative, losses and parameters over 2 steps), with dropout
+    too (each step seeded as the reference's)."""
     from tests.runtime.test_tensor_parallel import _check
     from tests.steps import lm_step, token_batches
     from tests.tp_workers import tp_run
 
-    make = functools.partial(generated_gpt, heads, head_dim, vocab, bias)
+    make = functools.partial(generated_gpt, heads, head_dim, vocab, bias, dropout)
     batches = [token_batches(2, batch=batch, vocab=vocab, seed=heads * 100 + vocab)]
     config = {"gradient_clipping": 0, "tensor_parallel": {"autotp_size": 2},
               "stepfx": {"sequence_parallel": sequence}}

@@ -21,7 +21,7 @@ import torch
 import stepfx
 from stepfx.testing.equivalence import data_parallel_reference
 from tests.steps import (MLP, adamw, ce_step, hf_gpt2, hf_llama, hf_step, lm_step, mlp_batches, one_block_gpt, padded_batch,
-                         padded_rank_batches, padded_step, token_batches)
+                         padded_rank_batches, padded_step, tiny_gpt, token_batches)
 from tests.tp_workers import tp_run
 
 TP2 = {"gradient_clipping": 0, "tensor_parallel": {"autotp_size": 2}}
@@ -127,10 +127,11 @@ def test_hf_gpt2_tp2_splits_its_conv1d_pairs_and_the_tied_vocabulary(rank_pool, 
     """GPT-2's Conv1D weights are [in, out]: columns split on dim 1, the
     fused q/k/v in 3 parts. With dropout, each step draws as the reference
     does (tp_run seeds it per step): dropout on replicated values draws
-    alike on both ranks; attention's dropout draws over all heads, so
-    attention stays replicated there (the MLP and the vocabulary still split).
-    With sequence parallelism a dropout's input is gathered first (it draws
-    over every token, as the single process does)."""
+    alike on both ranks; attention's dropout (the math path: heads merged
+    with the batch for its bmm) is drawn for all heads on every rank, each
+    keeping its heads' slice, so attention splits too and the result is
+    the reference's. With sequence parallelism a dropout's input is
+    gathered first (it draws over every token, as the single process does)."""
     batches = [token_batches(2, seed=1)]
     config = SP if sequence else TP2
     results = rank_pool(2).run(tp_run, hf_step, make_model, sgd_momentum, batches, config, timeout=300)
@@ -140,8 +141,11 @@ def test_hf_gpt2_tp2_splits_its_conv1d_pairs_and_the_tied_vocabulary(rank_pool, 
     assert "transformer.wpe.weight: replicated" in placements
     assert "transformer.h.1.mlp.c_fc.weight: column (dim 1)" in placements
     assert "transformer.h.1.mlp.c_proj.weight: row (dim 0)" in placements
-    attention = "transformer.h.1.attn.c_attn.weight: column (dim 1, 3 parts)" in placements
-    assert attention == (make_model is hf_gpt2_without_dropout), placements
+    assert "transformer.h.1.attn.c_attn.weight: column (dim 1, 3 parts)" in placements
+    assert "transformer.h.1.attn.c_proj.weight: row (dim 0)" in placements
+    # dropout's masks over split heads: drawn whole, sliced (one per attention, forward only)
+    draws = sum(1 for name in results[0]["shapes"] if name.startswith("tp_draw_slice"))
+    assert draws == (0 if make_model is hf_gpt2_without_dropout else 2), sorted(results[0]["shapes"])
     assert bool(results[0]["sequence"]) == sequence
 
 
@@ -225,12 +229,13 @@ def test_tp2_variable_lengths_capture_twice_and_equal_the_reference(rank_pool, s
     parallelism the symbolic capture shares a token count that varies
     (2 sequences: a multiple of the 2 ranks at every length, odd lengths
     included): the same collectives as with a static count, each rank's
-    share of the rows computed per call."""
+    share of the rows computed per call. Without it, the model has dropout:
+    attention's masks over split heads are drawn at the call's length."""
     g = torch.Generator().manual_seed(0)
     batches = [[(torch.randint(0, 64, (2, length), generator=g),) for length in (9, 12, 7, 10)]]
-    results = rank_pool(2).run(tp_run, lm_step, one_block_gpt, sgd_plain, batches, SP if sequence else TP2,
-                               timeout=300)
-    _check(results, lm_step, one_block_gpt, sgd_plain, batches, tp=2)
+    make = one_block_gpt if sequence else dropout_gpt
+    results = rank_pool(2).run(tp_run, lm_step, make, sgd_plain, batches, SP if sequence else TP2, timeout=300)
+    _check(results, lm_step, make, sgd_plain, batches, tp=2)
     assert results[0]["captures"] == 2
     if sequence:  # the symbolic capture's collectives: as with a static token count
         assert results[0]["sequence"] == GPT_SEQUENCE and results[0]["counts"]["tp backward"] == 2
@@ -238,6 +243,8 @@ def test_tp2_variable_lengths_capture_twice_and_equal_the_reference(rank_pool, s
                    for n in results[0]["notes"]), results[0]["notes"]
     else:
         assert results[0]["counts"] == GPT_COUNTS  # the symbolic capture's: Megatron's, and the head's
+        draws = [shape for name, shape in results[0]["shapes"].items() if name.startswith("tp_draw_shape")]
+        assert draws and all(any(isinstance(d, str) for d in shape) for shape in draws), draws  # at the call's length
 
 
 @pytest.mark.xdist_group("tensor_parallel")
@@ -433,6 +440,51 @@ def test_gpt_tp2_dp2_equals_the_data_parallel_reference(rank_pool):
     _check(results, lm_step, one_block_gpt, sgd_plain, batches, tp=2)
     assert all(r["counts"] == GPT_COUNTS for r in results)
     assert results[0]["losses"] != results[2]["losses"]  # the DP ranks saw different batches
+
+
+class FusedDropoutMLP(torch.nn.Module):
+    """Tokens -> a gate/up projection fused in one weight -> dropout on the
+    fused product -> SwiGLU -> down -> logits: the mask is drawn over a value
+    split in 2 fused parts (each rank keeps its range of each part)."""
+
+    def __init__(self, vocab=32, d=8, hidden=16):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.gate_up = torch.nn.Linear(d, 2 * hidden)
+        self.drop = torch.nn.Dropout(0.3)
+        self.down = torch.nn.Linear(hidden, d)
+        self.head = torch.nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx):
+        gate, up = self.drop(self.gate_up(self.emb(idx))).chunk(2, dim=-1)
+        return self.head(self.down(torch.nn.functional.silu(gate) * up))
+
+
+def dropout_gpt():
+    return tiny_gpt(n_layers=1, dropout=0.2)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("tensor_parallel")
+@pytest.mark.parametrize("make_model, world, stage", [(FusedDropoutMLP, 2, 0), (dropout_gpt, 4, 3)],
+                         ids=["fused-parts-tp2", "attention-tp2-dp2-zero3"])
+def test_dropout_over_split_values_draws_the_reference_s_masks(rank_pool, make_model, world, stage):
+    """Dropout on a split value (attention's probabilities split over heads,
+    a fused gate/up product split in 2 parts): every rank draws the mask for
+    the whole value from the generator state the single process has, and
+    keeps its slice, so the split step is the reference's (1e-5) and the
+    ranks' masks differ (their slices of one draw)."""
+    batches = [token_batches(2, vocab=32, seed=4)] if world == 2 else [token_batches(2, seed=0), token_batches(2, seed=1)]
+    config = {**TP2, "zero_optimization": {"stage": stage}}
+    results = rank_pool(world).run(tp_run, lm_step, make_model, sgd_momentum, batches, config, timeout=500)
+    _check(results, lm_step, make_model, sgd_momentum, batches, tp=2)
+    placements = "\n".join(results[0]["placements"])
+    if make_model is FusedDropoutMLP:
+        assert "gate_up.weight: column (dim 0, 2 parts)" in placements, placements
+        assert any(name.startswith("tp_draw_select") for name in results[0]["shapes"])  # a range of each part
+    else:
+        assert "blocks.0.qkv.weight: column (dim 0, 3 parts)" in placements, placements
+    assert any(name.startswith("tp_draw_slice") for name in results[0]["shapes"])
 
 
 # -- composed with clipping, 16-bit precision and ZeRO --------------------------------

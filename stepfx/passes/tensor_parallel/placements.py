@@ -18,6 +18,11 @@ rules below say what each op makes of its inputs' states, in graph order:
   a sum over the split dimension is partial;
 - attention is split over heads (q, k and v split on dim 1; k/v with one
   head may stay replicated: multi-query attention, their gradients partial);
+  its math path too (with dropout on the CPU): a view merging the batch
+  into split heads is split in ``batch`` parts, a ``bmm`` keeps a batch
+  split both operands share, a softmax one not along its dimension;
+- a random draw shaped like a split value keeps the split
+  (``Propagation.draws``: the rewrite draws it whole and slices it);
 - a partial value stays partial through views and sums of partials; any
   other reader needs the whole value: an all-reduce goes before it
   (Megatron's g in the forward, f's gradient in the backward);
@@ -94,6 +99,11 @@ POINTWISE = frozenset({
     aten.reciprocal.default, aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
     aten.masked_fill.Scalar, aten.fill.Scalar, aten.sin.default, aten.cos.default, aten.erf.default,
 })
+SOFTMAX = frozenset(op for op in (aten._softmax.default, aten._softmax_backward_data.default,
+                                  getattr(aten, "_safe_softmax", None)) if op is not None)
+SOFTMAX = frozenset(op.default if isinstance(op, torch._ops.OpOverloadPacket) else op for op in SOFTMAX)
+# random ops whose result is shaped like their first operand (dropout's mask)
+DRAWS = frozenset({aten.bernoulli.p, aten.rand_like.default, aten.randn_like.default})
 # a partial value stays partial through these when every tensor operand is partial
 _LINEAR_IN_ALL = frozenset({aten.add.Tensor, aten.sub.Tensor})
 VIEWS = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default})
@@ -173,6 +183,7 @@ class Propagation:
     gather: dict = field(default_factory=dict)  # token-split node -> [readers needing it whole]
     slices: dict = field(default_factory=dict)  # reader -> [replicated operands it reads sliced to its tokens]
     reading: dict = field(default_factory=dict)  # while a rule runs: inputs it reads in another state (gathered)
+    draws: dict = field(default_factory=dict)  # random draw over a split value -> its state (drawn whole, sliced)
     slices_local: dict = field(default_factory=dict)  # slice (or its backward) of one fused part -> local [start, end)
     fused_parts: dict = field(default_factory=dict)  # (dim, whole size, start, end) -> (the whole's state, local bounds)
 
@@ -359,6 +370,12 @@ def _rule(node: fx.Node, prop: Propagation, tp: int):
         return replace(state, dim=state.dim + len(node.args[1]) - len(_shape(node.args[0])))
     if target in (aten.mm.default, aten.addmm.default):
         return _mm(node, prop)
+    if target is aten.bmm.default:
+        return _bmm(node, prop)
+    if target in SOFTMAX:
+        return _softmax(node, prop)
+    if target in DRAWS:
+        return _draw(node, prop)
     if target in POINTWISE:
         return _pointwise(node, prop, tp)
     if target in (aten.sum.dim_IntList, aten.mean.dim):
@@ -419,9 +436,9 @@ def _view(node: fx.Node, prop: Propagation, tp: int):
         if state.dim in ins:
             ins = [d for d in ins if not _is(a[d], 1)]  # size-1 dimensions carry nothing
             outs = [d for d in outs if not _is(b[d], 1)]
-            if len(ins) > 1 and state.dim != ins[0]:
-                raise Refused(node, f"a view {list(a)} -> {list(b)} merging the split dimension {state.dim} "
-                              "into an outer one")
+            if len(ins) > 1 and state.dim != ins[0] or len(outs) > 1 and state.parts > 1 and not state.sizes:
+                return _regrouped(node, state, [a[d] for d in ins[:ins.index(state.dim)]], [b[d] for d in outs],
+                                  outs, tp)
             if state.sizes and not _same(b[outs[0]], a[state.dim]):
                 raise Refused(node, f"a view regrouping the fused parts {list(state.sizes)} of the split dimension")
             if not state.sizes and not divides(b[outs[0]], state.parts * tp):
@@ -429,6 +446,34 @@ def _view(node: fx.Node, prop: Propagation, tp: int):
                               f"{b[outs[0]]} not divisible by {state.parts} part(s) x {tp}")
             return replace(state, dim=outs[0])
     raise Refused(node, "lost track of the split dimension")
+
+
+def _regrouped(node: fx.Node, state: Sharded, outer: list, sizes: list, outs: list, tp: int) -> Sharded:
+    """A view that merges the split dimension into outer ones (``outer``:
+    their sizes; attention's [batch, heads, ...] -> [batch x heads, ...]),
+    or splits a dimension of fused parts: the group's elements are ``P``
+    parts (the state's parts times the outer sizes), each cut into ``tp``
+    equal ranges. In the output the split is on the first dimension ``k``
+    of ``sizes`` where the sizes before it (``c``) count whole parts and
+    ``P / c`` parts x ``tp`` ranges divide ``sizes[k]``: each rank then
+    holds, for every index before ``k``, its range of each of those parts."""
+    shown = f"a view {list(_shape(node.args[0]))} -> {list(_shape(node))}"
+    if state.tokens or state.sizes or any(compat.is_symbolic(x) for x in outer):
+        raise Refused(node, f"{shown} merging the split dimension {state.dim} into an outer one")
+    parts = state.parts
+    for x in outer:
+        parts *= int(x)
+    before = 1
+    for k, size in enumerate(sizes):
+        if parts % before:
+            break
+        if divides(size, parts // before * tp):
+            return replace(state, dim=outs[k], parts=parts // before)
+        if compat.is_symbolic(size):
+            break
+        before *= int(size)
+    raise Refused(node, f"{shown}: its {parts} part(s) of the split dimension do not regroup into {list(sizes)} "
+                  f"over {tp} ranks")
 
 
 def _view_groups(a, b):
@@ -530,6 +575,45 @@ def _mm(node: fx.Node, prop: Propagation):
         elif sb is not None:
             raise Refused(node, "a split bias added to a replicated product")
     return result
+
+
+def _bmm(node: fx.Node, prop: Propagation):
+    """A batched matmul whose batch dimension both operands split alike (the
+    math path of attention: [batch x heads, ...] split on heads) keeps it."""
+    x, y = node.args[:2]
+    sx, sy = _whole(prop, node, x), _whole(prop, node, y)
+    if sx is None and sy is None:
+        return None
+    if sx == sy and sx.dim == 0 and not sx.tokens:
+        return sx
+    raise Refused(node, f"a batched matmul of operands split as {sx} and {sy}")
+
+
+def _softmax(node: fx.Node, prop: Propagation):
+    """A softmax (or its backward) along a dimension that is not split."""
+    tensors = [a for a in node.args[:2] if isinstance(a, fx.Node)] if node.target is aten._softmax_backward_data.default \
+        else [node.args[0]]
+    dim = node.args[2] if node.target is aten._softmax_backward_data.default else node.args[1]
+    states = {_whole(prop, node, a) for a in tensors}
+    if len(states) != 1:
+        raise Refused(node, f"a softmax of operands split as {sorted(map(str, states))}")
+    state = states.pop()
+    if state is not None and state.dim == dim % len(_shape(node)):
+        raise Refused(node, "a softmax along the split dimension")
+    return state
+
+
+def _draw(node: fx.Node, prop: Propagation):
+    """Random numbers shaped like a split value (dropout's mask): each rank
+    draws them for the whole value, as the single process does, and keeps
+    its slice (the rewrite), so the ranks' slices are the reference's draw
+    and differ from rank to rank."""
+    state = _whole(prop, node, node.args[0])
+    if isinstance(state, Sharded):
+        if state.tokens:
+            raise Refused(node, "random numbers drawn over the rank's tokens")
+        prop.draws[node] = state
+    return state
 
 
 def _pointwise(node: fx.Node, prop: Propagation, tp: int):

@@ -42,12 +42,13 @@ from ...config.tensor_parallel import LayerSpec
 from ...graph import META_PHASE, Phase, Role, StepGraph
 from ...graph.tp_layout import TP_PLAN_KEY, Placement, TensorParallelPlan
 from ..manager import PassOptions, PassResult
-from .placements import ATTENTION, POINTWISE, VIEWS, Refused, Sharded, aten, divides, linear_uses, propagate
+from .placements import (ATTENTION, DRAWS, POINTWISE, SOFTMAX, VIEWS, Refused, Sharded, aten, divides, linear_uses,
+                         propagate)
 
 __all__ = ["plan_tensor_parallel", "HF_TP_PLAN_KEY", "MODEL_TYPE_KEY"]
 
 # what a column's product may pass through on its way to a row weight (the search; propagation decides)
-_CARRIERS = POINTWISE | VIEWS | ATTENTION | frozenset({
+_CARRIERS = POINTWISE | VIEWS | ATTENTION | SOFTMAX | DRAWS | frozenset({aten.bmm.default}) | frozenset({
     aten.t.default, aten.transpose.int, aten.permute.default, aten.unsqueeze.default, aten.squeeze.dim,
     aten.expand.default, aten.split.Tensor, aten.split_with_sizes.default, aten.cat.default, aten.slice.Tensor,
     operator.getitem})

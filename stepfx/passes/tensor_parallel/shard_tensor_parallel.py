@@ -21,6 +21,11 @@ Ensures:
   all-reduce, bias add, so the bias counts once;
 - replicated values are computed alike on every rank of the group: the
   gradients of replicated parameters need no reduction there;
+- a random draw shaped like a split value (dropout's mask over split heads
+  or features) is drawn for the whole value on every rank, from the
+  generator state the single process has, and each rank keeps its slice:
+  the ranks' masks differ and are the reference's (the whole mask is
+  made transiently on each rank: its bytes, not the activation's);
 - over a split vocabulary (``vocabulary.py``): lookups find the rank's own
   tokens (all-reduced), the log-softmax and the negative log-likelihood
   run on the rank's slice of the logits with the max, the sums and the
@@ -78,6 +83,7 @@ def shard_tensor_parallel(graph: StepGraph, options: PassOptions) -> PassResult:
         if node.op == "call_function" and node in prop.states and prop.states[node] is None:
             node.meta[META_TP_REPLICATED] = True
     moved = _sequence_parallel(g, prop, options) if plan.tokens else 0
+    whole_draws = {node: node.meta["val"] for node in prop.draws}
 
     # local shapes, in graph order (each node's inputs are already local)
     for node in list(g.nodes):
@@ -96,6 +102,10 @@ def shard_tensor_parallel(graph: StepGraph, options: PassOptions) -> PassResult:
                 node.args = node.args[:at] + tuple(prop.slices_local[node]) + tuple(node.args[at + 2:])
             node.meta["val"] = _run_fake(node, state, tp)
 
+    if prop.draws:
+        sizes = _sizes(g)
+        for node, state in prop.draws.items():
+            _draw_whole(g, node, state, whole_draws[node], tp, options.tp_rank, sizes)
     reduced = moved
     for node in [n for n in g.nodes if n in prop.decompose]:
         _decompose_addmm(g, node, group, tp)
@@ -120,8 +130,48 @@ def shard_tensor_parallel(graph: StepGraph, options: PassOptions) -> PassResult:
     g.lint()
     gm.recompile()
     summary = (f"{len(plan.sharded)} parameters split over {tp} ranks; {reduced} collectives over the "
-               f"tensor-parallel group" + (" (sequence parallel)" if plan.tokens else ""))
+               f"tensor-parallel group" + (" (sequence parallel)" if plan.tokens else "")
+               + (f"; {len(prop.draws)} random draws over split values (dropout masks) drawn whole on each rank "
+                  f"and sliced, as the single process draws them" if prop.draws else ""))
     return PassResult(graph.replace(signature=new_sig), True, summary)
+
+
+def _draw_whole(g: fx.Graph, node: fx.Node, state: Sharded, whole, tp: int, rank: int, sizes: SizeBuilder) -> None:
+    """A random draw shaped like a split value (``bernoulli(empty_like(x), p)``,
+    dropout's mask): drawn for the whole shape from the same generator state
+    as the single process, then this rank's slice taken for its readers. The
+    draw costs the whole value's numbers on every rank; what the ranks keep
+    is the reference's draw, cut as the value is."""
+    meta = dict(like=node, phase=node.meta.get(META_PHASE))
+    shape = [sizes.build(compat.size_expr(x), node, node) if compat.is_symbolic(x) else int(x) for x in whole.shape]
+    with g.inserting_before(node):
+        empty = make_node(g, aten.new_empty.default, (node.args[0], shape), val=fake_like(whole, whole.shape),
+                          name="tp_draw_shape", **meta)
+    node.args = (empty,) + tuple(node.args[1:])
+    local = node.meta["val"]
+    node.meta["val"] = fake_like(whole, whole.shape)
+    d, parts, n = state.dim, state.parts, int(whole.shape[state.dim])
+    chunk = n // (parts * tp)
+    users = list(node.users)
+    with g.inserting_after(node):
+        if parts == 1:
+            args = (node, d, rank * chunk, (rank + 1) * chunk)
+            mine = make_node(g, aten.slice.Tensor, args, val=fake_result(aten.slice.Tensor, args), name="tp_draw_slice",
+                             **meta)
+        else:  # [..., parts x tp x chunk, ...] -> the rank's chunk of every part
+            cut = shape[:d] + [parts, tp, chunk] + shape[d + 1:]
+            view = make_node(g, aten.view.default, (node, cut), val=fake_result(aten.view.default, (node, cut)),
+                             name="tp_draw_parts", **meta)
+            with g.inserting_after(view):
+                sel = make_node(g, aten.select.int, (view, d + 1, rank),
+                                val=fake_result(aten.select.int, (view, d + 1, rank)), name="tp_draw_select", **meta)
+            local_shape = shape[:d] + [parts * chunk] + shape[d + 1:]
+            with g.inserting_after(sel):
+                mine = make_node(g, aten.reshape.default, (sel, local_shape),
+                                 val=fake_result(aten.reshape.default, (sel, local_shape)), name="tp_draw_slice", **meta)
+    assert tuple(mine.meta["val"].shape) == tuple(local.shape), (mine.meta["val"].shape, local.shape)
+    for user in users:
+        user.replace_input_with(node, mine)
 
 
 def _is_split(state) -> bool:
