@@ -39,7 +39,8 @@ import triton.language as tl
 
 from .registry import interpreting, register
 
-__all__ = ["linear_cross_entropy", "linear_cross_entropy_reference", "default_chunk_rows"]
+__all__ = ["linear_cross_entropy", "linear_cross_entropy_reference", "default_chunk_rows", "vocab_cross_entropy_stats",
+           "vocab_cross_entropy_grads", "vocab_cross_entropy_stats_reference", "vocab_cross_entropy_grads_reference"]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -330,3 +331,229 @@ def linear_cross_entropy(
         loss = total / count if reduction == "mean" else total
     return loss.to(out_dtype), grad_hidden, grad_weight
 
+
+
+# -- over a vocabulary split between tensor-parallel ranks --------------------------------------------------
+#
+# Rank r of a group holds ``V_local`` rows of the head's weight (columns ``offset`` to ``offset + V_local`` of
+# the logits). The log-softmax needs each row's maximum and sum of exponentials over the whole vocabulary, so
+# the fused chain is cut in two around the group's all-reduces (graph nodes, made by
+# passes/fusion/fuse_linear_cross_entropy.py):
+#
+#   vocab_cross_entropy_stats: per row, over the rank's columns: max m, sum exp(x - m), and x[target] where the
+#                              rank holds the target (0 elsewhere); the chunk's logits are kept when the rows
+#                              are one chunk (the second half then does not multiply again)
+#   (graph)                    M = all_reduce_max(m); S = all_reduce_sum(sum * exp(m - M)); lse = M + log S
+#   vocab_cross_entropy_grads: per row, over the rank's columns: (exp(x - lse) - [col == target]) * scale, then
+#                              the rank's (partial) grad_hidden and its rows of grad_weight
+#
+# Neither holds the logits of more than one chunk of rows, nor of the whole vocabulary.
+
+
+@triton.jit
+def _vocab_stats_kernel(
+    logits_ptr,  # [rows, V] the rank's columns of this chunk's logits (read only)
+    target_ptr,  # [rows] int64, whole-vocabulary indices
+    max_ptr,  # [rows] fp32 out
+    sum_ptr,  # [rows] fp32 out: sum exp(x - max)
+    picked_ptr,  # [rows] fp32 out: x[target - offset] where the rank holds a counted target, else 0
+    V,
+    stride_row,
+    offset,
+    ignore_index,
+    LOGITS_DTYPE: tl.constexpr,
+    CAST_LOGITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BF16_BY_HAND: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    base = logits_ptr + row * stride_row
+    t = tl.load(target_ptr + row)
+    local = t - offset
+    cols = tl.arange(0, BLOCK)
+    m = float("-inf")
+    s = 0.0
+    x_t = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, V, BLOCK):
+        offs = start + cols
+        mask = offs < V
+        x = tl.load(base + offs, mask=mask, other=float("-inf")).to(tl.float32)
+        if CAST_LOGITS:
+            x = _round_to(x, LOGITS_DTYPE, BF16_BY_HAND).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, axis=0))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+        m = m_new
+        x_t += tl.where((offs == local) & mask, x, 0.0)
+    tl.store(max_ptr + row, m)
+    tl.store(sum_ptr + row, s)
+    held = (t != ignore_index) & (local >= 0) & (local < V)
+    tl.store(picked_ptr + row, tl.where(held, tl.sum(x_t, axis=0), 0.0))
+
+
+@triton.jit
+def _vocab_grad_kernel(
+    logits_ptr,  # [rows, V] the rank's columns of this chunk's logits; overwritten with their gradient
+    target_ptr,  # [rows] int64, whole-vocabulary indices
+    lse_ptr,  # [rows] fp32: log sum exp over the whole vocabulary
+    scale_ptr,  # [] fp32: 1 / count of counted targets (mean), 1 (sum)
+    V,
+    stride_row,
+    offset,
+    ignore_index,
+    LOGITS_DTYPE: tl.constexpr,
+    CAST_LOGITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BF16_BY_HAND: tl.constexpr,
+):
+    # x <- ((exp(x - lse) - [col == target]) * scale) rounded as _lce_rows_kernel rounds it; a row whose target
+    # is ignored: 0; a row whose target another rank holds: the softmax term only
+    row = tl.program_id(0).to(tl.int64)
+    base = logits_ptr + row * stride_row
+    t = tl.load(target_ptr + row)
+    local = t - offset
+    lse = tl.load(lse_ptr + row)
+    row_scale = tl.where(t != ignore_index, tl.load(scale_ptr), 0.0)
+    cols = tl.arange(0, BLOCK)
+    for start in range(0, V, BLOCK):
+        offs = start + cols
+        mask = offs < V
+        x = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
+        if CAST_LOGITS:
+            x = _round_to(x, LOGITS_DTYPE, BF16_BY_HAND).to(tl.float32)
+        g = (tl.exp(x - lse) - tl.where(offs == local, 1.0, 0.0)) * row_scale
+        if CAST_LOGITS:
+            g = _round_to(g, LOGITS_DTYPE, BF16_BY_HAND).to(tl.float32)
+        tl.store(base + offs, _round_to(g, logits_ptr.dtype.element_ty, BF16_BY_HAND), mask=mask)
+
+
+def _vocab_launch_args(weight, logits_dtype, dtype):
+    v = weight.shape[0]
+    out_dtype = logits_dtype or dtype
+    block = min(triton.next_power_of_2(v), _MAX_BLOCK)
+    return dict(LOGITS_DTYPE=_TL_DTYPES[out_dtype], CAST_LOGITS=out_dtype not in (torch.float32, dtype), BLOCK=block,
+                BF16_BY_HAND=interpreting(), num_warps=8 if block >= 2048 else 4)
+
+
+def _vocab_check(hidden, weight, target, ignore_index, offset, logits_dtype, chunk_rows) -> None:
+    _check(hidden, weight, target, ignore_index, "mean", logits_dtype, chunk_rows)
+    if not isinstance(offset, int) or offset < 0:
+        raise ValueError(f"vocab_cross_entropy: offset must be a non-negative int, got {offset!r}")
+    if hidden.device.type == "cpu" and not interpreting():
+        raise RuntimeError("vocab_cross_entropy: Triton kernels on CPU need TRITON_INTERPRET=1 (the interpreter, for tests)")
+
+
+def vocab_cross_entropy_stats_reference(hidden, weight, target, *, offset: int, ignore_index: int = -100,
+                                        logits_dtype: torch.dtype | None = None, chunk_rows: int | None = None):
+    """The spec of :func:`vocab_cross_entropy_stats`, on materialized logits."""
+    _check(hidden, weight, target, ignore_index, "mean", logits_dtype, chunk_rows)
+    logits = torch.mm(hidden, weight.t())
+    x = (logits.to(logits_dtype) if logits_dtype is not None else logits).float()
+    top = x.amax(dim=1)
+    total = torch.exp(x - top[:, None]).sum(dim=1)
+    local = target - offset
+    held = (target != ignore_index) & (local >= 0) & (local < weight.shape[0])
+    picked = torch.where(held, x.gather(1, local.clamp(0, weight.shape[0] - 1)[:, None])[:, 0], 0.0)
+    return top, total, picked, logits
+
+
+@register(
+    "vocab_cross_entropy_stats",
+    reference=vocab_cross_entropy_stats_reference,
+    jit=(_vocab_stats_kernel, _round_to),
+    what="a vocabulary shard's hidden @ weight.T, per row: max, sum of exponentials, the target's logit (rows chunked)",
+)
+def vocab_cross_entropy_stats(hidden, weight, target, *, offset: int, ignore_index: int = -100,
+                              logits_dtype: torch.dtype | None = None, chunk_rows: int | None = None):
+    """Per row of ``hidden @ weight.T`` (the rank's ``V_local`` columns of the
+    logits, starting at whole-vocabulary column ``offset``): ``(max, sum of
+    exp(x - max), x[target - offset] where this rank holds a counted target
+    else 0, logits)``, the first three fp32 ``[N]``. ``logits`` is the one
+    chunk's logits in the inputs' dtype when every row fits one chunk (the
+    grads half reuses it and writes over it), else an empty ``[0, V_local]``."""
+    _vocab_check(hidden, weight, target, ignore_index, offset, logits_dtype, chunk_rows)
+    device, dtype = hidden.device, hidden.dtype
+    n, v = hidden.shape[0], weight.shape[0]
+    rows = min(chunk_rows or default_chunk_rows(n, v, dtype, device.type), max(n, 1))
+    launch = _vocab_launch_args(weight, logits_dtype, dtype)
+    with torch.no_grad(), (torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()):
+        top = torch.empty(n, dtype=torch.float32, device=device)
+        total = torch.empty(n, dtype=torch.float32, device=device)
+        picked = torch.empty(n, dtype=torch.float32, device=device)
+        buf = torch.empty((rows if n else 0, v), dtype=dtype, device=device)
+        for start in range(0, n, rows):
+            stop = min(start + rows, n)
+            logits = buf[: stop - start]
+            torch.mm(hidden[start:stop], weight.t(), out=logits)
+            _vocab_stats_kernel[(stop - start,)](
+                logits, target[start:stop], top[start:stop], total[start:stop], picked[start:stop],
+                v, logits.stride(0), offset, ignore_index, **launch)
+        kept = buf if n <= rows else buf[:0]
+    return top, total, picked, kept
+
+
+def vocab_cross_entropy_grads_reference(hidden, weight, target, lse, scale, logits=None, *, offset: int,
+                                        ignore_index: int = -100, logits_dtype: torch.dtype | None = None,
+                                        chunk_rows: int | None = None):
+    """The spec of :func:`vocab_cross_entropy_grads`, on materialized logits."""
+    _check(hidden, weight, target, ignore_index, "mean", logits_dtype, chunk_rows)
+    dtype = hidden.dtype
+    x = torch.mm(hidden, weight.t())
+    x = (x.to(logits_dtype) if logits_dtype is not None else x).float()
+    local = target - offset
+    onehot = torch.zeros_like(x)
+    held = (local >= 0) & (local < weight.shape[0])
+    onehot[held.nonzero()[:, 0], local[held]] = 1.0
+    row_scale = torch.where(target != ignore_index, scale.float(), 0.0)[:, None]
+    g = (torch.exp(x - lse[:, None]) - onehot) * row_scale
+    if logits_dtype is not None:
+        g = g.to(logits_dtype)
+    g = g.to(dtype)
+    return torch.mm(g, weight), torch.mm(g.t(), hidden)
+
+
+@register(
+    "vocab_cross_entropy_grads",
+    reference=vocab_cross_entropy_grads_reference,
+    jit=(_vocab_grad_kernel, _round_to),
+    what="a vocabulary shard's cross-entropy gradients from the group's log-sum-exp: partial grad_hidden, grad_weight rows",
+)
+def vocab_cross_entropy_grads(hidden, weight, target, lse, scale, logits=None, *, offset: int,
+                              ignore_index: int = -100, logits_dtype: torch.dtype | None = None,
+                              chunk_rows: int | None = None):
+    """``(grad_hidden, grad_weight)`` of the cross-entropy over the whole
+    vocabulary for a unit upstream gradient, from this rank's columns:
+    ``lse`` ([N] fp32) is the group's log-sum-exp per row, ``scale`` (0-d
+    fp32) 1 / the count of counted targets (mean) or 1 (sum).
+    ``grad_hidden`` is this rank's summand (the group's sum is the
+    gradient); ``grad_weight`` the gradient of the rank's rows. ``logits``:
+    what :func:`vocab_cross_entropy_stats` kept (written over here), or
+    empty: the logits are computed again chunk by chunk."""
+    _vocab_check(hidden, weight, target, ignore_index, offset, logits_dtype, chunk_rows)
+    device, dtype = hidden.device, hidden.dtype
+    n, v = hidden.shape[0], weight.shape[0]
+    kept = logits is not None and logits.shape[0] == n and n > 0
+    rows = n if kept else min(chunk_rows or default_chunk_rows(n, v, dtype, device.type), max(n, 1))
+    launch = _vocab_launch_args(weight, logits_dtype, dtype)
+    with torch.no_grad(), (torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()):
+        scale = scale.to(device=device, dtype=torch.float32)
+        grad_hidden = torch.empty_like(hidden)
+        several = n > rows
+        acc = torch.empty(weight.shape, dtype=torch.float32, device=device) if several else \
+            (torch.zeros_like(weight) if n == 0 else torch.empty_like(weight))
+        buf = logits if kept else (torch.empty((rows, v), dtype=dtype, device=device) if n else None)
+        for start in range(0, n, rows):
+            stop = min(start + rows, n)
+            h = hidden[start:stop]
+            chunk = buf[: stop - start]
+            if not kept:
+                torch.mm(h, weight.t(), out=chunk)
+            _vocab_grad_kernel[(stop - start,)](chunk, target[start:stop], lse[start:stop], scale, v, chunk.stride(0),
+                                                offset, ignore_index, **launch)
+            torch.mm(chunk, weight, out=grad_hidden[start:stop])
+            if not several:
+                torch.mm(chunk.t(), h, out=acc)
+            elif dtype == torch.float32:
+                acc.addmm_(chunk.t(), h, beta=0 if start == 0 else 1)
+            else:
+                _accumulate_fp32(acc, chunk.t(), h, first=start == 0)
+    return grad_hidden, acc.to(dtype)

@@ -17,7 +17,7 @@ import torch
 
 __all__ = ["adam_step", "adam_step_reference", "sgd_step", "sgd_step_reference", "host_float", "sum_squares",
            "layer_norm", "layer_norm_backward", "cat_column_sum",
-           "linear_cross_entropy", "KERNELS_OF", "kernels_of"]
+           "linear_cross_entropy", "vocab_cross_entropy_stats", "vocab_cross_entropy_grads", "KERNELS_OF", "kernels_of"]
 
 
 def host_float(value) -> float:
@@ -177,6 +177,25 @@ def linear_cross_entropy(hidden, weight, target, *, ignore_index: int, reduction
         hidden, weight, target, ignore_index=ignore_index, reduction=reduction, logits_dtype=logits_dtype)
 
 
+def vocab_cross_entropy_stats(hidden, weight, target, *, offset: int, ignore_index: int, logits_dtype):
+    """Over a vocabulary shard (tensor parallelism): per row of ``hidden @ weight.T``, (max, sum of
+    exponentials, the target's logit where the rank holds it, the kept logits): the first half of the fused
+    head + loss, before the group's all-reduces (``fuse_linear_cross_entropy``)."""
+    return _kernels("cross_entropy_kernels").vocab_cross_entropy_stats(
+        hidden, weight, target, offset=offset, ignore_index=ignore_index, logits_dtype=logits_dtype)
+
+
+def vocab_cross_entropy_grads(hidden, weight, target, lse, scale, logits, *, offset: int, ignore_index: int,
+                              logits_dtype):
+    """Over a vocabulary shard: the unit-upstream gradients (this rank's summand of grad_hidden, its rows of
+    grad_weight) from the group's log-sum-exp per row; ``scale`` None for a sum, 1 / count for a mean."""
+    if scale is None:
+        scale = torch.ones((), dtype=torch.float32, device=hidden.device)
+    return _kernels("cross_entropy_kernels").vocab_cross_entropy_grads(
+        hidden, weight, target, lse, scale, logits, offset=offset, ignore_index=ignore_index,
+        logits_dtype=logits_dtype)
+
+
 def cast(x, *, dtype):
     """``x.to(dtype)`` (fp32 -> bf16/fp16, round to nearest even) by stepfx's
     vectorized kernel: torch's dtype-converting copy runs an unrolled,
@@ -229,6 +248,8 @@ KERNELS_OF = {
     layer_norm_backward: ("norm_kernels", ("layer_norm_backward",)),
     cat_column_sum: ("column_sum_kernels", ("cat_column_sum",)),
     linear_cross_entropy: ("cross_entropy_kernels", ("linear_cross_entropy",)),
+    vocab_cross_entropy_stats: ("cross_entropy_kernels", ("vocab_cross_entropy_stats",)),
+    vocab_cross_entropy_grads: ("cross_entropy_kernels", ("vocab_cross_entropy_grads",)),
 }
 
 

@@ -280,3 +280,80 @@ def test_cuda_matches_reference_and_saves_memory(dtype, logits_dtype):
         exact = exact_fp64(hidden, weight, target)
         for name, a, b, e in zip(names, ours, ref, exact):
             assert_no_worse_than_eager(a, b, e, what=name)
+
+
+# -- the two halves over a vocabulary split between ranks (tensor parallelism) ---------------------------------
+
+
+def _over_shards(hidden, weight, target, tp, *, reduction="mean", logits_dtype=None, chunk_rows=None, keep=True):
+    """The split-vocabulary chain as fuse_linear_cross_entropy builds it around the group's all-reduces,
+    with the all-reduces done here over the shards: (loss, grad_hidden, grad_weight)."""
+    from stepfx.codegen.cross_entropy_kernels import vocab_cross_entropy_grads, vocab_cross_entropy_stats
+
+    rows = weight.shape[0] // tp
+    shards = [weight[r * rows:(r + 1) * rows].contiguous() for r in range(tp)]
+    stats = [vocab_cross_entropy_stats(hidden, w, target, offset=r * rows, logits_dtype=logits_dtype,
+                                       chunk_rows=chunk_rows) for r, w in enumerate(shards)]
+    top = torch.stack([s[0] for s in stats]).amax(0)
+    total = sum(s[1] * torch.exp(s[0] - top) for s in stats)
+    lse = top + torch.log(total)
+    count = (target != -100).sum().float()
+    scale = count.reciprocal() if reduction == "mean" else torch.ones((), device=hidden.device)
+    loss = 0
+    grads_h, grads_w = 0, []
+    for r, (w, (_, _, picked, logits)) in enumerate(zip(shards, stats)):
+        local = target - r * rows
+        held = (target != -100) & (local >= 0) & (local < rows)
+        loss = loss + torch.where(held, lse - picked, 0.0).sum()
+        gh, gw = vocab_cross_entropy_grads(hidden, w, target, lse, scale, logits if keep else None, offset=r * rows,
+                                           logits_dtype=logits_dtype, chunk_rows=chunk_rows)
+        grads_h = grads_h + gh.float()
+        grads_w.append(gw)
+    if reduction == "mean":
+        loss = loss / count
+    return loss, grads_h, torch.cat(grads_w)
+
+
+@pytest.mark.parametrize("tp, chunk_rows, keep", [(2, None, True), (2, 16, True), (4, 16, False), (2, 7, False)],
+                         ids=["tp2-one-chunk", "tp2-chunks", "tp4-recomputed", "tp2-odd-chunks"])
+def test_vocab_shards_fp32_equal_the_whole_vocabulary(tp, chunk_rows, keep):
+    """fp32: the shards' stats combined as the graph combines them, then each
+    shard's gradients, equal the whole-vocabulary cross-entropy (1e-5)."""
+    hidden, weight, target = make_inputs(40, 16, 64, torch.float32, seed=3)
+    loss, gh, gw = _over_shards(hidden, weight, target, tp, chunk_rows=chunk_rows, keep=keep)
+    ref_loss, ref_gh, ref_gw = linear_cross_entropy_reference(hidden, weight, target)
+    assert_fp32_close(loss, ref_loss, what="loss")
+    assert_fp32_close(gh, ref_gh, what="grad_hidden (summed over the ranks)")
+    assert_fp32_close(gw, ref_gw, what="grad_weight (the ranks' rows)")
+
+
+def test_vocab_shards_sum_reduction_and_fp32_logits_of_bf16_inputs():
+    """reduction 'sum'; bf16 inputs with the user's .float() on the logits:
+    no worse than the eager bf16 step against fp64."""
+    hidden, weight, target = make_inputs(24, 16, 32, torch.bfloat16, seed=5)
+    loss, gh, gw = _over_shards(hidden, weight, target, 2, reduction="sum", logits_dtype=torch.float32)
+    e_loss, e_gh, e_gw = linear_cross_entropy_reference(hidden, weight, target, reduction="sum",
+                                                        logits_dtype=torch.float32)
+    x_loss, x_gh, x_gw = exact_fp64(hidden, weight, target, reduction="sum")
+    assert_no_worse_than_eager(loss.float(), e_loss.float(), x_loss, what="loss")
+    assert_no_worse_than_eager(gh.to(torch.bfloat16), e_gh, x_gh, what="grad_hidden")
+    assert_no_worse_than_eager(gw, e_gw, x_gw, what="grad_weight")
+
+
+@pytest.mark.parametrize("half", ["stats", "grads"])
+def test_vocab_halves_match_their_references(half):
+    from stepfx.codegen import cross_entropy_kernels as k
+
+    hidden, weight, target = make_inputs(20, 8, 24, torch.float32, seed=9)
+    if half == "stats":
+        ours = k.vocab_cross_entropy_stats(hidden, weight[:12].contiguous(), target, offset=12, chunk_rows=8)
+        ref = k.vocab_cross_entropy_stats_reference(hidden, weight[:12].contiguous(), target, offset=12)
+        for a, b, what in zip(ours[:3], ref[:3], ("max", "sum", "picked")):
+            assert_fp32_close(a, b, what=what)
+    else:
+        lse = torch.randn(20) + 3
+        scale = torch.tensor(0.1)
+        ours = k.vocab_cross_entropy_grads(hidden, weight[12:].contiguous(), target, lse, scale, offset=12, chunk_rows=8)
+        ref = k.vocab_cross_entropy_grads_reference(hidden, weight[12:].contiguous(), target, lse, scale, offset=12)
+        for a, b, what in zip(ours, ref, ("grad_hidden", "grad_weight")):
+            assert_fp32_close(a, b, what=what)

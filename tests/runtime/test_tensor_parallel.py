@@ -150,15 +150,24 @@ def test_hf_gpt2_tp2_splits_its_conv1d_pairs_and_the_tied_vocabulary(rank_pool, 
 
 
 @pytest.mark.xdist_group("tensor_parallel")
-def test_llama_tp2_padded_labels_are_ignored_over_the_split_vocabulary(rank_pool):
+@pytest.mark.parametrize("codegen, stage", [(False, 0), (True, 3)], ids=["ops", "codegen-tp2-dp2-zero3"])
+def test_llama_tp2_padded_labels_are_ignored_over_the_split_vocabulary(rank_pool, codegen, stage):
     """Padded batches as DataCollatorWithPadding makes them (labels -100 on
     the padding): each rank's negative log-likelihood skips them and the
-    mean divides by the count of real targets over the whole vocabulary."""
+    mean divides by the count of real targets over the whole vocabulary.
+    With codegen the fused head + loss kernels skip them the same way
+    (TP 2 x DP 2 at ZeRO-3: the head's weight gathered over the DP group)."""
     g = torch.Generator().manual_seed(3)
     batches = [[(padded_batch([9, 4], generator=g),), (padded_batch([6, 9], generator=g),)]]
-    results = rank_pool(2).run(tp_run, padded_step, hf_llama, sgd_momentum, batches, TP2, timeout=300)
+    config = TP2
+    if codegen:
+        batches.append([(padded_batch([5, 8], generator=g),), (padded_batch([9, 3], generator=g),)])
+        config = {**TP2, "zero_optimization": {"stage": stage}, "stepfx": {"codegen": True}}
+    results = rank_pool(2 * len(batches)).run(tp_run, padded_step, hf_llama, sgd_momentum, batches, config, timeout=300)
     _check(results, padded_step, hf_llama, sgd_momentum, batches, tp=2)
     assert "lm_head.weight: vocabulary (dim 0)" in "\n".join(results[0]["placements"])
+    if codegen:
+        assert set(VOCAB_KERNELS) <= set(re.findall(r"graph_ops\.(\w+)", results[0]["explain"]))
 
 
 # Megatron with sequence parallelism: a reduce-scatter after each row and an all-gather before each column,
@@ -190,16 +199,22 @@ def test_sequence_parallel_tp2_equals_the_reference(rank_pool, make_model, step_
         assert results[0]["sequence"]["reduce_scatter forward"] == 2 * 2 + 1  # o, down per layer; the lookup
 
 
+VOCAB_KERNELS = ("vocab_cross_entropy_stats", "vocab_cross_entropy_grads")
+
+
 @pytest.mark.xdist_group("tensor_parallel")
 @pytest.mark.parametrize("make_model, step_fn, config, kernels", [
-    (one_block_gpt, lm_step, SP, {"add_layer_norm", "layer_norm_backward", "sum_squares_many"}),
-    (hf_llama, hf_step, TP2, {"rms_norm", "rms_norm_backward", "sum_squares_many"}),
+    (one_block_gpt, lm_step, SP, {"add_layer_norm", "layer_norm_backward", "sum_squares_many", *VOCAB_KERNELS}),
+    (hf_llama, hf_step, TP2, {"rms_norm", "rms_norm_backward", "sum_squares_many", *VOCAB_KERNELS}),
 ], ids=["gpt-sequence-parallel", "llama"])
 def test_codegen_runs_stepfx_kernels_on_the_shards(rank_pool, make_model, step_fn, config, kernels):
     """With codegen (Triton's interpreter on CPU) the fusion passes run on
     each rank's split graph: the norms (on the rank's tokens under sequence
-    parallelism) and the clipping norm's sums of squares over the shards are
-    stepfx's kernels, and the step still equals the single process."""
+    parallelism), the clipping norm's sums of squares over the shards and
+    the head with its loss over the rank's vocabulary (two kernel halves
+    around the group's all-reduces of a max and a sum per row: no logits
+    kept beyond a chunk, none gathered) are stepfx's kernels, and the step
+    still equals the single process."""
     batches = [token_batches(2, seed=0)]
     config = {**config, "gradient_clipping": CLIP, "stepfx": {**config.get("stepfx", {}), "codegen": True}}
     results = rank_pool(2).run(tp_run, step_fn, make_model, sgd_momentum, batches, config, timeout=300)
@@ -532,9 +547,12 @@ def test_tp2_clips_the_global_norm_over_shards_and_replicas(rank_pool, make_mode
 def test_tp2_bf16_tracks_fp32(rank_pool, make_model, step_fn, seed, counts):
     """The matmuls read the parameters' bf16 copies: the split is found
     through the cast, and the partial products travel in bf16 (reduce-scattered
-    under sequence parallelism)."""
+    under sequence parallelism; that case with codegen: the fused head + loss
+    over the vocabulary shard on bf16 logits made fp32 by the loss)."""
     batches = [token_batches(12, seed=seed)]
     config = {**(TP2 if counts else SP), "bf16": {"enabled": True}}
+    if counts is None:
+        config["stepfx"] = {**SP["stepfx"], "codegen": True}
     results = rank_pool(2).run(tp_run, step_fn, make_model, sgd_plain, batches, config, timeout=300)
     outputs, _, _ = data_parallel_reference(step_fn, make_model, sgd_plain, batches)
     reference = [out[0].item() for out in outputs]
@@ -545,6 +563,7 @@ def test_tp2_bf16_tracks_fp32(rank_pool, make_model, step_fn, seed, counts):
     if counts is None:
         assert results[0]["sequence"] == GPT_SEQUENCE
         assert ("reduce_scatter_tensor", "tp", "forward", "torch.bfloat16") in results[0]["collectives"]
+        assert "logits_dtype=torch.float32" in results[0]["explain"]
         return
     assert results[0]["counts"] == counts
     assert ("all_reduce", "tp", "forward", "torch.bfloat16") in results[0]["collectives"]
@@ -655,16 +674,18 @@ def test_tp2_dp2_zero_3_gathers_pieces_of_each_rank_s_shards_over_its_dp_group(r
 
 
 @pytest.mark.xdist_group("tensor_parallel")
-@pytest.mark.parametrize("zero", [0, 2])
-def test_gradient_accumulation_holds_each_rank_s_gradient_shards(rank_pool, zero):
+@pytest.mark.parametrize("zero, codegen", [(0, False), (2, False), (0, True)], ids=["zero0", "zero2", "zero0-codegen"])
+def test_gradient_accumulation_holds_each_rank_s_gradient_shards(rank_pool, zero, codegen):
     """gradient_accumulation_steps 2 under TP 2 (x DP 2 with ZeRO-2; ZeRO-1 with accumulation and
     momentum: test_data_parallel): the gradients accumulated
     over the micro-steps are held by each rank as its Megatron shards (the step stays split), and
-    each update equals the reference's over the two micro-batches (their mean, as DeepSpeed)."""
+    each update equals the reference's over the two micro-batches (their mean, as DeepSpeed). With
+    codegen, the fused head + loss over the vocabulary shard scales its unit gradients by the
+    accumulation's upstream gradient."""
     world = 2 if zero == 0 else 4
     dp = world // 2
     config = {**TP2, "gradient_accumulation_steps": 2, "train_micro_batch_size_per_gpu": 2,
-              "zero_optimization": {"stage": zero}}
+              "zero_optimization": {"stage": zero}, "stepfx": {"codegen": codegen}}
     micro = [token_batches(4, batch=2, seed=40 + d) for d in range(dp)]  # 2 updates of 2 micro-steps each
     results = rank_pool(world).run(tp_run, lm_step, one_block_gpt, sgd_momentum, micro, config, timeout=300)
     # the reference: one update per 2 micro-batches of every data-parallel rank, gradients averaged
@@ -675,6 +696,9 @@ def test_gradient_accumulation_holds_each_rank_s_gradient_shards(rank_pool, zero
     for rank, got in enumerate(results):
         assert got["placements"] and "split" in " ".join(got["placements"]), got["placements"]
         assert got["counts"].get("tp forward", 0) >= 2, got["counts"]
+        if codegen:
+            assert set(VOCAB_KERNELS) <= set(re.findall(r"graph_ops\.(\w+)", got["explain"]))
+            assert "grad_weight = aten.mul.Tensor(unit_grad_weight" in got["explain"]  # the upstream factor
         for name, value in state.items():
             diff = (got["state"][name] - value).abs().max() / value.abs().max().clamp_min(1e-12)
             assert diff <= 1e-5, (rank, name, diff.item())

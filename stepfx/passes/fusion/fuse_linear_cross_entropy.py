@@ -21,6 +21,21 @@ logits and their fp32 log-softmax — at the GPT workload 8192 x 50304 x 6
 bytes, 2.5 GB — are never stored. Chains that do not match (logits read
 elsewhere, a bias, reduction "none") are left as ops, with the reason.
 
+Over a vocabulary split by tensor parallelism (``tensor_parallel/vocabulary.py``
+made the chain: the rank's logits, a max and a sum of exponentials all-reduced
+per row, the log-likelihood of the targets the rank holds, its backward with one
+more all-reduce), the chain becomes two kernel halves around the group's two
+all-reduces of one value per row: ``vocab_cross_entropy_stats`` (per row over
+the rank's columns: max, sum of exponentials, the held target's logit; it keeps
+the chunk's logits when the rows are one chunk), the group's log-sum-exp made
+from them in the graph, the rank's partial loss (the rows whose target it
+holds), and ``vocab_cross_entropy_grads`` (the unit gradients: the rank's
+summand of the hidden state's, its rows of the weight's; it writes over the
+kept logits, which nothing else reads). The backward's all-reduce of the
+gradient's row sums is gone: for the log-likelihood's gradient that sum is
+known (-1 per counted row, times the scale). The logits are neither gathered
+nor stored beyond a chunk.
+
 Before / after (abridged)::
 
     mm = aten.mm(h, t_w)                         lce = stepfx.codegen.graph_ops.linear_cross_entropy(h, w, target, ...)
@@ -36,7 +51,8 @@ import operator
 import torch
 import torch.fx as fx
 
-from ...graph import META_PARAM, Phase, StepGraph
+from ... import compat
+from ...graph import META_GRAD_OF, META_GRAD_PIECE, META_PARAM, Phase, StepGraph
 from ...graph.build import clone_step_graph
 from ...graph.ops import has_side_effect
 from ..data_parallel.collectives import fake_like, make_node
@@ -46,6 +62,7 @@ from .fuse_optimizer_update import FUSION_REPORT_KEY
 __all__ = ["fuse_linear_cross_entropy"]
 
 aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
 _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 _TRANSPOSES = (aten.t.default,)
 _REDUCTIONS = {1: "mean", 2: "sum"}
@@ -102,27 +119,12 @@ def _match(nll: fx.Node) -> _Match | str:
     if not (isinstance(logp, fx.Node) and logp.target is aten._log_softmax.default and logp.args[1:] == (1, False)):
         return "the loss does not read a log-softmax over classes"
     # views may sit on either side of the upcast (Hugging Face: mm -> [B, S, V] -> float() -> [B*S, V])
-    logits = _through_views(logp.args[0])
-    cast = None
-    if logits.target is aten._to_copy.default and set(logits.kwargs) <= {"dtype", "layout", "device"}:
-        cast, logits = logits, logits.args[0]
-    logits_dtype = cast.kwargs.get("dtype") if cast is not None else None
-    mm = _through_views(logits)
-    if mm.target is not aten.mm.default:
-        return "the logits are not one matmul"
-    hidden, wt = mm.args
-    if wt.target not in _TRANSPOSES:
-        return "the matmul does not read a transposed weight"
+    found = _logits_matmul(logp.args[0], {logp})
+    if isinstance(found, str):
+        return found
+    mm, hidden, wt, cast = found
     weight = wt.args[0]
-    if tuple(mm.meta["val"].shape) != tuple(logp.args[0].meta["val"].shape):
-        return "the logits are reshaped"
-    if _view_users(mm) != [cast if cast is not None else logp] or (cast is not None and _view_users(cast) != [logp]):
-        return "the logits are read elsewhere"
-    for value in (hidden, weight):
-        if not value.meta["val"].is_contiguous():
-            return f"{value.name} is not contiguous"
-    if hidden.meta["val"].dtype != weight.meta["val"].dtype:
-        return "hidden state and weight differ in dtype"
+    logits_dtype = cast.kwargs.get("dtype") if cast is not None else None
     # backward: logp read by the loss and its backward only
     nll_bwd = [u for u in logp.users if u.target is aten.nll_loss_backward.default]
     if len(nll_bwd) != 1:
@@ -138,6 +140,17 @@ def _match(nll: fx.Node) -> _Match | str:
         return "the loss gradient is read elsewhere"
     if set(logp.users) != {nll, nb, sm}:
         return "the log-softmax is read elsewhere"
+    found = _backward_matmuls(sm, logits_dtype, mm, hidden, wt, upstream)
+    if isinstance(found, str):
+        return found
+    grad_w, grad_h = found
+    return _Match(nll, hidden, weight, target, _REDUCTIONS[reduction], int(ignore_index), logits_dtype, upstream, grad_w, grad_h)
+
+
+def _backward_matmuls(sm: fx.Node, logits_dtype, mm: fx.Node, hidden: fx.Node, wt: fx.Node, upstream: fx.Node):
+    """From the logits' gradient ``sm`` (through the cast back of a cast
+    logits, and views): the matmuls giving the weight's and the hidden
+    state's gradients, or why not."""
     dl = sm
     if logits_dtype is not None:
         (cast,) = readers if len(readers := _view_users(sm)) == 1 else (None,)
@@ -162,7 +175,214 @@ def _match(nll: fx.Node) -> _Match | str:
         # the kernel's gradients are for an upstream gradient of 1; fp16 loss
         # scaling multiplies afterwards, too late: p/count underflows fp16
         return "fp16 with a scaled upstream gradient (its per-element gradients would underflow before the scale)"
-    return _Match(nll, hidden, weight, target, _REDUCTIONS[reduction], int(ignore_index), logits_dtype, upstream, grad_w, grad_h)
+    return grad_w, grad_h
+
+
+def _logits_matmul(x: fx.Node, readers: set):
+    """``x`` (what the log-softmax reads: ``readers``) back through views
+    and the user's upcast to the head's matmul: (mm, hidden, transposed
+    weight, cast or None), or why not."""
+    logits = _through_views(x)
+    cast = None
+    if logits.target is aten._to_copy.default and set(logits.kwargs) <= {"dtype", "layout", "device"}:
+        cast, logits = logits, logits.args[0]
+    mm = _through_views(logits)
+    if mm.target is not aten.mm.default:
+        return "the logits are not one matmul"
+    hidden, wt = mm.args
+    if wt.target not in _TRANSPOSES:
+        return "the matmul does not read a transposed weight"
+    if tuple(mm.meta["val"].shape) != tuple(x.meta["val"].shape):
+        return "the logits are reshaped"
+    if set(_view_users(cast if cast is not None else mm)) != readers or (cast is not None and _view_users(mm) != [cast]):
+        return "the logits are read elsewhere"
+    for value in (hidden, wt.args[0]):
+        if not value.meta["val"].is_contiguous():
+            return f"{value.name} is not contiguous"
+    if hidden.meta["val"].dtype != wt.args[0].meta["val"].dtype:
+        return "hidden state and weight differ in dtype"
+    return mm, hidden, wt, cast
+
+
+@dataclasses.dataclass
+class _VocabMatch:
+    """The split-vocabulary chain ``tensor_parallel/vocabulary.py`` made of a head and its loss."""
+
+    loss: fx.Node  # the rank's (partial) loss: the mean's division, or the sum
+    hidden: fx.Node
+    weight: fx.Node  # the rank's rows of the head's weight
+    target: fx.Node  # whole-vocabulary targets
+    held: fx.Node  # bool [N]: this rank holds the row's target and it is counted
+    total_weight: fx.Node  # the count of counted targets (its dtype the loss's)
+    offset: int
+    ignore_index: int
+    mean: bool
+    logits_dtype: torch.dtype | None
+    group: str
+    upstream: fx.Node
+    grad_weight: fx.Node
+    grad_hidden: fx.Node
+    collectives: list  # the chain's all-reduces and waits (the fused chain makes its own)
+
+
+def _reduced(node: fx.Node, op: str):
+    """``node`` is wait(all_reduce(x, op, group)): (x, group, [both nodes]), else None."""
+    if node.target is not c10d.wait_tensor.default:
+        return None
+    issued = node.args[0]
+    if issued.target is not c10d.all_reduce.default or issued.args[1] != op:
+        return None
+    return issued.args[0], issued.args[2], [issued, node]
+
+
+def _match_vocab(nll: fx.Node) -> _VocabMatch | str | None:
+    """None when ``nll`` is not the negative log-likelihood of a log-softmax
+    over a split vocabulary; else the match or why it cannot fuse."""
+    logp, picked, weight_arg, reduction, ignore = nll.args[:5]
+    # logp = (x - M) - log(S), M = all-reduced max of x, S = all-reduced sum of exp(x - M)
+    if not (logp.target is aten.sub.Tensor and isinstance(logp.args[1], fx.Node) and logp.args[1].target is aten.log.default):
+        return None
+    shifted, log_sum = logp.args
+    total = _reduced(log_sum.args[0], "sum")
+    if shifted.target is not aten.sub.Tensor or total is None or not isinstance(shifted.args[1], fx.Node):
+        return None
+    top = _reduced(shifted.args[1], "max")
+    if top is None or top[0].target is not aten.amax.default or total[0].target is not aten.sum.dim_IntList:
+        return None
+    x = shifted.args[0]
+    if top[0].args[0] is not x or total[0].args[0].target is not aten.exp.default or total[0].args[0].args[0] is not shifted:
+        return None
+    group = top[1]
+    if weight_arg is not None or reduction != 2 or ignore != -1:
+        return "the split vocabulary's loss is not the rank's sum over its targets"
+    if logp.meta["val"].dtype != torch.float32:
+        return "log-probabilities in 16 bits over a split vocabulary (no .float() before the loss)"
+    # picked = where(held and counted, target - offset, -1)
+    if picked.target is not aten.where.ScalarOther or picked.args[2] != -1:
+        return "the split vocabulary's targets are not the rank's"
+    held, local = picked.args[:2]
+    if local.target is not aten.sub.Tensor or not isinstance(local.args[1], int) \
+            or held.target is not aten.logical_and.default or held.args[1].target is not aten.ne.Scalar:
+        return "the split vocabulary's targets are not the rank's"
+    target, offset = local.args
+    ignore_index = held.args[1].args[1]
+    found = _logits_matmul(x, {top[0], shifted})
+    if isinstance(found, str):
+        return found
+    mm, hidden, wt, cast = found
+    logits_dtype = cast.kwargs.get("dtype") if cast is not None else None
+    sums = [u for u in nll.users if u.target is operator.getitem and u.args[1] == 0]
+    if len(sums) != 1 or any(u.target is not operator.getitem for u in nll.users):
+        return "the split vocabulary's loss is read elsewhere"
+    (loss,) = sums
+    divs = list(loss.users)
+    mean = len(divs) == 1 and divs[0].target is aten.div.Tensor and divs[0].args[0] is loss
+    total_weight = divs[0].args[1] if mean else None
+    if mean:
+        loss = divs[0]
+    # backward: nb = nll_loss_backward(upstream, logp, ...); result = nb - exp(logp) * all_reduce(sum(nb))
+    nbs = [u for u in logp.users if u.target is aten.nll_loss_backward.default]
+    exps = [u for u in logp.users if u.target is aten.exp.default]
+    if len(nbs) != 1 or len(exps) != 1 or set(logp.users) != {nll, nbs[0], exps[0]}:
+        return "the split vocabulary's log-probabilities are read elsewhere"
+    (nb,), (softmax,) = nbs, exps
+    upstream = nb.args[0]
+    if nb.args[2].target is not aten.where.ScalarOther or _origin(nb.args[2]) != (target, offset, ignore_index):
+        return "its backward reads other targets"
+    if mean and nb.args[6] is not total_weight:
+        return "its backward reads another total weight"
+    scaled = [u for u in softmax.users if u.target is aten.mul.Tensor]
+    if len(scaled) != 1 or len(softmax.users) != 1:
+        return "the split vocabulary's softmax is read elsewhere"
+    grad_total = _reduced(scaled[0].args[1], "sum")
+    if grad_total is None or grad_total[0].target is not aten.sum.dim_IntList or grad_total[0].args[0] is not nb:
+        return "the split vocabulary's backward is not the rank's log-softmax backward"
+    results = [u for u in scaled[0].users if u.target is aten.sub.Tensor and u.args == (nb, scaled[0])]
+    if len(results) != 1 or len(scaled[0].users) != 1 or set(nb.users) != {grad_total[0], results[0]}:
+        return "the split vocabulary's backward is read elsewhere"
+    found = _backward_matmuls(results[0], logits_dtype, mm, hidden, wt, upstream)
+    if isinstance(found, str):
+        return found
+    grad_w, grad_h = found
+    if not mean and total_weight is None:
+        total_weight = nb.args[6]
+    collectives = top[2] + total[2] + grad_total[2]
+    return _VocabMatch(loss, hidden, wt.args[0], target, held, total_weight, int(offset), int(ignore_index), mean,
+                       logits_dtype, group, upstream, grad_w, grad_h, collectives)
+
+
+def _origin(picked: fx.Node):
+    """(target, offset, ignore_index) of where(held and counted, target - offset, -1)."""
+    held, local = picked.args[:2]
+    if local.target is not aten.sub.Tensor or held.target is not aten.logical_and.default \
+            or held.args[1].target is not aten.ne.Scalar:
+        return None
+    return local.args[0], local.args[1], held.args[1].args[1]
+
+
+def _fuse_vocab(g: fx.Graph, m: _VocabMatch, graph_ops) -> set:
+    """The split-vocabulary chain as the two kernel halves around the
+    group's two all-reduces of one value per row; returns the chain's old
+    collectives (now unread) for removal."""
+    from ...codegen.cross_entropy_kernels import default_chunk_rows
+
+    h, w = m.hidden.meta["val"], m.weight.meta["val"]
+    n = h.shape[0]
+    rows = fake_like(h, (n,), dtype=torch.float32)
+    # the stats half keeps its logits for the grads half when the rows are one chunk (as the kernel decides)
+    hint = compat.size_hint(n)
+    one_chunk = hint <= default_chunk_rows(hint, int(w.shape[0]), h.dtype, h.device.type)
+    kw = {"offset": m.offset, "ignore_index": m.ignore_index, "logits_dtype": m.logits_dtype}
+    first = min((m.grad_weight, m.grad_hidden), key=lambda node: list(g.nodes).index(node))
+    with g.inserting_before(m.loss):
+        meta = dict(like=m.loss, phase=Phase.FORWARD)
+        logits = fake_like(h, (n if one_chunk else 0, w.shape[0]))
+        stats = make_node(g, graph_ops.vocab_cross_entropy_stats, (m.hidden, m.weight, m.target), kw,
+                          val=(rows, rows, rows, logits), name="vocab_cross_entropy_stats", **meta)
+        local_max, local_sum, picked, kept = (
+            make_node(g, operator.getitem, (stats, i), val=v, name=name, **meta)
+            for i, (v, name) in enumerate(zip(stats.meta["val"], ("row_max", "row_sum", "target_logit", "kept_logits"))))
+
+        def all_reduce(value, op):
+            issued = make_node(g, c10d.all_reduce.default, (value, op, m.group), val=rows, name="tp_vocab_all_reduce", **meta)
+            return make_node(g, c10d.wait_tensor.default, (issued,), val=rows, name="tp_vocab_wait", **meta)
+
+        def op(target, *args, name):
+            return make_node(g, target, args, val=fake_like(rows, rows.shape), name=name, **meta)
+
+        top = all_reduce(local_max, "max")
+        rescaled = op(aten.mul.Tensor, local_sum, op(aten.exp.default, op(aten.sub.Tensor, local_max, top, name="vocab_gap"),
+                                                    name="vocab_rescale"), name="vocab_rescaled_sum")
+        total = all_reduce(rescaled, "sum")
+        lse = op(aten.add.Tensor, top, op(aten.log.default, total, name="vocab_log_sum"), name="vocab_lse")
+        row_loss = op(aten.where.ScalarOther, m.held, op(aten.sub.Tensor, lse, picked, name="vocab_row_loss"),
+                      0.0, name="vocab_held_loss")
+        loss_val = m.loss.meta["val"]
+        loss = make_node(g, aten.sum.default, (row_loss,), val=fake_like(loss_val, ()), name="vocab_loss_sum", **meta)
+        scale = None
+        if m.mean:
+            loss = make_node(g, aten.div.Tensor, (loss, m.total_weight), val=fake_like(loss_val, ()), name="vocab_loss",
+                             **meta)
+            scale = make_node(g, aten.reciprocal.default, (m.total_weight,), val=fake_like(loss_val, ()),
+                              name="vocab_loss_scale", **meta)
+        grads = make_node(g, graph_ops.vocab_cross_entropy_grads, (m.hidden, m.weight, m.target, lse, scale, kept), kw,
+                          val=(h, w), name="vocab_cross_entropy_grads", **meta)
+        unit_h = make_node(g, operator.getitem, (grads, 0), val=h, name="unit_grad_hidden", **meta)
+        unit_w = make_node(g, operator.getitem, (grads, 1), val=w, name="unit_grad_weight", **meta)
+    m.loss.replace_all_uses_with(loss)
+    if m.upstream.target is aten.ones_like.default:
+        grad_w, grad_h = unit_w, unit_h
+    else:
+        with g.inserting_before(first):
+            meta = dict(like=first, phase=Phase.BACKWARD)
+            grad_w = make_node(g, aten.mul.Tensor, (unit_w, m.upstream), val=fake_like(w, w.shape), name="grad_weight", **meta)
+            grad_h = make_node(g, aten.mul.Tensor, (unit_h, m.upstream), val=fake_like(h, h.shape), name="grad_hidden", **meta)
+    for old, new in ((m.grad_weight, grad_w), (m.grad_hidden, grad_h)):
+        for key in (META_GRAD_OF, META_GRAD_PIECE):
+            if key in old.meta:
+                new.meta[key] = old.meta[key]
+        old.replace_all_uses_with(new)
+    return set(m.collectives)
 
 
 def fuse_linear_cross_entropy(graph: StepGraph, options: PassOptions) -> PassResult:
@@ -175,7 +395,16 @@ def fuse_linear_cross_entropy(graph: StepGraph, options: PassOptions) -> PassRes
     g = graph.gm.graph
     report = list(graph.signature.extra.get(FUSION_REPORT_KEY, ()))
     done = 0
+    retired: set = set()  # the split-vocabulary chains' all-reduces, unread once fused
     for nll in [n for n in g.nodes if n.op == "call_function" and n.target is aten.nll_loss_forward.default]:
+        vm = _match_vocab(nll)
+        if isinstance(vm, str):
+            report.append(("fuse_linear_cross_entropy", nll.name, vm))
+            continue
+        if vm is not None:
+            retired |= _fuse_vocab(g, vm, graph_ops)
+            done += 1
+            continue
         m = _match(nll)
         if isinstance(m, str):
             report.append(("fuse_linear_cross_entropy", nll.name, m))
@@ -208,7 +437,7 @@ def fuse_linear_cross_entropy(graph: StepGraph, options: PassOptions) -> PassRes
         m.grad_weight.replace_all_uses_with(grad_w)
         m.grad_hidden.replace_all_uses_with(grad_h)
         done += 1
-    g.eliminate_dead_code(is_impure_node=has_side_effect)
+    g.eliminate_dead_code(is_impure_node=lambda node: has_side_effect(node) and node not in retired)
     graph.gm.recompile()
     graph = graph.replace(signature=dataclasses.replace(graph.signature, extra={**graph.signature.extra, FUSION_REPORT_KEY: report}))
     return PassResult(graph, True, f"{done} linear + cross-entropy chains fused (logits never stored); {len(losses) - done} left as ops")

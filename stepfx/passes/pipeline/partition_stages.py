@@ -186,10 +186,20 @@ def _arg(node: fx.Node, name: str, default=None):
     return default
 
 
-def _linear_cross_entropy():
+def _fused_head_matmuls(node: fx.Node) -> int:
+    """Matmuls of the head's logits a fused linear + cross-entropy node makes (each [rows, d] x [d, V]): the
+    logits and both gradients (3), the split-vocabulary halves' logits (1) and gradients (2, or 3 when the
+    logits were not kept between the halves); 0 for another node."""
     from ...codegen import graph_ops
 
-    return graph_ops.linear_cross_entropy
+    if node.target is graph_ops.linear_cross_entropy:
+        return 3
+    if node.target is graph_ops.vocab_cross_entropy_stats:
+        return 1
+    if node.target is graph_ops.vocab_cross_entropy_grads:
+        kept = node.args[5].meta.get("val") if len(node.args) > 5 and isinstance(node.args[5], fx.Node) else None
+        return 2 if isinstance(kept, torch.Tensor) and kept.shape[0] else 3
+    return 0
 
 
 def op_cost(node: fx.Node, rates: DeviceRates = RATES) -> float:
@@ -209,10 +219,10 @@ def op_cost(node: fx.Node, rates: DeviceRates = RATES) -> float:
         sa, sb = _shape(a), _shape(b)
         if sa and sb:
             flops = 2 * math.prod(sa) * sb[-1]
-    elif node.target is _linear_cross_entropy():
+    elif _fused_head_matmuls(node):
         sh, sw = _shape(node.args[0]), _shape(node.args[1])
-        if sh and sw:  # the logits chunk by chunk, and both gradients (computed in the same pass): 3 matmuls
-            flops = 3 * 2 * math.prod(sh[:-1]) * sh[-1] * sw[0]
+        if sh and sw:  # the logits chunk by chunk, and both gradients (computed in the same pass)
+            flops = _fused_head_matmuls(node) * 2 * math.prod(sh[:-1]) * sh[-1] * sw[0]
     elif node.target in ATTENTION_OPS:
         sq, sk = _shape(_arg(node, "query")), _shape(_arg(node, "key"))
         if sq and sk:
