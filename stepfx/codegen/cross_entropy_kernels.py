@@ -74,6 +74,50 @@ def _round_to(x, DTYPE: tl.constexpr, BF16_BY_HAND: tl.constexpr):
 
 
 @triton.jit
+def _row_logsumexp(base, V, col, LOGITS_DTYPE: tl.constexpr, CAST_LOGITS: tl.constexpr, BLOCK: tl.constexpr,
+                   BF16_BY_HAND: tl.constexpr):
+    """One row of ``V`` logits at ``base``: (max m, sum exp(x - m), x[col]
+    or 0 when ``col`` is not in [0, V)), online over blocks, in fp32 on x
+    rounded to LOGITS_DTYPE (the user's cast, when there is one). x[col] is
+    picked from the values read anyway rather than loaded on its own: the
+    gradient pass of another warp may already be overwriting it."""
+    cols = tl.arange(0, BLOCK)
+    m = float("-inf")
+    s = 0.0
+    x_t = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, V, BLOCK):
+        offs = start + cols
+        mask = offs < V
+        x = tl.load(base + offs, mask=mask, other=float("-inf")).to(tl.float32)
+        if CAST_LOGITS:
+            x = _round_to(x, LOGITS_DTYPE, BF16_BY_HAND).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, axis=0))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+        m = m_new
+        x_t += tl.where((offs == col) & mask, x, 0.0)
+    return m, s, tl.sum(x_t, axis=0)
+
+
+@triton.jit
+def _row_gradient(base, V, col, lse, row_scale, LOGITS_DTYPE: tl.constexpr, CAST_LOGITS: tl.constexpr,
+                  BLOCK: tl.constexpr, BF16_BY_HAND: tl.constexpr):
+    """Overwrites the row's logits with ``((exp(x - lse) - [c == col]) *
+    row_scale)`` rounded to LOGITS_DTYPE, then to the buffer's dtype
+    (autograd's cast of a cast's gradient)."""
+    cols = tl.arange(0, BLOCK)
+    for start in range(0, V, BLOCK):
+        offs = start + cols
+        mask = offs < V
+        x = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
+        if CAST_LOGITS:
+            x = _round_to(x, LOGITS_DTYPE, BF16_BY_HAND).to(tl.float32)
+        g = (tl.exp(x - lse) - tl.where(offs == col, 1.0, 0.0)) * row_scale
+        if CAST_LOGITS:
+            g = _round_to(g, LOGITS_DTYPE, BF16_BY_HAND).to(tl.float32)
+        tl.store(base + offs, _round_to(g, base.dtype.element_ty, BF16_BY_HAND), mask=mask)
+
+
+@triton.jit
 def _lce_rows_kernel(
     logits_ptr,  # [rows, V] this chunk's logits, buffer dtype (the matmul's); overwritten with the gradient
     target_ptr,  # [rows] int64
@@ -101,41 +145,16 @@ def _lce_rows_kernel(
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * stride_row
     t = tl.load(target_ptr + row)
-    cols = tl.arange(0, BLOCK)
-
-    m = float("-inf")
-    s = 0.0
-    # x[t] is picked from the values pass 1 reads anyway rather than loaded
-    # on its own: pass 2 of another warp may already be overwriting it.
-    x_t = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(0, V, BLOCK):
-        offs = start + cols
-        mask = offs < V
-        x = tl.load(base + offs, mask=mask, other=float("-inf")).to(tl.float32)
-        if CAST_LOGITS:
-            x = _round_to(x, LOGITS_DTYPE, BF16_BY_HAND).to(tl.float32)
-        m_new = tl.maximum(m, tl.max(x, axis=0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
-        m = m_new
-        x_t += tl.where(offs == t, x, 0.0)
+    m, s, x_t = _row_logsumexp(base, V, t, LOGITS_DTYPE, CAST_LOGITS, BLOCK, BF16_BY_HAND)
     lse = m + tl.log(s)
 
     valid = t != ignore_index
     in_range = (t >= 0) & (t < V)
-    loss = tl.where(in_range, lse - tl.sum(x_t, axis=0), float("nan"))
+    loss = tl.where(in_range, lse - x_t, float("nan"))
     tl.store(loss_ptr + row, tl.where(valid, loss, 0.0))
 
     row_scale = tl.where(valid, tl.load(scale_ptr), 0.0)
-    for start in range(0, V, BLOCK):
-        offs = start + cols
-        mask = offs < V
-        x = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
-        if CAST_LOGITS:
-            x = _round_to(x, LOGITS_DTYPE, BF16_BY_HAND).to(tl.float32)
-        g = (tl.exp(x - lse) - tl.where(offs == t, 1.0, 0.0)) * row_scale
-        if CAST_LOGITS:
-            g = _round_to(g, LOGITS_DTYPE, BF16_BY_HAND).to(tl.float32)
-        tl.store(base + offs, _round_to(g, logits_ptr.dtype.element_ty, BF16_BY_HAND), mask=mask)
+    _row_gradient(base, V, t, lse, row_scale, LOGITS_DTYPE, CAST_LOGITS, BLOCK, BF16_BY_HAND)
 
 
 def _check(hidden, weight, target, ignore_index, reduction, logits_dtype, chunk_rows) -> None:
@@ -257,7 +276,7 @@ def linear_cross_entropy_reference(
 @register(
     "linear_cross_entropy",
     reference=linear_cross_entropy_reference,
-    jit=(_lce_rows_kernel, _round_to),
+    jit=(_lce_rows_kernel, _row_logsumexp, _row_gradient, _round_to),
     what="hidden @ weight.T + cross-entropy, loss and both gradients in row chunks (logits never whole)",
 )
 def linear_cross_entropy(
@@ -370,24 +389,11 @@ def _vocab_stats_kernel(
     base = logits_ptr + row * stride_row
     t = tl.load(target_ptr + row)
     local = t - offset
-    cols = tl.arange(0, BLOCK)
-    m = float("-inf")
-    s = 0.0
-    x_t = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(0, V, BLOCK):
-        offs = start + cols
-        mask = offs < V
-        x = tl.load(base + offs, mask=mask, other=float("-inf")).to(tl.float32)
-        if CAST_LOGITS:
-            x = _round_to(x, LOGITS_DTYPE, BF16_BY_HAND).to(tl.float32)
-        m_new = tl.maximum(m, tl.max(x, axis=0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
-        m = m_new
-        x_t += tl.where((offs == local) & mask, x, 0.0)
+    m, s, x_t = _row_logsumexp(base, V, local, LOGITS_DTYPE, CAST_LOGITS, BLOCK, BF16_BY_HAND)
     tl.store(max_ptr + row, m)
     tl.store(sum_ptr + row, s)
     held = (t != ignore_index) & (local >= 0) & (local < V)
-    tl.store(picked_ptr + row, tl.where(held, tl.sum(x_t, axis=0), 0.0))
+    tl.store(picked_ptr + row, tl.where(held, x_t, 0.0))
 
 
 @triton.jit
@@ -408,22 +414,10 @@ def _vocab_grad_kernel(
     # x <- ((exp(x - lse) - [col == target]) * scale) rounded as _lce_rows_kernel rounds it; a row whose target
     # is ignored: 0; a row whose target another rank holds: the softmax term only
     row = tl.program_id(0).to(tl.int64)
-    base = logits_ptr + row * stride_row
     t = tl.load(target_ptr + row)
-    local = t - offset
-    lse = tl.load(lse_ptr + row)
     row_scale = tl.where(t != ignore_index, tl.load(scale_ptr), 0.0)
-    cols = tl.arange(0, BLOCK)
-    for start in range(0, V, BLOCK):
-        offs = start + cols
-        mask = offs < V
-        x = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
-        if CAST_LOGITS:
-            x = _round_to(x, LOGITS_DTYPE, BF16_BY_HAND).to(tl.float32)
-        g = (tl.exp(x - lse) - tl.where(offs == local, 1.0, 0.0)) * row_scale
-        if CAST_LOGITS:
-            g = _round_to(g, LOGITS_DTYPE, BF16_BY_HAND).to(tl.float32)
-        tl.store(base + offs, _round_to(g, logits_ptr.dtype.element_ty, BF16_BY_HAND), mask=mask)
+    _row_gradient(logits_ptr + row * stride_row, V, t - offset, tl.load(lse_ptr + row), row_scale, LOGITS_DTYPE,
+                  CAST_LOGITS, BLOCK, BF16_BY_HAND)
 
 
 def _vocab_launch_args(weight, logits_dtype, dtype):
@@ -459,7 +453,7 @@ def vocab_cross_entropy_stats_reference(hidden, weight, target, *, offset: int, 
 @register(
     "vocab_cross_entropy_stats",
     reference=vocab_cross_entropy_stats_reference,
-    jit=(_vocab_stats_kernel, _round_to),
+    jit=(_vocab_stats_kernel, _row_logsumexp, _round_to),
     what="a vocabulary shard's hidden @ weight.T, per row: max, sum of exponentials, the target's logit (rows chunked)",
 )
 def vocab_cross_entropy_stats(hidden, weight, target, *, offset: int, ignore_index: int = -100,
@@ -514,7 +508,7 @@ def vocab_cross_entropy_grads_reference(hidden, weight, target, lse, scale, logi
 @register(
     "vocab_cross_entropy_grads",
     reference=vocab_cross_entropy_grads_reference,
-    jit=(_vocab_grad_kernel, _round_to),
+    jit=(_vocab_grad_kernel, _row_gradient, _round_to),
     what="a vocabulary shard's cross-entropy gradients from the group's log-sum-exp: partial grad_hidden, grad_weight rows",
 )
 def vocab_cross_entropy_grads(hidden, weight, target, lse, scale, logits=None, *, offset: int,
