@@ -19,6 +19,8 @@ recorded as such):
   one-step delayed update: the host update runs while the next step computes);
 - ``stepfx-offload-param``: ZeRO-3 with ``offload_param`` and ``offload_optimizer`` on the host (pinned,
   the fused host Adam working on the host pieces in place; the pieces fetched ahead on a parameter stream);
+- ``eager``: the plain step on the device (autocast bf16, ``clip_grad_norm_``, ``AdamW(fused=True)``), nothing
+  offloaded: at 13B it does not fit, and the row says how it fails;
 - ``deepspeed-offload``: DeepSpeed ZeRO-3 + the same offload block with its
   own CPU Adam (DeepSpeedCPUAdam, built on first use);
 - ``deepspeed-offload-torch``: the same with torch's AdamW on the host
@@ -27,7 +29,8 @@ recorded as such):
   (ZeRO-Infinity on the host).
 
 Reported: tokens/s (micro-batches of ``--batch`` x ``--seq`` tokens;
-``--gas`` micro-batches per optimizer step), MFU, peak GPU memory allocated,
+``--gas`` micro-batches per optimizer step; ``--clip 0`` turns clipping off for every system, so the host
+update needs no global answer and starts with its gradients), MFU, peak GPU memory allocated,
 the process's peak host RSS, the step timing. JSON lines to
 ``$OUT/offload.jsonl``.
 """
@@ -50,7 +53,7 @@ import stepfx  # noqa: E402
 from benchmarks.single_gpu import PEAK_FLOPS, failure_row, record_row, stepfx_step, sync, timed  # noqa: E402
 from stepfx.testing.models import GPT, gpt_config, lm_loss  # noqa: E402
 
-SYSTEMS = ("stepfx,stepfx-z3,stepfx-offload,stepfx-offload-fused,stepfx-offload-z3,stepfx-offload-z3-devmasters,"
+SYSTEMS = ("eager,stepfx,stepfx-z3,stepfx-offload,stepfx-offload-fused,stepfx-offload-z3,stepfx-offload-z3-devmasters,"
            "stepfx-offload-z3-dpu,stepfx-offload-param,deepspeed-offload,deepspeed-offload-torch,"
            "deepspeed-offload-param-torch")
 ADAMW = dict(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
@@ -72,7 +75,7 @@ def _stepfx(kind: str, model, args):
     if params:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": args.gas,
-              "bf16": {"enabled": True}, "gradient_clipping": 1.0, "zero_optimization": zero, **extra}
+              "bf16": {"enabled": True}, "gradient_clipping": args.clip, "zero_optimization": zero, **extra}
     optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
     step = stepfx.parallelize(config)(stepfx_step)
     return lambda tokens: step(model, optimizer, tokens), step
@@ -88,7 +91,7 @@ def _deepspeed(kind: str, model, args):
     os.environ.setdefault("WORLD_SIZE", "1")
     ds_config = {
         "train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": args.gas,
-        "bf16": {"enabled": True}, "gradient_clipping": 1.0,
+        "bf16": {"enabled": True}, "gradient_clipping": args.clip,
         "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True,
                               "offload_optimizer": {"device": "cpu", "pin_memory": True}},
     }
@@ -112,6 +115,30 @@ def _deepspeed(kind: str, model, args):
     return run, None
 
 
+def _rss_gib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+
+
+def _eager(kind: str, model, args):
+    optimizer = torch.optim.AdamW(model.parameters(), fused=True, **ADAMW)
+    calls = [0]
+
+    def run(tokens):
+        with torch.autocast(tokens.device.type, dtype=torch.bfloat16):
+            loss = lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
+        (loss / args.gas).backward()
+        calls[0] += 1
+        if calls[0] % args.gas == 0:
+            if args.clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    return run, None
+
+
 def run(kind: str, args) -> dict:
     torch.manual_seed(0)
     device = torch.device(args.device)
@@ -119,9 +146,11 @@ def run(kind: str, args) -> dict:
     with device:  # made where it trains: a 13B model made on the host first would take 50 GB of it
         model = GPT(cfg)
     params = sum(p.numel() for p in model.parameters())
-    one, step = (_deepspeed if kind.startswith("deepspeed") else _stepfx)(kind, model, args)
+    make = _deepspeed if kind.startswith("deepspeed") else _eager if kind == "eager" else _stepfx
+    one, step = make(kind, model, args)
     g = torch.Generator().manual_seed(7)
     batches = [torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=g).to(device) for _ in range(2)]
+    rss_before = _rss_gib()  # the host memory the process holds before its first step (libraries, CUDA context)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     warm = []
@@ -153,6 +182,13 @@ def run(kind: str, args) -> dict:
                                       backup_s=round(host["backup_s"] / args.steps, 3),
                                       copies_peak_gib=round(host["copies_peak"] / 2**30, 2))
         row["masters"] = next((r.summary for r in step.plan.records if r.name == "host_master_weights"), None)
+        # the planner's prediction against what was measured: GPU peak (allocated), host bytes the step added
+        from stepfx.graph.accounting import estimate_memory
+
+        est = estimate_memory(step.plan.graph)
+        row["predicted"] = {"gpu_peak_gib": round(est.peak / 2**30, 2),
+                            "host_gib": round((est.host + est.host_transient) / 2**30, 2),
+                            "host_measured_gib": round(row["peak_host_rss_gib"] - rss_before, 2)}
     return row
 
 
@@ -165,6 +201,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--systems", default=SYSTEMS)
+    ap.add_argument("--clip", type=float, default=1.0)  # gradient_clipping for every system; 0: off
+    ap.add_argument("--system-timeout", type=int, default=None)  # seconds a system may run before it is recorded as timed out
     ap.add_argument("--recompute", type=float, default=None)  # stepfx.activation_memory_budget for stepfx systems
     ap.add_argument("--device", default="cuda")  # cpu: a smoke test of the script
     ap.add_argument("--out", default=os.environ.get("OUT"))
@@ -173,15 +211,20 @@ def main() -> None:
     meta = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
             "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "host_cpus": os.cpu_count(),
             "command": f"python3 benchmarks/offload.py --size {args.size} --seq {args.seq} --batch {args.batch} "
-                       f"--gas {args.gas} --systems {args.systems}"
+                       f"--gas {args.gas} --clip {args.clip} --systems {args.systems}"
                        + (f" --recompute {args.recompute}" if args.recompute is not None else "")}
     if len(systems) > 1:  # one process per system
         for kind in systems:
             cmd = [sys.executable, os.path.abspath(__file__), "--systems", kind, "--size", args.size, "--seq",
                    str(args.seq), "--batch", str(args.batch), "--gas", str(args.gas), "--warmup", str(args.warmup),
-                   "--steps", str(args.steps), "--device", args.device] + (["--out", args.out] if args.out else []) \
+                   "--steps", str(args.steps), "--device", args.device, "--clip", str(args.clip)] + (["--out", args.out] if args.out else []) \
                 + (["--recompute", str(args.recompute)] if args.recompute is not None else [])
-            done = subprocess.run(cmd, check=False)
+            try:
+                done = subprocess.run(cmd, check=False, timeout=args.system_timeout)
+            except subprocess.TimeoutExpired:
+                record_row({**meta, "system": kind, "error": f"timed out after {args.system_timeout} s"}, args.out,
+                           "offload.jsonl")
+                continue
             if done.returncode < 0 or done.returncode == 137:  # killed (the host's OOM killer): say so
                 record_row({**meta, "system": kind, "error": f"killed (exit {done.returncode})"}, args.out, "offload.jsonl")
         return
