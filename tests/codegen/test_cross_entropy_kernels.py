@@ -351,8 +351,8 @@ def test_vocab_halves_match_their_references(half):
         for a, b, what in zip(ours[:3], ref[:3], ("max", "sum", "picked")):
             assert_fp32_close(a, b, what=what)
     else:
-        lse = torch.randn(20) + 3
-        scale = torch.tensor(0.1)
+        lse = torch.randn(20, device=DEVICE) + 3
+        scale = torch.tensor(0.1, device=DEVICE)
         ours = k.vocab_cross_entropy_grads(hidden, weight[12:].contiguous(), target, lse, scale, offset=12, chunk_rows=8)
         ref = k.vocab_cross_entropy_grads_reference(hidden, weight[12:].contiguous(), target, lse, scale, offset=12)
         for a, b, what in zip(ours, ref, ("grad_hidden", "grad_weight")):

@@ -10,6 +10,8 @@ GPU box is measured by benchmarks/offload.py.
 """
 from __future__ import annotations
 
+import functools
+
 import os
 
 import pytest
@@ -42,11 +44,22 @@ def test_offloaded_stages_on_two_ranks_equal_the_reference_bitwise(rank_pool, st
 
 
 def test_clipped_offload_on_two_ranks(rank_pool):
-    # the factor (from the norm over both ranks' pieces) reaches the host jobs; the norm sums in another order
-    # than the reference's, as without offloading (test_clipping_is_global_across_shards): 1e-6
-    report = assert_data_parallel_equivalent(rank_pool(2), lm_step, tiny_gpt, adamw, dp_batches(2),
-                                             config=_cfg(2, gradient_clipping=0.05), clip_norm=0.05, rtol=1e-6, atol=1e-7)
-    assert max(report.state_rel) <= 1e-6
+    # the factor (from the norm over both ranks' pieces) reaches the host jobs. The norm sums in another order
+    # than the single process's, and AdamW carries that last bit further than SGD (measured 3.3e-6 relative on
+    # one machine, under 1e-6 on another, with and without offloading alike): against the single process the
+    # standard 1e-5; against the same two ranks updating on the device, the same differences at every step
+    # (the host's "exact" kernel is the device's arithmetic). Without biases: the key bias's gradient is rounding
+    # noise (softmax ignores it), which AdamW scales up to +-lr, so the summation order sets its sign
+    config = _cfg(2, gradient_clipping=0.05)
+    on_device = {**config, "zero_optimization": {k: v for k, v in config["zero_optimization"].items()
+                                                 if k != "offload_optimizer"}}
+    reports = [assert_data_parallel_equivalent(rank_pool(2), lm_step, functools.partial(tiny_gpt, bias=False), adamw,
+                                               dp_batches(2), config=c,
+                                               clip_norm=0.05, rtol=1e-5, atol=1e-7) for c in (config, on_device)]
+    offloaded, device = reports
+    assert "run on the host" in offloaded.explains[0] and "run on the host" not in device.explains[0]
+    assert max(offloaded.state_rel) <= 1e-5
+    assert (offloaded.state_abs, offloaded.output_abs) == (device.state_abs, device.output_abs), (offloaded, device)
 
 
 @pytest.mark.parametrize("ratio", [0.5, 1.0], ids=["partial", "all-masters-on-the-host"])
