@@ -258,14 +258,11 @@ def _match_vocab(nll: fx.Node) -> _VocabMatch | str | None:
     if logp.meta["val"].dtype != torch.float32:
         return "log-probabilities in 16 bits over a split vocabulary (no .float() before the loss)"
     # picked = where(held and counted, target - offset, -1)
-    if picked.target is not aten.where.ScalarOther or picked.args[2] != -1:
+    origin = _origin(picked)
+    if origin is None or not isinstance(origin[1], int):
         return "the split vocabulary's targets are not the rank's"
-    held, local = picked.args[:2]
-    if local.target is not aten.sub.Tensor or not isinstance(local.args[1], int) \
-            or held.target is not aten.logical_and.default or held.args[1].target is not aten.ne.Scalar:
-        return "the split vocabulary's targets are not the rank's"
-    target, offset = local.args
-    ignore_index = held.args[1].args[1]
+    target, offset, ignore_index = origin
+    held = picked.args[0]
     found = _logits_matmul(x, {top[0], shifted})
     if isinstance(found, str):
         return found
@@ -287,7 +284,7 @@ def _match_vocab(nll: fx.Node) -> _VocabMatch | str | None:
         return "the split vocabulary's log-probabilities are read elsewhere"
     (nb,), (softmax,) = nbs, exps
     upstream = nb.args[0]
-    if nb.args[2].target is not aten.where.ScalarOther or _origin(nb.args[2]) != (target, offset, ignore_index):
+    if _origin(nb.args[2]) != (target, offset, ignore_index):
         return "its backward reads other targets"
     if mean and nb.args[6] is not total_weight:
         return "its backward reads another total weight"
@@ -304,15 +301,15 @@ def _match_vocab(nll: fx.Node) -> _VocabMatch | str | None:
     if isinstance(found, str):
         return found
     grad_w, grad_h = found
-    if not mean and total_weight is None:
-        total_weight = nb.args[6]
     collectives = top[2] + total[2] + grad_total[2]
     return _VocabMatch(loss, hidden, wt.args[0], target, held, total_weight, int(offset), int(ignore_index), mean,
                        logits_dtype, group, upstream, grad_w, grad_h, collectives)
 
 
 def _origin(picked: fx.Node):
-    """(target, offset, ignore_index) of where(held and counted, target - offset, -1)."""
+    """(target, offset, ignore_index) of where(held and counted, target - offset, -1), or None."""
+    if picked.target is not aten.where.ScalarOther or picked.args[2] != -1:
+        return None
     held, local = picked.args[:2]
     if local.target is not aten.sub.Tensor or held.target is not aten.logical_and.default \
             or held.args[1].target is not aten.ne.Scalar:
@@ -333,7 +330,6 @@ def _fuse_vocab(g: fx.Graph, m: _VocabMatch, graph_ops) -> set:
     hint = compat.size_hint(n)
     one_chunk = hint <= default_chunk_rows(hint, int(w.shape[0]), h.dtype, h.device.type)
     kw = {"offset": m.offset, "ignore_index": m.ignore_index, "logits_dtype": m.logits_dtype}
-    first = min((m.grad_weight, m.grad_hidden), key=lambda node: list(g.nodes).index(node))
     with g.inserting_before(m.loss):
         meta = dict(like=m.loss, phase=Phase.FORWARD)
         logits = fake_like(h, (n if one_chunk else 0, w.shape[0]))
@@ -370,19 +366,33 @@ def _fuse_vocab(g: fx.Graph, m: _VocabMatch, graph_ops) -> set:
         unit_h = make_node(g, operator.getitem, (grads, 0), val=h, name="unit_grad_hidden", **meta)
         unit_w = make_node(g, operator.getitem, (grads, 1), val=w, name="unit_grad_weight", **meta)
     m.loss.replace_all_uses_with(loss)
-    if m.upstream.target is aten.ones_like.default:
-        grad_w, grad_h = unit_w, unit_h
-    else:
+    _install_gradients(g, m, unit_w, unit_h)
+    return set(m.collectives)
+
+
+def _install_gradients(g: fx.Graph, m, unit_w: fx.Node, unit_h: fx.Node) -> None:
+    """The fused call's unit gradients in place of the backward's two
+    matmuls, times the upstream gradient (made before the first of them);
+    for ``loss.backward()`` itself (``ones_like``) x * 1 rounds to x in every
+    dtype, so the unit gradients are the gradients (the multiply was a
+    103M-element mixed-dtype pass, ~0.4 ms per step on the 1.3B GPT's tied
+    weight)."""
+    grad_w, grad_h = unit_w, unit_h
+    if m.upstream.target is not aten.ones_like.default:
+        order = {n: i for i, n in enumerate(g.nodes)}
+        first = min((m.grad_weight, m.grad_hidden), key=order.__getitem__)
         with g.inserting_before(first):
             meta = dict(like=first, phase=Phase.BACKWARD)
-            grad_w = make_node(g, aten.mul.Tensor, (unit_w, m.upstream), val=fake_like(w, w.shape), name="grad_weight", **meta)
-            grad_h = make_node(g, aten.mul.Tensor, (unit_h, m.upstream), val=fake_like(h, h.shape), name="grad_hidden", **meta)
+            w, h = unit_w.meta["val"], unit_h.meta["val"]
+            grad_w = make_node(g, aten.mul.Tensor, (unit_w, m.upstream), val=fake_like(w, w.shape), name="grad_weight",
+                               **meta)
+            grad_h = make_node(g, aten.mul.Tensor, (unit_h, m.upstream), val=fake_like(h, h.shape), name="grad_hidden",
+                               **meta)
     for old, new in ((m.grad_weight, grad_w), (m.grad_hidden, grad_h)):
         for key in (META_GRAD_OF, META_GRAD_PIECE):
             if key in old.meta:
                 new.meta[key] = old.meta[key]
         old.replace_all_uses_with(new)
-    return set(m.collectives)
 
 
 def fuse_linear_cross_entropy(graph: StepGraph, options: PassOptions) -> PassResult:
@@ -421,21 +431,7 @@ def fuse_linear_cross_entropy(graph: StepGraph, options: PassOptions) -> PassRes
             unit_w = make_node(g, operator.getitem, (call, 2), val=w, like=nll, phase=Phase.FORWARD, name="unit_grad_weight")
         for getitem in loss_val:
             getitem.replace_all_uses_with(loss)
-        if m.upstream.target is aten.ones_like.default:
-            # loss.backward() itself: x * 1 rounds to x in every dtype, so the
-            # unit gradients are the gradients (the multiply was a 103M-element
-            # mixed-dtype pass, ~0.4 ms per step on the 1.3B GPT's tied weight)
-            grad_w, grad_h = unit_w, unit_h
-        else:
-            first = min((m.grad_weight, m.grad_hidden), key=lambda n: list(g.nodes).index(n))
-            with g.inserting_before(first):
-                meta = dict(like=first, phase=Phase.BACKWARD)
-                grad_w = make_node(g, aten.mul.Tensor, (unit_w, m.upstream), val=fake_like(w, w.shape), name="grad_weight",
-                                   **meta)
-                grad_h = make_node(g, aten.mul.Tensor, (unit_h, m.upstream), val=fake_like(h, h.shape), name="grad_hidden",
-                                   **meta)
-        m.grad_weight.replace_all_uses_with(grad_w)
-        m.grad_hidden.replace_all_uses_with(grad_h)
+        _install_gradients(g, m, unit_w, unit_h)
         done += 1
     g.eliminate_dead_code(is_impure_node=lambda node: has_side_effect(node) and node not in retired)
     graph.gm.recompile()

@@ -99,9 +99,8 @@ POINTWISE = frozenset({
     aten.reciprocal.default, aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
     aten.masked_fill.Scalar, aten.fill.Scalar, aten.sin.default, aten.cos.default, aten.erf.default,
 })
-SOFTMAX = frozenset(op for op in (aten._softmax.default, aten._softmax_backward_data.default,
-                                  getattr(aten, "_safe_softmax", None)) if op is not None)
-SOFTMAX = frozenset(op.default if isinstance(op, torch._ops.OpOverloadPacket) else op for op in SOFTMAX)
+SOFTMAX = frozenset({aten._softmax.default, aten._softmax_backward_data.default}
+                    | ({aten._safe_softmax.default} if hasattr(aten, "_safe_softmax") else set()))
 # random ops whose result is shaped like their first operand (dropout's mask)
 DRAWS = frozenset({aten.bernoulli.p, aten.rand_like.default, aten.randn_like.default})
 # a partial value stays partial through these when every tensor operand is partial
