@@ -258,8 +258,10 @@ def explain_plan(step, plan) -> str:
     lines.append(f"config: {getattr(cfg, 'source', '<config>')}    device: {plan.device_type}    world size: {world}    rank: {rank}")
     lines.append(f"replay: {plan.executor.graphs_note}")
     lines.append(f"plan cache: {plan.cache_note or 'not consulted'}")
-    for note in plan.executor.binding.carried_notes():
-        lines.append(f"carried compute copies: {note}")
+    notes = plan.executor.binding.carried_notes()
+    for note in dict.fromkeys(notes):  # one line per distinct note (a 13B model has hundreds of pieces)
+        count = notes.count(note)
+        lines.append(f"carried compute copies: {note}" + (f" (x{count})" if count > 1 else ""))
     lines.append("")
 
     total = sum(r.seconds for r in plan.records)

@@ -15,7 +15,10 @@ parameter or of an optimizer state); once the step has run, the user's
 copies are released (the optimizer's state entries dropped; the module's
 parameters, under ZeRO-3, emptied — any use of them then fails loudly
 instead of computing with stale values; ``step.sync_model()`` gathers them
-back).
+back). A ZeRO-3 parameter whose one piece is the whole parameter (one rank)
+goes earlier, as its piece is made, before the first run: on the device the
+piece is the user's tensor itself, offloaded it is the host copy, so the
+first run does not hold the model twice; a failed run puts it back.
 
 Nothing is written anywhere until the whole graph has run, so a failed
 step leaves the model, the optimizer and the rank's store as they were.
@@ -137,13 +140,6 @@ class ModuleBinding:
         self._host_state = frozenset(signature.extra.get(HOST_STATE_KEY, ()))
         # offload_param with pin_memory: host-held pieces the device copies up from while it computes
         self._pinned = frozenset(signature.extra.get(HOST_PINNED_KEY, ())) if torch.cuda.is_available() else frozenset()
-        self._readers: list[Callable[[], Any] | None] = []
-        self._batch_positions: list[int] = []
-        for i, slot in enumerate(signature.inputs):
-            self._readers.append(self._reader(slot, params))
-            if slot.role is Role.BATCH:
-                self._batch_positions.append(i)
-        self._writers = [self._writer(slot, params) for slot in signature.outputs]
         grads_out = {s.name for s in signature.outputs if s.role is Role.GRAD}
         # a gradient that existed before the step and is not returned was
         # cleared by the step (zero_grad(set_to_none=True))
@@ -169,6 +165,37 @@ class ModuleBinding:
         # rank-held gradients an update consumes (read, not written back)
         out_idents = {s.ident for s in signature.outputs}
         self._consumed = [s for s in signature.inputs if s.storage is Storage.RANK and s.role is Role.GRAD and s.ident not in out_idents]
+        self._early = self._early_releases(signature, params, carried)
+        self._releasing = False  # inputs() of a run (not of a read-only binding): the user's copies may go early
+        self._restore: dict[str, Callable[[], torch.Tensor]] = {}  # released early: how to put each back
+        self._readers: list[Callable[[], Any] | None] = []
+        self._batch_positions: list[int] = []
+        for i, slot in enumerate(signature.inputs):
+            self._readers.append(self._reader(slot, params))
+            if slot.role is Role.BATCH:
+                self._batch_positions.append(i)
+        self._writers = [self._writer(slot, params) for slot in signature.outputs]
+
+    def _early_releases(self, signature, params, carried) -> frozenset:
+        """The ZeRO-3 parameters whose user copy may go as soon as this rank's piece of it is made, before the
+        first run: those whose one piece is the whole parameter (one rank, no tensor-parallel split) and that no
+        other input reads from the user's module. Otherwise the first run would hold the user's copy and the
+        piece together (at one rank, a 13B model's fp32 parameters twice: 48 GiB more than the steady state)."""
+        owned = {id(p) for p in self._params_owned}
+        readers: dict[str, int] = {}  # name -> inputs reading the user's parameter (a device copy of a piece reads the piece)
+        for s in signature.inputs:
+            if s.role is Role.PARAM and s.ident not in self._carried:
+                readers[s.name] = readers.get(s.name, 0) + 1
+        for layout in carried.values():
+            for name in layout.names:
+                readers[name] = readers.get(name, 0) + 1
+        whole = set()
+        for s in signature.inputs:
+            if (s.role is Role.PARAM and s.storage is Storage.RANK and id(params[s.name]) in owned and s.split is None
+                    and readers.get(s.name) == 1 and s.ident not in self._carried
+                    and (s.piece is None or (s.piece[0] == 0 and s.piece[1] == params[s.name].numel()))):
+                whole.add(s.ident)
+        return frozenset(whole)
 
     # -- inputs ---------------------------------------------------------------
     def _master_reader(self, ident) -> Callable[[], torch.Tensor]:
@@ -233,6 +260,7 @@ class ModuleBinding:
             store, ident, piece, split = self.store, slot.ident, slot.piece, slot.split
             on_host = slot.ident in self._host_state
             pinned = slot.ident in self._pinned
+            early = slot.ident in self._early
             nvme = self.signature.extra.get(HOST_STATE_NVME_KEY)
 
             def read_rank():
@@ -247,13 +275,17 @@ class ModuleBinding:
                     else:
                         whole = split.take(whole.detach()) if split is not None else whole.detach()
                         value = whole.reshape(-1)[piece[0] : piece[1]] if piece is not None else whole
-                        # offload_optimizer: state the host keeps between steps moves there on first read
-                        value = value.to("cpu", copy=True) if on_host else value.clone()
+                        if early and self._releasing and not on_host and not pinned:
+                            pass  # the piece is the user's whole tensor: it keeps the storage (released below)
+                        else:  # offload_optimizer: state the host keeps between steps moves there on first read
+                            value = value.to("cpu", copy=True) if on_host else value.clone()
                     if on_host and nvme is not None:
                         value = _file_backed(value, nvme, slot.role)
                     elif pinned and not value.is_pinned():
                         value = value.pin_memory()
                     store.tensors[ident] = value
+                    if early and self._releasing and isinstance(whole, torch.Tensor):
+                        self._release_early(slot.name, value)
                 return value
 
             return read_rank
@@ -280,8 +312,22 @@ class ModuleBinding:
             return None
         raise ValueError(f"cannot bind input {slot.describe()} to a module")
 
-    def inputs(self, batch_tensors: list[torch.Tensor]) -> list[Any]:
-        values = [r() if r is not None else None for r in self._readers]
+    def _release_early(self, name: str, piece: torch.Tensor) -> None:
+        """The user's ``name`` goes now that its piece (the whole parameter) exists; a failed run puts it back."""
+        p = self._params[name]
+        shape, device = p.shape, p.device
+        self._restore[name] = lambda: (piece if piece.device == device else piece.to(device)).view(shape)
+        p.data = torch.empty(0, dtype=p.dtype, device=device)
+
+    def inputs(self, batch_tensors: list[torch.Tensor], *, release: bool = False) -> list[Any]:
+        """The graph's inputs. ``release``: this is a run's read (not a read-only look), so the ZeRO-3
+        parameters whose piece is the whole parameter leave the user's module as their pieces are made
+        (:meth:`failed` puts them back)."""
+        self._releasing = release
+        try:
+            values = [r() if r is not None else None for r in self._readers]
+        finally:
+            self._releasing = False
         for pos, t in zip(self._batch_positions, batch_tensors):
             values[pos] = t
         return values
@@ -345,6 +391,7 @@ class ModuleBinding:
                 writer(value)
         for p in self._grads_cleared:
             p.grad = None
+        self._restore.clear()
         self._release_user_copies()
         if self._stepped_params:
             torch.autograd.graph.increment_version(self._stepped_params)
@@ -353,9 +400,13 @@ class ModuleBinding:
         return self.user_result(user_leaves)
 
     def failed(self) -> None:
-        """The step failed: carried copies are packed afresh next time."""
+        """The step failed: carried copies are packed afresh next time; parameters released early are the
+        user's again."""
         for c in self._carried.values():
             c.forget()
+        for name, restore in self._restore.items():
+            self._params[name].data = restore()
+        self._restore.clear()
 
     def carried_notes(self) -> list[str]:
         """What explain() says of the compute copies this plan carries."""

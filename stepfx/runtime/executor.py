@@ -53,7 +53,7 @@ class LocalExecutor:
 
     def run(self, batch_tensors: list[torch.Tensor]) -> Any:
         try:
-            inputs = self.binding.inputs(batch_tensors)
+            inputs = self.binding.inputs(batch_tensors, release=True)
             graphed = self.graphed
             with torch.no_grad():
                 self.phase_seconds = None

@@ -188,7 +188,7 @@ class PipelineExecutor:
     # -- a step -------------------------------------------------------------------
     def run(self, batch_tensors: list[torch.Tensor]) -> Any:
         try:
-            inputs = self.binding.inputs(batch_tensors)
+            inputs = self.binding.inputs(batch_tensors, release=True)
             with torch.no_grad():
                 outputs = self._run(inputs)
         except Exception as exc:

@@ -62,13 +62,18 @@ def test_clipped_offload_on_two_ranks(rank_pool):
     assert (offloaded.state_abs, offloaded.output_abs) == (device.state_abs, device.output_abs), (offloaded, device)
 
 
-@pytest.mark.parametrize("ratio", [0.5, 1.0], ids=["partial", "all-masters-on-the-host"])
-def test_bf16_with_partial_offload_equals_the_reference(rank_pool, ratio):
+@pytest.mark.parametrize("ratio, remat", [(0.5, None), (1.0, None), (1.0, 0.0)],
+                         ids=["partial", "all-masters-on-the-host", "all-masters-on-the-host-recomputed"])
+def test_bf16_with_partial_offload_equals_the_reference(rank_pool, ratio, remat):
     # ratio 1: every piece's update on the host, so the fp32 masters live there and the device keeps bf16 copies
-    # (host_master_weights); 0.5: some pieces are updated on the device, the masters stay there
+    # (host_master_weights); 0.5: some pieces are updated on the device, the masters stay there. Recomputed:
+    # backward casts each parameter again, and the gathers still take the bf16 copies (once refused: "reads the
+    # fp32 piece on the device")
     from tests.steps import lm_step_bf16_reference
 
     config = _cfg(3, offload={"ratio": ratio}, bf16={"enabled": True}, gradient_clipping=0)
+    if remat is not None:
+        config["stepfx"]["activation_memory_budget"] = remat
     report = assert_data_parallel_equivalent(rank_pool(2), lm_step, tiny_gpt, adamw, dp_batches(2),
                                              config=config, reference_fn=lm_step_bf16_reference, exact=True)
     assert report.bitwise
