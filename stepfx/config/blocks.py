@@ -253,7 +253,11 @@ class StepfxOptions:
         host (``host_master_weights``: bf16, ZeRO-3, ``offload_optimizer``).
         Reading the state (``model_state_dict``, ``optimizer_state``, a
         checkpoint) first waits for the pending update and applies it, so
-        the next step computes at the latest parameters.
+        the next step computes at the latest parameters. An integer N: the
+        first N optimizer steps are exact (each waits for its own update),
+        the delay begins after them (ZeRO-Offload's warm-up: stale
+        gradients hurt most at the start; on the 1.3B, 7 delayed steps
+        from the first ended at loss 12.07 against 9.72 exact).
     pipeline: pipeline parallelism's schedule, virtual stages and split
         points (config/pipeline.py: PipelineOptions); given, it turns
         pipeline parallelism on with DeepSpeed's ``pipeline.stages`` "auto".
@@ -299,7 +303,7 @@ class StepfxOptions:
     host_adam: str = spec("fused", Choice(("fused", "exact")))
     host_update_speculation: str | bool = spec("auto", OneOf((Choice(("auto",)), Bool())), auto_value=True)
     host_master_weights: str | bool = spec("auto", OneOf((Choice(("auto",)), Bool())), auto_value=True)
-    delayed_parameter_update: bool = spec(False, Bool())
+    delayed_parameter_update: bool | int = spec(False, OneOf((Bool(), Int(ge=1))))
     sequence_parallel: bool = spec(False, Bool())
     attention_pad_multiple: int | str = spec(0, OneOf((Choice(("auto",)), Int(ge=0))), auto_value=True)
 

@@ -412,7 +412,24 @@ def host_adam_validate(job: HostJob, grad_factor, found_inf) -> HostJob:
 _DELAYED: dict = {}  # delayed_parameter_update: id(host master) -> (master, job, index, copy slot ident)
 
 
-def host_adam_swap(job: HostJob, *current, idents: tuple) -> tuple:
+_WARMED: set = set()  # delayed_parameter_update with exact first steps: the copy idents past them (step no longer read)
+
+
+def _exact_step(idents: tuple, step, step_is_new: bool, exact_steps: int) -> bool:
+    """Whether this update is one of the first ``exact_steps`` optimizer steps, which the delayed update makes
+    exact (waited for). Reads the step counter (a host scalar, unless the optimizer is ``capturable``/fused: a
+    device read then, made only until the steps are past)."""
+    if exact_steps <= 0 or step is None or idents in _WARMED:
+        return False
+    count = (step.item() if isinstance(step, torch.Tensor) else float(step)) + (0 if step_is_new else 1)
+    if count > exact_steps:
+        _WARMED.add(idents)
+        return False
+    return True
+
+
+def host_adam_swap(job: HostJob, *current, idents: tuple, step=None, step_is_new: bool = False,
+                   exact_steps: int = 0) -> tuple:
     """In place of :func:`host_adam_wait` under ``stepfx.delayed_parameter_update``
     (ZeRO-Offload's one-step delayed parameter update): this step's ``job``
     goes on on the host while the next step computes; what the step returns
@@ -423,9 +440,25 @@ def host_adam_swap(job: HostJob, *current, idents: tuple) -> tuple:
     moments are host tensors updated in place: the same objects either way);
     ``idents``: the copies' slot idents. Pending updates are kept by their
     host piece (the tensor, so two decorated steps never mix theirs up);
-    :func:`flush_delayed` installs them."""
+    :func:`flush_delayed` installs them.
+
+    ``exact_steps`` (``delayed_parameter_update: N``): the first N optimizer
+    steps (``step``, the first piece's counter, says which this is) wait
+    for their own update and return it, as :func:`host_adam_wait` does:
+    the stale gradients of the delayed update do the most harm at the start
+    of training, where ZeRO-Offload also runs its first steps undelayed."""
     count = len(idents)
     triples, copies = current[:3 * count], list(current[3 * count:])
+    if _exact_step(idents, step, step_is_new, exact_steps):
+        made = job.result()[3]
+        with _LOCK:
+            _PENDING.discard(job)
+        for i in range(count):
+            copy = made[i]
+            if copy.device.type == "cuda":
+                copy.record_stream(torch.cuda.current_stream(copy.device))
+            copies[i] = copy
+        return tuple(triples) + tuple(copies)
     for i in range(count):
         master = triples[3 * i]
         pending = _DELAYED.pop(id(master), None)

@@ -386,18 +386,20 @@ def _lm_forward_backward(model, optimizer, idx):
     return loss
 
 
-@pytest.mark.parametrize("clip", [0.0, 0.5], ids=["unclipped", "clipped-speculated"])
-def test_delayed_parameter_update_is_zero_offloads_one_step_stale_update_bitwise(clip):
+@pytest.mark.parametrize("clip, warm", [(0.0, 0), (0.5, 0), (0.5, 2)],
+                         ids=["unclipped", "clipped-speculated", "two-exact-steps-first"])
+def test_delayed_parameter_update_is_zero_offloads_one_step_stale_update_bitwise(clip, warm):
     # stepfx.delayed_parameter_update: each step's host update runs while the next step computes. Against
     # the rule written out eagerly: step t computes at the parameters before update t-1 and its gradient updates
-    # those after it; reading the state applies the pending update, and the next step computes at the latest
+    # those after it; reading the state applies the pending update, and the next step computes at the latest.
+    # An integer N: the first N steps wait for their own update (exact), the delay begins after them
     import copy
 
     from stepfx.testing.equivalence import mixed_precision_reference
 
     batches = [b for (b,) in dp_batches(1, steps=5)[0]]
     config = _masters(True, gradient_clipping=clip)
-    config["stepfx"]["delayed_parameter_update"] = True
+    config["stepfx"]["delayed_parameter_update"] = warm or True
     torch.manual_seed(0)
     model = tiny_gpt()
     opt = adamw(model)
@@ -412,7 +414,7 @@ def test_delayed_parameter_update_is_zero_offloads_one_step_stale_update_bitwise
     ref_opt = adamw(master)
     fwd_bwd = mixed_precision_reference(_lm_forward_backward, torch.bfloat16)
     expected = []
-    for b in batches[:4]:
+    for i, b in enumerate(batches[:4]):
         expected.append(fwd_bwd(stale, None, b).item())
         before = [p.detach().clone() for p in master.parameters()]
         for p, q in zip(master.parameters(), stale.parameters()):
@@ -421,16 +423,17 @@ def test_delayed_parameter_update_is_zero_offloads_one_step_stale_update_bitwise
             torch.nn.utils.clip_grad_norm_(master.parameters(), clip)
         ref_opt.step()
         ref_opt.zero_grad()
-        with torch.no_grad():
-            for q, v in zip(stale.parameters(), before):
-                q.copy_(v)
+        with torch.no_grad():  # exact: the next step computes at this update's parameters; delayed: at those before
+            for q, p, v in zip(stale.parameters(), master.parameters(), before):
+                q.copy_(p if i < warm else v)
     assert losses == expected
     assert all(torch.equal(params[n], p) for n, p in master.named_parameters())
     ours = {n: state[n]["exp_avg"] for n in state}
     assert all(torch.equal(ours[n], ref_opt.state[p]["exp_avg"]) for n, p in master.named_parameters())
     assert after == fwd_bwd(master, None, batches[4]).item()  # at the latest parameters, once the state was read
     assert any(n.target is H.host_adam_swap for n in step.plan.graph.gm.graph.nodes)
-    assert "delayed parameter update" in next(r.summary for r in step.plan.records if r.name == "host_master_weights")
+    summary = next(r.summary for r in step.plan.records if r.name == "host_master_weights")
+    assert "delayed parameter update" in summary and (f"after {warm} exact first steps" in summary) == bool(warm)
 
 
 def test_delayed_parameter_update_on_two_ranks_follows_the_rule(rank_pool):

@@ -134,7 +134,14 @@ def _cast_to(node: fx.Node, dtype) -> bool:
 
 
 def delayed_update(options: PassOptions) -> bool:
-    return getattr(getattr(options.config, "stepfx", None), "delayed_parameter_update", False) is True
+    value = getattr(getattr(options.config, "stepfx", None), "delayed_parameter_update", False)
+    return value is not False and value is not None
+
+
+def exact_first_steps(options: PassOptions) -> int:
+    """``delayed_parameter_update: N``: the optimizer steps before the delay begins (true: none)."""
+    value = getattr(getattr(options.config, "stepfx", None), "delayed_parameter_update", False)
+    return 0 if isinstance(value, bool) else int(value)
 
 
 def host_master_weights(graph: StepGraph, options: PassOptions) -> PassResult:
@@ -230,7 +237,11 @@ def host_master_weights(graph: StepGraph, options: PassOptions) -> PassResult:
             current = [x for i in range(count) for x in (params[i], moments[2 * i], moments[2 * i + 1])]
             wait.target = host_adam_swap
             wait.args = (wait.args[0], *current, *(copy_of[p] for p in params))
-            wait.kwargs = {"idents": tuple(copy_of[p].meta["slot"].ident for p in params)}
+            kwargs = {"idents": tuple(copy_of[p].meta["slot"].ident for p in params)}
+            if exact_first_steps(options):  # the first piece's step counter says which optimizer step this is
+                kwargs.update(step=start.args[1 + count * 4], step_is_new=start.kwargs.get("step_is_new", False),
+                              exact_steps=exact_first_steps(options))
+            wait.kwargs = kwargs
         wait.meta["val"] = vals
         wait.meta[META_HOST_RESULTS] = tuple(sorted({*wait.meta.get(META_HOST_RESULTS, ()),
                                                      *(3 * i for i in range(count))}))
@@ -258,4 +269,6 @@ def host_master_weights(graph: StepGraph, options: PassOptions) -> PassResult:
                                    f"{written} copies made by the host update each step"
                                    + ("; delayed parameter update: each step's host update runs while the next "
                                       "step computes (it computes at the parameters of two updates before)"
+                                      + (f", after {exact_first_steps(options)} exact first steps"
+                                         if exact_first_steps(options) else "")
                                       if delayed else ""))
