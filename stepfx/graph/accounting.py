@@ -138,7 +138,10 @@ def liveness(graph: StepGraph, sizes: Sizes):
     ``(node, allocated, freed)``: ``allocated`` the byte terms the node adds
     (None for views and other nodes that allocate nothing), ``freed`` the
     ``(holder, terms)`` whose last reader the node is, released after it ran.
-    The live set right after ``allocated`` is added is what a peak counts."""
+    The live set right after ``allocated`` is added is what a peak counts.
+    Under ``delayed_parameter_update`` the 16-bit copies the host jobs upload
+    outside the graph are counted where they arrive: the previous step's
+    from the first node, this step's from their job's start, never freed."""
     nodes = list(graph.gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     # last position at which each storage is read (through any view of it)
@@ -149,12 +152,22 @@ def liveness(graph: StepGraph, sizes: Sizes):
             last_read[root] = max(last_read.get(root, -1), pos[n])
     outputs = {storage_root(v) for v in (nodes[-1].args[0] if nodes and nodes[-1].op == "output" else ()) if isinstance(v, fx.Node)}
     frees: dict[int, list[tuple[fx.Node, collections.Counter]]] = collections.defaultdict(list)
+    delayed = _delayed_copies(nodes, sizes)  # swap node -> bytes of the 16-bit copies its job uploads
+    started = {_job_start(swap): swap for swap in delayed}
+    first = True
     for n in nodes:
         if n.op == "placeholder":
             yield n, sizes.bytes_of(n.meta.get("val")), []  # inputs live for the whole step
             continue
         if n.op != "call_function":
             continue
+        kept = collections.Counter()  # allocated here, alive past the step's end (never in ``frees``)
+        if first:  # delayed_parameter_update: the previous step's job's copies, on the device all step
+            for copies in delayed.values():
+                kept.update(copies)
+            first = False
+        if n in started:  # this step's delayed job uploads its copies from here on
+            kept.update(delayed[started[n]])
         size = None
         if not allocates_nothing(n):
             size = sizes.bytes_of(n.meta.get("val"))
@@ -163,9 +176,38 @@ def liveness(graph: StepGraph, sizes: Sizes):
                     size.subtract(sizes.bytes_of(n.args[i].meta.get("val")))
             for i in n.meta.get(META_HOST_RESULTS, ()):  # host tensors updated in place (offload_optimizer)
                 size.subtract(sizes.bytes_of(n.meta["val"][i]))
+            if n in delayed:  # returns the copies counted from the step's start
+                size.subtract(delayed[n])
             if n not in outputs:
                 frees[last_read.get(n, pos[n])].append((n, size))
+        if +kept:
+            if size is not None:
+                kept.update(size)  # (not ``+``: a Counter sum drops the negative terms)
+            size = kept
         yield n, size, frees.pop(pos[n], [])
+
+
+def _delayed_copies(nodes, sizes: Sizes) -> dict:
+    """``host_adam_swap`` (delayed_parameter_update) -> the bytes of the 16-bit copies its job makes on the
+    device: the job started in one step uploads them while the next step runs, and that step returns them, so
+    three sets are on the device at the end of a step (the step's inputs, the previous job's, its own job's)."""
+    from ..runtime.host_optimizer import host_adam_swap  # at call time: the runtime imports this module
+
+    out = {}
+    for n in nodes:
+        if n.op == "call_function" and n.target is host_adam_swap:
+            count = len(n.kwargs["idents"])
+            out[n] = sizes.bytes_of(tuple(n.meta["val"][3 * count:]))
+    return out
+
+
+def _job_start(node: fx.Node) -> fx.Node:
+    """The ``host_adam_start`` a wait or swap reads its job from (through ``host_adam_validate``)."""
+    from ..runtime.host_optimizer import host_adam_start
+
+    while node.target is not host_adam_start:
+        node = node.args[0]
+    return node
 
 
 def speculation_copies(graph: StepGraph) -> int:
