@@ -69,6 +69,9 @@ def _stepfx(kind: str, model, args):
         extra = {"stepfx": {"delayed_parameter_update": args.dpu_exact_steps or True}}
     if args.recompute is not None:
         extra.setdefault("stepfx", {})["activation_memory_budget"] = args.recompute
+    if args.speculation != "auto":  # off: each host update waits for the norm (a kept guess goes up into a new
+        # tensor, so with the masters on the device it holds them twice: 48 GiB at 13B)
+        extra.setdefault("stepfx", {})["host_update_speculation"] = args.speculation == "on"
     zero = {"stage": stage, "overlap_comm": True}
     if "offload" in kind:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
@@ -209,6 +212,7 @@ def main() -> None:
     ap.add_argument("--clip", type=float, default=1.0)  # gradient_clipping for every system; 0: off
     ap.add_argument("--system-timeout", type=int, default=None)  # seconds a system may run before it is recorded as timed out
     ap.add_argument("--recompute", type=float, default=None)  # stepfx.activation_memory_budget for stepfx systems
+    ap.add_argument("--speculation", choices=("auto", "on", "off"), default="auto")  # stepfx.host_update_speculation
     ap.add_argument("--dpu-exact-steps", type=int, default=0)  # stepfx-offload-z3-dpu: exact optimizer steps first
     ap.add_argument("--device", default="cuda")  # cpu: a smoke test of the script
     ap.add_argument("--out", default=os.environ.get("OUT"))
@@ -219,14 +223,15 @@ def main() -> None:
             "command": f"python3 benchmarks/offload.py --size {args.size} --seq {args.seq} --batch {args.batch} "
                        f"--gas {args.gas} --clip {args.clip} --systems {args.systems}"
                        + (f" --recompute {args.recompute}" if args.recompute is not None else "")
-                       + (f" --dpu-exact-steps {args.dpu_exact_steps}" if args.dpu_exact_steps else "")}
+                       + (f" --dpu-exact-steps {args.dpu_exact_steps}" if args.dpu_exact_steps else "")
+                       + (f" --speculation {args.speculation}" if args.speculation != "auto" else "")}
     if len(systems) > 1:  # one process per system
         for kind in systems:
             cmd = [sys.executable, os.path.abspath(__file__), "--systems", kind, "--size", args.size, "--seq",
                    str(args.seq), "--batch", str(args.batch), "--gas", str(args.gas), "--warmup", str(args.warmup),
                    "--steps", str(args.steps), "--device", args.device, "--clip", str(args.clip)] + (["--out", args.out] if args.out else []) \
                 + (["--recompute", str(args.recompute)] if args.recompute is not None else []) \
-                + ["--dpu-exact-steps", str(args.dpu_exact_steps)]
+                + ["--dpu-exact-steps", str(args.dpu_exact_steps), "--speculation", args.speculation]
             try:
                 done = subprocess.run(cmd, check=False, timeout=args.system_timeout)
             except subprocess.TimeoutExpired:

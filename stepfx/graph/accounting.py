@@ -152,6 +152,8 @@ def liveness(graph: StepGraph, sizes: Sizes):
             last_read[root] = max(last_read.get(root, -1), pos[n])
     outputs = {storage_root(v) for v in (nodes[-1].args[0] if nodes and nodes[-1].op == "output" else ()) if isinstance(v, fx.Node)}
     frees: dict[int, list[tuple[fx.Node, collections.Counter]]] = collections.defaultdict(list)
+    from ..runtime.host_optimizer import host_adam_start, host_adam_swap, host_adam_wait  # (the runtime imports this module)
+
     delayed = _delayed_copies(nodes, sizes)  # swap node -> bytes of the 16-bit copies its job uploads
     started = {_job_start(swap): swap for swap in delayed}
     first = True
@@ -171,11 +173,14 @@ def liveness(graph: StepGraph, sizes: Sizes):
         size = None
         if not allocates_nothing(n):
             size = sizes.bytes_of(n.meta.get("val"))
-            if META_DONATED in n.meta:  # results written into the donated inputs
+            if META_DONATED in n.meta and n.target is not host_adam_start:  # results written into the donated inputs
                 for i in n.meta[META_DONATED]:
                     size.subtract(sizes.bytes_of(n.args[i].meta.get("val")))
             for i in n.meta.get(META_HOST_RESULTS, ()):  # host tensors updated in place (offload_optimizer)
                 size.subtract(sizes.bytes_of(n.meta["val"][i]))
+            if n.target in (host_adam_wait, host_adam_swap) and META_DONATED in _job_start(n).meta:
+                for i in range(_job_start(n).args[0]):  # the updated pieces went up into the donated pieces
+                    size.subtract(sizes.bytes_of(n.meta["val"][3 * i]))
             if n in delayed:  # returns the copies counted from the step's start
                 size.subtract(delayed[n])
             if n not in outputs:

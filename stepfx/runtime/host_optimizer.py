@@ -156,6 +156,7 @@ class _Group:
         self.speculated: dict[int, object] = {}
         self.pending: list[int] = []
         self.guess = None  # the factor a speculative start assumed
+        self.donate = False  # updates on the real factor go up into the device pieces (host_adam_start's donate)
         self.streams = _streams(device) if device.type == "cuda" else (None, None)
 
     def state_of(self, i: int, host_param) -> list:
@@ -299,7 +300,7 @@ _COPIES_LIVE = 0  # bytes of host state copied by speculated updates not yet val
 def host_adam_start(count: int, *flat, step_is_new: bool, eps: float, weight_decay: float, decoupled: bool,
                     maximize: bool, pin_memory: bool, kernel: str = "fused", params_on_host: bool = False,
                     speculative: bool | str = False, key: str = "", copy_cap: int | None = None,
-                    copy_dtype: torch.dtype | None = None) -> HostJob:
+                    copy_dtype: torch.dtype | None = None, donate: bool = False) -> HostJob:
     """Start the update of ``count`` parameter pieces on the host. ``flat``:
     the pieces (on the device), their gradients (device), exp_avgs and
     exp_avg_sqs (host), their step counters (before this step's increment
@@ -319,7 +320,13 @@ def host_adam_start(count: int, *flat, step_is_new: bool, eps: float, weight_dec
 
     ``copy_dtype`` (``host_master_weights``; the pieces are host-held): each
     updated piece's copy in that dtype is made on the host and copied up; the
-    wait returns them after the (param, exp_avg, exp_avg_sq) triples."""
+    wait returns them after the (param, exp_avg, exp_avg_sq) triples.
+
+    ``donate`` (device-held pieces that nothing in the graph reads after
+    this start): an update made on the real factor goes up into the piece
+    itself, so the device never holds the old and the new masters together
+    (a 13B model's fp32 pieces: 48 GiB); one made on a guess still goes into
+    a new tensor (the redo reads the piece as it was)."""
     params, grads, exp_avgs, exp_avg_sqs, steps = (list(flat[i * count:(i + 1) * count]) for i in range(5))
     lr, beta1, beta2, grad_factor, found_inf = flat[5 * count:5 * count + 5]
     device = grads[0].device if grads else torch.device("cpu")
@@ -346,6 +353,7 @@ def host_adam_start(count: int, *flat, step_is_new: bool, eps: float, weight_dec
             counts = [_host_scalar(s) + (0.0 if step_is_new else 1.0) for s in counts]
             group = job.group = _Group(device, params, grads, exp_avgs, exp_avg_sqs, counts, hyper, kernel, pin_memory,
                                        params_on_host, copy_dtype)
+            group.donate = donate and not params_on_host
             factor = group.guess = _host_factor(factor)
             if verdict is None:
                 overflow = _overflowed(flag)
@@ -602,7 +610,8 @@ def _run(group: _Group, indices: list[int], choose) -> list[int]:
             return indices[k:]
         p = group.params[i]
         if mode != "skip":
-            p = p.detach() if group.in_place else p.detach().clone()  # the graph's values are written only if host-held
+            # the graph's values are written only if host-held, or donated and updated on the real factor
+            p = p.detach() if group.in_place or (group.donate and mode == "real") else p.detach().clone()
             _update_one(group, i, p.view(-1), group.grads[i].reshape(-1), mode, factor)
         group.out[i] = p
         if group.copy_dtype is not None:
@@ -684,8 +693,8 @@ def _pipelined(group: _Group, indices: list[int], choose) -> list[int]:
                 group.out[i] = params[i]
             else:
                 p = params[i]
-                with torch.cuda.stream(up):
-                    out = torch.empty_like(p)
+                with torch.cuda.stream(up):  # donated: into the piece (its copy down is done: ``ev`` above)
+                    out = p if group.donate and mode == "real" else torch.empty_like(p)
                     out.view(-1).copy_(hp, non_blocking=True)
                     done = torch.cuda.Event()
                     done.record(up)

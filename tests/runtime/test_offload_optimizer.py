@@ -132,6 +132,30 @@ def test_equals_the_step_without_offloading_bitwise(stage, bf16, accumulation, r
     assert any(n.target is host_adam_start for n in step.plan.graph.gm.graph.nodes)
 
 
+@pytest.mark.parametrize("speculation", [False, True], ids=["after-the-norm", "speculated"])
+def test_zero3_updates_go_up_into_the_pieces_they_update(speculation):
+    # ZeRO-3 with the masters on the device: the host job writes each updated piece into the piece itself
+    # (nothing in the graph reads it after the start), so the device does not hold the old and new masters
+    # together at the end of the step (13B: 48 GiB); on a guessed factor into a new tensor (the redo reads the
+    # piece as it was). Clipped at 0.05 so the guesses miss and are redone. Bitwise the step on the device
+    extra = dict(gradient_clipping=0.05, stepfx={"host_adam": "exact", "host_update_speculation": speculation})
+    step, _, _, losses = _single(_cfg(3, **extra), steps=3)
+    plain, _, _, plain_losses = _single({**_cfg(3, **extra), "zero_optimization": {
+        "stage": 3, "reduce_bucket_size": 500, "stage3_param_persistence_threshold": 0}}, steps=3)
+    assert [l.item() for l in losses] == [l.item() for l in plain_losses]
+    ours, theirs = step.model_state_dict(), plain.model_state_dict()
+    assert all(torch.equal(ours[n], theirs[n]) for n in theirs)
+    starts = [n for n in step.plan.graph.gm.graph.nodes if n.target is host_adam_start]
+    assert starts and all(n.kwargs.get("donate") for n in starts)
+    assert "go up into the pieces themselves" in step.explain()
+    pieces = {k: t for k, t in step._store.tensors.items() if k[0] is Role.PARAM}
+    before = {k: t.untyped_storage().data_ptr() for k, t in pieces.items()}
+    step(step.plan.executor.binding.model, step.plan.executor.binding.optimizer, dp_batches(1, steps=1)[0][0][0])
+    after = {k: t.untyped_storage().data_ptr() for k, t in step._store.tensors.items() if k[0] is Role.PARAM}
+    # after the norm: every update in place; speculated: the missed guesses' redo too (they are real then)
+    assert after == before
+
+
 def test_partial_offload_keeps_the_rest_on_the_device():
     step, *_ = _single(_cfg(3, offload={"ratio": 0.3}))
     graph = step.plan.graph

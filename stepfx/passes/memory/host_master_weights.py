@@ -72,7 +72,7 @@ from ...config.errors import ConfigError
 from ...runtime.host_optimizer import host_adam_start, host_adam_swap, host_adam_wait
 from ..data_parallel.collectives import fake_like, make_node
 from ..manager import PassOptions, PassResult
-from .offload_optimizer import offload_block, offload_settings, start_of
+from .offload_optimizer import offload_block, offload_settings, start_of, undonate
 from .recompute_activations import format_bytes
 
 __all__ = ["host_master_weights", "master_weights_apply", "delayed_update"]
@@ -230,6 +230,7 @@ def host_master_weights(graph: StepGraph, options: PassOptions) -> PassResult:
         start = start_of(wait)
         count = start.args[0]
         params = start.args[1:1 + count]
+        undonate(start)
         start.kwargs = {**start.kwargs, "params_on_host": True, "copy_dtype": dtype}
         vals = tuple(wait.meta["val"]) + tuple(copy_of[p].meta["val"] for p in params)
         if delayed:  # the previous step's results, this step's update left running (runtime/host_optimizer.py)

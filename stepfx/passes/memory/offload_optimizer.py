@@ -58,8 +58,8 @@ import torch.fx as fx
 
 from ...config.errors import ConfigError, join
 from ...config.values import AUTO
-from ...graph import HOST_STATE_KEY, HOST_STATE_NVME_KEY, Phase, Role, StepGraph
-from ...graph.step_graph import META_HOST_RESULTS, META_UNCLIPPED
+from ...graph import HOST_STATE_KEY, HOST_STATE_NVME_KEY, Phase, Role, StepGraph, Storage
+from ...graph.step_graph import META_DONATED, META_HOST_RESULTS, META_UNCLIPPED
 from ...graph.build import clone_step_graph
 from ...graph.layout import LAYOUT_KEY
 from ...graph.ops import has_side_effect
@@ -163,6 +163,7 @@ def offload_optimizer(graph: StepGraph, options: PassOptions) -> PassResult:
                 up += pval.numel() * pval.element_size()
             moved += 1
     g.eliminate_dead_code(is_impure_node=has_side_effect)
+    donated = sum(_donate_pieces(g, start) for start in [n for n in g.nodes if n.target is host_adam_start])
     graph.gm.recompile()
     sig = graph.signature
     extra = {**sig.extra, HOST_STATE_KEY: frozenset(host_idents)}
@@ -174,6 +175,8 @@ def offload_optimizer(graph: StepGraph, options: PassOptions) -> PassResult:
                                    f"({8 * elements:,} bytes{', in files under ' + str(block.nvme_path) if block.device == 'nvme' else ''})"
                                    + f"; per step {format_bytes(down)} down, {format_bytes(up)} up"
                                    + ("" if block.pin_memory else "; staging not pinned (pin_memory false)")
+                                   + (f"; {donated} groups' updated pieces go up into the pieces themselves"
+                                      if donated else "")
                                    + (f"; {speculated} groups start before the gradient norm is known, on the unclipped "
                                       f"factor, validated after it (host_update_speculation {speculation!r})"
                                       if speculated else ""))
@@ -332,6 +335,33 @@ def _replace(g: fx.Graph, members: list, order: dict, original: list, *, pin: bo
                 raise ConfigError(_PATH, f"the {role} of {region.param!r} is not state the rank holds between steps")
             idents.add(leaf.meta["slot"].ident)
     return idents, speculate
+
+
+def _donate_pieces(g: fx.Graph, start: fx.Node) -> int:
+    """Let ``start``'s job write the updated pieces into the device pieces (``donate``, ``META_DONATED``: verify
+    checks that nothing reads them later) where they are rank-held pieces (ZeRO-3) that the start reads last;
+    1 if it does. Else the device holds each piece twice at the end of the step, old and updated."""
+    order = {n: i for i, n in enumerate(g.nodes)}
+    count = start.args[0]
+    params = start.args[1:1 + count]
+    if len(set(params)) != count:
+        return 0
+    for p in params:
+        slot = p.meta.get("slot") if isinstance(p, fx.Node) and p.op == "placeholder" else None
+        if slot is None or slot.storage is not Storage.RANK or slot.role is not Role.PARAM:
+            return 0
+        if any(order[u] > order[start] for u in p.users):
+            return 0
+    start.kwargs = {**start.kwargs, "donate": True}
+    start.meta[META_DONATED] = tuple(range(1, 1 + count))
+    return 1
+
+
+def undonate(start: fx.Node) -> None:
+    """The pieces moved to the host (host_master_weights, offload_parameters): updated there in place, nothing
+    donated on the device."""
+    start.kwargs = {k: v for k, v in start.kwargs.items() if k != "donate"}
+    start.meta.pop(META_DONATED, None)
 
 
 def start_of(wait: fx.Node) -> fx.Node:

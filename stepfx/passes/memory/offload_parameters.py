@@ -51,7 +51,7 @@ from ...graph.step_graph import META_HOST_RESULTS, META_PHASE
 from ...graph.build import clone_step_graph
 from ...runtime.host_optimizer import host_adam_start, host_adam_wait
 from ...runtime.host_params import host_fetch_start, host_fetch_wait, host_store
-from .offload_optimizer import offload_block, offload_settings, start_of
+from .offload_optimizer import offload_block, offload_settings, start_of, undonate
 from ..data_parallel.collectives import make_node
 from ..manager import PassOptions, PassResult
 from .recompute_activations import format_bytes
@@ -117,6 +117,7 @@ def offload_parameters(graph: StepGraph, options: PassOptions) -> PassResult:
             if any(on_host) and not all(on_host):
                 raise PassError(f"{node.name} updates host-held and device-held parameter pieces together")
             if all(on_host):
+                undonate(node)
                 node.kwargs = {**node.kwargs, "params_on_host": True}
         if node.target is host_adam_wait:
             start = start_of(node)
