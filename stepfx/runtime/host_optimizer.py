@@ -423,15 +423,16 @@ _DELAYED: dict = {}  # delayed_parameter_update: id(host master) -> (master, job
 _WARMED: set = set()  # delayed_parameter_update with exact first steps: the copy idents past them (step no longer read)
 
 
-def _exact_step(idents: tuple, step, step_is_new: bool, exact_steps: int) -> bool:
+def _exact_step(key: tuple, step, step_is_new: bool, exact_steps: int) -> bool:
     """Whether this update is one of the first ``exact_steps`` optimizer steps, which the delayed update makes
     exact (waited for). Reads the step counter (a host scalar, unless the optimizer is ``capturable``/fused: a
-    device read then, made only until the steps are past)."""
-    if exact_steps <= 0 or step is None or idents in _WARMED:
+    device read then, made only until the steps are past). ``key``: the first host master's id and the copies'
+    idents (two decorated steps training models with the same names keep apart)."""
+    if exact_steps <= 0 or step is None or key in _WARMED:
         return False
     count = (step.item() if isinstance(step, torch.Tensor) else float(step)) + (0 if step_is_new else 1)
     if count > exact_steps:
-        _WARMED.add(idents)
+        _WARMED.add(key)
         return False
     return True
 
@@ -457,7 +458,7 @@ def host_adam_swap(job: HostJob, *current, idents: tuple, step=None, step_is_new
     of training, where ZeRO-Offload also runs its first steps undelayed."""
     count = len(idents)
     triples, copies = current[:3 * count], list(current[3 * count:])
-    if _exact_step(idents, step, step_is_new, exact_steps):
+    if _exact_step((id(triples[0]), idents), step, step_is_new, exact_steps):
         made = job.result()[3]
         with _LOCK:
             _PENDING.discard(job)

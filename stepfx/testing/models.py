@@ -78,6 +78,8 @@ class GPT(nn.Module):
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.head.weight = self.tok.weight  # tied
         self.apply(self._init)
+        # counted now: ZeRO-3 empties the module's parameters once their pieces exist (stepfx's binding)
+        self._matmul_params = sum(p.numel() for n, p in self.named_parameters() if not n.startswith("pos."))
 
     @staticmethod
     def _init(m: nn.Module) -> None:
@@ -99,8 +101,10 @@ class GPT(nn.Module):
     def matmul_params(self) -> int:
         """Parameters that do matmuls (BENCHMARKS.md's N): the position
         embedding excluded; the token embedding is the tied head's weight,
-        which does a matmul, counted once."""
-        return sum(p.numel() for n, p in self.named_parameters() if not n.startswith("pos."))
+        which does a matmul, counted once. As built: a ZeRO-3 step empties
+        the module's parameters (their pieces are the rank's), and the
+        benchmarks ask after their steps."""
+        return self._matmul_params
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
