@@ -196,3 +196,23 @@ def test_hugging_face_llama_and_symbolic_lengths_recompute_bitwise():
     step = _run(dynamic, make=tiny_gpt, batches=varying)
     assert len(step.plans) == 1 and _copies(step)
     assert assert_step_equivalent(lm_step, tiny_gpt, adamw, varying, exact=True, config=dynamic).bitwise
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_the_loss_head_stays_for_the_fused_cross_entropy(stage):
+    # with codegen, fuse_linear_cross_entropy stores no logits, and matches the head only where backward reads
+    # the forward's own values: recomputing the head (or the targets) kept the logits in fp32 ([tokens, vocab];
+    # the 13B run's plan at micro-batch 16: 6 GiB and their log-softmax) and no fused kernel. Bitwise the codegen
+    # step without recomputation
+    from stepfx.codegen import graph_ops
+
+    base = {"gradient_clipping": 0, "stepfx": {"codegen": True},
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    plain = _run(base, batches=_batches(2))
+    config = {**base, "stepfx": {"codegen": True, "activation_memory_budget": 0.0}}
+    step = _run(config, batches=_batches(2))
+    assert _copies(step)
+    assert [n for n in step.plan.graph.gm.graph.nodes if n.target is graph_ops.linear_cross_entropy]
+    assert not [r for r in step.plan.graph.signature.extra.get("fusion_report", ()) if r[0] == "fuse_linear_cross_entropy"]
+    ours, theirs = step.model_state_dict(), plain.model_state_dict()
+    assert all(torch.equal(ours[n], theirs[n]) for n in theirs)

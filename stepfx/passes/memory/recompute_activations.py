@@ -32,7 +32,10 @@ keeps it.
 
 Never recomputed at any level: random ops (a second draw would differ;
 attention with dropout),
-collectives and ops with side effects; values the step returns.
+collectives and ops with side effects; values the step returns; with
+codegen, a cross-entropy loss's head (the log-softmax, the logits' matmul,
+the hidden state it reads), which fuse_linear_cross_entropy turns into a
+kernel that stores no logits.
 
 Config: ``"stepfx": {"memory_budget_gib": X}``: the memory planner
 (planner.py) imposes the level (``options.extra[RECOMPUTE_LEVEL_KEY]``).
@@ -147,8 +150,47 @@ def _is_tensor(val) -> bool:
     return isinstance(val, torch.Tensor) or (isinstance(val, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in val))
 
 
+def _loss_head(nodes: list) -> set:
+    """The language-model head under each cross-entropy loss that fuse_linear_cross_entropy can fuse: the loss,
+    its targets (through views and copies of the batch), the log-softmax, the views and the upcast between it
+    and the logits' matmul, the matmul, and the hidden state it reads (through views, to the op that makes it).
+    With codegen that chain becomes a kernel that never stores the logits, and the pass matches it only where
+    backward reads the forward's own values: recomputed, the logits would be stored after all ([tokens, vocab]
+    in fp32: 6 GiB at 32k tokens)."""
+    from ..fusion.fuse_linear_cross_entropy import _VIEWS, _logits_matmul
+
+    head: set = set()
+    for nll in nodes:
+        if nll.op != "call_function" or nll.target is not aten.nll_loss_forward.default:
+            continue
+        logp = nll.args[0]
+        if not isinstance(logp, fx.Node) or logp.target is not aten._log_softmax.default:
+            continue
+        found = _logits_matmul(logp.args[0], {logp})
+        if isinstance(found, str):
+            continue  # not the fused shape: recomputed as any other chain
+        mm, hidden = found[0], found[1]
+        head |= {nll, logp, mm, *(u for u in nll.users if u.target is operator.getitem)}
+        x = logp.args[0]
+        while x is not mm:  # views and the upcast (what _logits_matmul walked)
+            head.add(x)
+            x = x.args[0]
+        x = hidden
+        while True:
+            head.add(x)
+            if x.op != "call_function" or x.target not in _VIEWS:
+                break
+            x = x.args[0]
+        x = nll.args[1]  # the targets (labels[:, 1:].contiguous().view(-1))
+        while isinstance(x, fx.Node) and x.op == "call_function" and (
+                x.target in _VIEWS or allocates_nothing(x) or x.target in (aten.clone.default, aten._to_copy.default)):
+            head.add(x)
+            x = x.args[0]
+    return head
+
+
 class _Analysis:
-    def __init__(self, graph: StepGraph):
+    def __init__(self, graph: StepGraph, keep_loss_head: bool = False):
         self.nodes = list(graph.gm.graph.nodes)
         self.index = {n: i for i, n in enumerate(self.nodes)}
         self.sizes = Sizes(size_values(graph))
@@ -163,6 +205,7 @@ class _Analysis:
         # between attention and MLP is recomputed with the block, as torch.utils.checkpoint per block does)
         ordered = sorted(self.boundaries, key=self.index.__getitem__)
         self.block_inputs = set(ordered[::2])
+        self.loss_head = _loss_head(self.nodes) if keep_loss_head else set()
 
     def _boundaries(self) -> set:
         """Where the batch's data flows through one value that several ops read: the residual stream
@@ -199,7 +242,7 @@ class _Analysis:
             if not _is_tensor(n.meta.get("val")) or n in self.returned:
                 g.add_edge("source", (n, "out"), capacity=_INF)
                 continue
-            lvl = _level_of(n)
+            lvl = None if n in self.loss_head else _level_of(n)
             kept = self.boundaries if level == 1 else self.block_inputs if level >= 2 else ()
             movable = lvl is not None and lvl <= level and n not in kept
             g.add_edge((n, "in"), (n, "out"), capacity=self.cost(n, movable))
@@ -284,7 +327,8 @@ def recompute_activations(graph: StepGraph, options: PassOptions) -> PassResult:
         return PassResult(graph, False, "")
     if not graph.functional:
         raise PassError("recompute_activations requires a functional graph (run functionalize_graph first)")
-    analysis = _Analysis(graph)
+    codegen = getattr(getattr(options.config, "stepfx", None), "codegen", None)
+    analysis = _Analysis(graph, keep_loss_head=options.device_type == "cuda" if codegen is None else bool(codegen))
     if imposed is not None:  # the memory planner chose the level
         choice = analysis.choose(LEVELS.index(imposed))
         head = (f"level {choice.level!r} (stepfx.memory_budget_gib's plan): {len(choice.recompute)} ops recomputed, "
