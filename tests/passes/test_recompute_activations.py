@@ -198,7 +198,7 @@ def test_hugging_face_llama_and_symbolic_lengths_recompute_bitwise():
     assert assert_step_equivalent(lm_step, tiny_gpt, adamw, varying, exact=True, config=dynamic).bitwise
 
 
-@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("stage", [3])  # stage 0 left out (suite time): the pass runs before any ZeRO pass
 def test_the_loss_head_stays_for_the_fused_cross_entropy(stage):
     # with codegen, fuse_linear_cross_entropy stores no logits, and matches the head only where backward reads
     # the forward's own values: recomputing the head (or the targets) kept the logits in fp32 ([tokens, vocab];
