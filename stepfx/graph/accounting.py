@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -29,7 +30,7 @@ import torch
 import torch.fx as fx
 
 from .. import compat
-from .ops import allocates_nothing, storage_root
+from .ops import allocates_nothing
 from .signature import HOST_STATE_KEY, Role
 from .tp_layout import TP_PLAN_KEY
 from .step_graph import META_DONATED, META_HOST_RESULTS, StepGraph
@@ -137,23 +138,36 @@ def liveness(graph: StepGraph, sizes: Sizes):
     per placeholder and call_function node in program order,
     ``(node, allocated, freed)``: ``allocated`` the byte terms the node adds
     (None for views and other nodes that allocate nothing), ``freed`` the
-    ``(holder, terms)`` whose last reader the node is, released after it ran.
+    ``(holder, terms)`` whose last reader the node is, released after it ran
+    (a multi-output op's results one by one: the holder gives them back in
+    parts).
     The live set right after ``allocated`` is added is what a peak counts.
     Under ``delayed_parameter_update`` the 16-bit copies the host jobs upload
     outside the graph are counted where they arrive: the previous step's
     from the first node, this step's from their job's start, never freed."""
+    from ..runtime.host_optimizer import host_adam_start, host_adam_swap, host_adam_wait  # (the runtime imports this module)
+
     nodes = list(graph.gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
+    split = {n for n in nodes if _separate_outputs(n, host_adam_wait, host_adam_swap)}
+
+    def root_of(node: fx.Node) -> fx.Node:
+        """The storage's maker; an element of a multi-output op is its own (cat_column_sum's [tokens, 3d]
+        gradient and its [3d] bias sum are two tensors: the small one read late keeps only itself alive)."""
+        while allocates_nothing(node) and isinstance(node.args[0], fx.Node):
+            if node.target is operator.getitem and node.args[0] in split:
+                return node
+            node = node.args[0]
+        return node
+
     # last position at which each storage is read (through any view of it)
     last_read: dict[fx.Node, int] = {}
     for n in nodes:
         for arg in n.all_input_nodes:
-            root = storage_root(arg)
+            root = root_of(arg)
             last_read[root] = max(last_read.get(root, -1), pos[n])
-    outputs = {storage_root(v) for v in (nodes[-1].args[0] if nodes and nodes[-1].op == "output" else ()) if isinstance(v, fx.Node)}
+    outputs = {root_of(v) for v in (nodes[-1].args[0] if nodes and nodes[-1].op == "output" else ()) if isinstance(v, fx.Node)}
     frees: dict[int, list[tuple[fx.Node, collections.Counter]]] = collections.defaultdict(list)
-    from ..runtime.host_optimizer import host_adam_start, host_adam_swap, host_adam_wait  # (the runtime imports this module)
-
     delayed = _delayed_copies(nodes, sizes)  # swap node -> bytes of the 16-bit copies its job uploads
     started = {_job_start(swap): swap for swap in delayed}
     first = True
@@ -183,13 +197,29 @@ def liveness(graph: StepGraph, sizes: Sizes):
                     size.subtract(sizes.bytes_of(n.meta["val"][3 * i]))
             if n in delayed:  # returns the copies counted from the step's start
                 size.subtract(delayed[n])
-            if n not in outputs:
+            if n in split:  # each element freed after its own last reader (unread ones right away)
+                taken = {u.args[1]: u for u in n.users if u.target is operator.getitem}
+                for i, v in enumerate(n.meta["val"]):
+                    u = taken.get(i)
+                    if u is None or u not in outputs:
+                        frees[last_read.get(u, pos[u]) if u is not None else pos[n]].append((n, sizes.bytes_of(v)))
+            elif n not in outputs:
                 frees[last_read.get(n, pos[n])].append((n, size))
         if +kept:
             if size is not None:
                 kept.update(size)  # (not ``+``: a Counter sum drops the negative terms)
             size = kept
         yield n, size, frees.pop(pos[n], [])
+
+
+def _separate_outputs(node: fx.Node, *host_waits) -> bool:
+    """A multi-output op whose results are separate tensors the liveness frees one by one: it allocates them
+    all, and neither writes into donated inputs nor returns host tensors (those keep the whole-node rule)."""
+    val = node.meta.get("val")
+    return (node.op == "call_function" and isinstance(val, (tuple, list)) and len(val) > 1
+            and all(isinstance(v, torch.Tensor) for v in val) and not allocates_nothing(node)
+            and META_DONATED not in node.meta and not node.meta.get(META_HOST_RESULTS)
+            and node.target not in host_waits)
 
 
 def _delayed_copies(nodes, sizes: Sizes) -> dict:
