@@ -198,11 +198,15 @@ def liveness(graph: StepGraph, sizes: Sizes):
             if n in delayed:  # returns the copies counted from the step's start
                 size.subtract(delayed[n])
             if n in split:  # each element freed after its own last reader (unread ones right away)
-                taken = {u.args[1]: u for u in n.users if u.target is operator.getitem}
+                taken: dict[int, list] = collections.defaultdict(list)
+                for u in n.users:
+                    if u.target is operator.getitem:
+                        taken[u.args[1]].append(u)
                 for i, v in enumerate(n.meta["val"]):
-                    u = taken.get(i)
-                    if u is None or u not in outputs:
-                        frees[last_read.get(u, pos[u]) if u is not None else pos[n]].append((n, sizes.bytes_of(v)))
+                    us = taken.get(i, [])
+                    if not any(u in outputs for u in us):
+                        at = max((last_read.get(u, pos[u]) for u in us), default=pos[n])
+                        frees[at].append((n, sizes.bytes_of(v)))
             elif n not in outputs:
                 frees[last_read.get(n, pos[n])].append((n, size))
         if +kept:
