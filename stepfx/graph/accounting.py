@@ -168,8 +168,8 @@ def liveness(graph: StepGraph, sizes: Sizes):
             last_read[root] = max(last_read.get(root, -1), pos[n])
     outputs = {root_of(v) for v in (nodes[-1].args[0] if nodes and nodes[-1].op == "output" else ()) if isinstance(v, fx.Node)}
     frees: dict[int, list[tuple[fx.Node, collections.Counter]]] = collections.defaultdict(list)
-    delayed = _delayed_copies(nodes, sizes)  # swap node -> bytes of the 16-bit copies its job uploads
-    started = {_job_start(swap): swap for swap in delayed}
+    delayed = _delayed_copies(nodes, sizes, host_adam_swap)  # swap -> bytes of the 16-bit copies its job uploads
+    started = {_job_start(swap, host_adam_start): swap for swap in delayed}
     first = True
     for n in nodes:
         if n.op == "placeholder":
@@ -192,8 +192,9 @@ def liveness(graph: StepGraph, sizes: Sizes):
                     size.subtract(sizes.bytes_of(n.args[i].meta.get("val")))
             for i in n.meta.get(META_HOST_RESULTS, ()):  # host tensors updated in place (offload_optimizer)
                 size.subtract(sizes.bytes_of(n.meta["val"][i]))
-            if n.target in (host_adam_wait, host_adam_swap) and META_DONATED in _job_start(n).meta:
-                for i in range(_job_start(n).args[0]):  # the updated pieces went up into the donated pieces
+            start = _job_start(n, host_adam_start) if n.target in (host_adam_wait, host_adam_swap) else None
+            if start is not None and META_DONATED in start.meta:
+                for i in range(start.args[0]):  # the updated pieces went up into the donated pieces
                     size.subtract(sizes.bytes_of(n.meta["val"][3 * i]))
             if n in delayed:  # returns the copies counted from the step's start
                 size.subtract(delayed[n])
@@ -226,12 +227,10 @@ def _separate_outputs(node: fx.Node, *host_waits) -> bool:
             and node.target not in host_waits)
 
 
-def _delayed_copies(nodes, sizes: Sizes) -> dict:
+def _delayed_copies(nodes, sizes: Sizes, host_adam_swap) -> dict:
     """``host_adam_swap`` (delayed_parameter_update) -> the bytes of the 16-bit copies its job makes on the
     device: the job started in one step uploads them while the next step runs, and that step returns them, so
     three sets are on the device at the end of a step (the step's inputs, the previous job's, its own job's)."""
-    from ..runtime.host_optimizer import host_adam_swap  # at call time: the runtime imports this module
-
     out = {}
     for n in nodes:
         if n.op == "call_function" and n.target is host_adam_swap:
@@ -240,10 +239,8 @@ def _delayed_copies(nodes, sizes: Sizes) -> dict:
     return out
 
 
-def _job_start(node: fx.Node) -> fx.Node:
+def _job_start(node: fx.Node, host_adam_start) -> fx.Node:
     """The ``host_adam_start`` a wait or swap reads its job from (through ``host_adam_validate``)."""
-    from ..runtime.host_optimizer import host_adam_start
-
     while node.target is not host_adam_start:
         node = node.args[0]
     return node

@@ -275,9 +275,9 @@ class ModuleBinding:
                     else:
                         whole = split.take(whole.detach()) if split is not None else whole.detach()
                         value = whole.reshape(-1)[piece[0] : piece[1]] if piece is not None else whole
-                        if early and self._releasing and not on_host and not pinned:
-                            pass  # the piece is the user's whole tensor: it keeps the storage (released below)
-                        else:  # offload_optimizer: state the host keeps between steps moves there on first read
+                        # released early on the device: the piece is the user's whole tensor (its storage kept);
+                        # offload_optimizer: state the host keeps between steps moves there on first read
+                        if not (early and self._releasing and not on_host and not pinned):
                             value = value.to("cpu", copy=True) if on_host else value.clone()
                     if on_host and nvme is not None:
                         value = _file_backed(value, nvme, slot.role)

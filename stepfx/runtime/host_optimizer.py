@@ -144,7 +144,7 @@ class _Group:
     ``speculated``), or not yet (``pending``)."""
 
     def __init__(self, device, params, grads, exp_avgs, exp_avg_sqs, steps, hyper, kernel, pin, in_place,
-                 copy_dtype=None):
+                 copy_dtype=None, donate=False):
         self.device, self.params, self.grads = device, params, grads
         self.exp_avgs, self.exp_avg_sqs, self.steps = exp_avgs, exp_avg_sqs, steps
         self.hyper, self.pin, self.in_place = hyper, pin, in_place
@@ -156,7 +156,7 @@ class _Group:
         self.speculated: dict[int, object] = {}
         self.pending: list[int] = []
         self.guess = None  # the factor a speculative start assumed
-        self.donate = False  # updates on the real factor go up into the device pieces (host_adam_start's donate)
+        self.donate = donate and not in_place  # updates on the real factor go up into the device pieces
         self.streams = _streams(device) if device.type == "cuda" else (None, None)
 
     def state_of(self, i: int, host_param) -> list:
@@ -352,8 +352,7 @@ def host_adam_start(count: int, *flat, step_is_new: bool, eps: float, weight_dec
                          weight_decay=weight_decay, decoupled=decoupled, maximize=maximize)
             counts = [_host_scalar(s) + (0.0 if step_is_new else 1.0) for s in counts]
             group = job.group = _Group(device, params, grads, exp_avgs, exp_avg_sqs, counts, hyper, kernel, pin_memory,
-                                       params_on_host, copy_dtype)
-            group.donate = donate and not params_on_host
+                                       params_on_host, copy_dtype, donate)
             factor = group.guess = _host_factor(factor)
             if verdict is None:
                 overflow = _overflowed(flag)

@@ -16,15 +16,22 @@ c10d = torch.ops._c10d_functional
 BIG = 4_000_000  # elements: far above the MLP step's own peak, so the peak is where the bucket lives
 
 
-def _with_bucket(all_reduce_op):
-    """The final MLP graph with, just before its output, a BIG fp32 bucket
-    all-reduced by ``all_reduce_op``, waited for and read by a sum."""
+def _final_mlp():
+    """The MLP step after the pipeline: (graph, fx graph, its output node, a phase, a fake input) to append
+    nodes before the output."""
     graph, *_ = captured_mlp()
     graph = clone_step_graph(PassManager(PIPELINE).run(graph, PassOptions())[-1].graph)
     g = graph.gm.graph
     out = next(n for n in g.nodes if n.op == "output")
     phase = next(n for n in g.nodes if n.op == "call_function").meta[META_PHASE]
     fake = next(n for n in g.nodes if n.op == "placeholder").meta["val"]
+    return graph, g, out, phase, fake
+
+
+def _with_bucket(all_reduce_op):
+    """The final MLP graph with, just before its output, a BIG fp32 bucket
+    all-reduced by ``all_reduce_op``, waited for and read by a sum."""
+    graph, g, out, phase, fake = _final_mlp()
     with g.inserting_before(out):
         bucket = g.call_function(aten.zeros.default, ([BIG],), {"dtype": torch.float32})
         reduced = g.call_function(all_reduce_op, (bucket, "sum", "0"))
@@ -57,12 +64,7 @@ def test_each_result_of_a_multi_output_op_is_freed_after_its_own_last_reader():
     # aten.var_mean's BIG variance is read at once, its 1-element mean at the very end (as cat_column_sum's
     # [tokens, 3d] gradient and its [3d] bias sum, which waits for the gradient bucket): the big result is freed
     # after its reader, not kept alive by the small one (the 13B plan was over-predicted ~2 GiB a block by that)
-    graph, *_ = captured_mlp()
-    graph = clone_step_graph(PassManager(PIPELINE).run(graph, PassOptions())[-1].graph)
-    g = graph.gm.graph
-    out = next(n for n in g.nodes if n.op == "output")
-    phase = next(n for n in g.nodes if n.op == "call_function").meta[META_PHASE]
-    fake = next(n for n in g.nodes if n.op == "placeholder").meta["val"]
+    graph, g, out, phase, fake = _final_mlp()
     with g.inserting_before(out):
         x = g.call_function(aten.zeros.default, ([2, BIG],), {"dtype": torch.float32})
         both = g.call_function(aten.var_mean.correction, (x, [0]), {"keepdim": False})

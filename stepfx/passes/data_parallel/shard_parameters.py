@@ -168,7 +168,7 @@ def _rewire_bucket(g: fx.Graph, bucket: Bucket, whole: dict, pieces: dict, n: in
                 _erase_dead(g, cut)
 
     # 2. forward reads a gathered copy (and backward too, when it is reused soon)
-    _merge_repeated_casts(g, whole)
+    _merge_repeated_casts(g, whole, order)
     casts, low = _compute_casts(whole)
     if low is not None:  # the 16-bit casts stand in for the parameters from here on
         names = {casts[name]: name for name in whole}
@@ -240,12 +240,11 @@ def _erase_dead(g: fx.Graph, node: fx.Node) -> None:
         _erase_dead(g, arg)
 
 
-def _merge_repeated_casts(g: fx.Graph, whole: dict[str, fx.Node]) -> None:
+def _merge_repeated_casts(g: fx.Graph, whole: dict[str, fx.Node], order: dict) -> None:
     """A parameter cast more than once to the same dtype (recompute_activations recomputes the forward's cast
     for backward) is cast once: the gathers below make backward's copy again anyway, and only a parameter whose
     one reader is its 16-bit cast is gathered in 16 bits (else in fp32, twice the bytes, and the fp32 piece read
-    on the device, which host_master_weights cannot allow)."""
-    order = {node: i for i, node in enumerate(g.nodes)}
+    on the device, which host_master_weights cannot allow). ``order``: the nodes' positions."""
     for node in whole.values():
         users = sorted(node.users, key=order.__getitem__)
         if len(users) < 2 or any(u.target is not aten._to_copy.default or u.args != (node,) for u in users):

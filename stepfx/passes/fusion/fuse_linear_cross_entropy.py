@@ -54,12 +54,12 @@ import torch.fx as fx
 from ... import compat
 from ...graph import META_GRAD_OF, META_GRAD_PIECE, META_PARAM, Phase, StepGraph
 from ...graph.build import clone_step_graph
-from ...graph.ops import has_side_effect
+from ...graph.ops import allocates_nothing, has_side_effect
 from ..data_parallel.collectives import fake_like, make_node
 from ..manager import PassOptions, PassResult
 from .fuse_optimizer_update import FUSION_REPORT_KEY
 
-__all__ = ["fuse_linear_cross_entropy"]
+__all__ = ["fuse_linear_cross_entropy", "fusable_head"]
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -393,6 +393,37 @@ def _install_gradients(g: fx.Graph, m, unit_w: fx.Node, unit_h: fx.Node) -> None
             if key in old.meta:
                 new.meta[key] = old.meta[key]
         old.replace_all_uses_with(new)
+
+
+def fusable_head(nll: fx.Node) -> set:
+    """The forward nodes of ``nll``'s chain this pass fuses, which backward must read as they are (a pass that
+    would recompute them, recompute_activations, leaves them): the loss and its total weight, its targets
+    (through views and copies of the batch), the log-softmax, the views and upcast between it and the logits'
+    matmul, the matmul, and the hidden state it reads (through views). Empty where the forward is not the
+    fused shape."""
+    logp = nll.args[0]
+    if not isinstance(logp, fx.Node) or logp.target is not aten._log_softmax.default:
+        return set()
+    found = _logits_matmul(logp.args[0], {logp})
+    if isinstance(found, str):
+        return set()
+    mm, hidden = found[0], found[1]
+    head = {nll, logp, mm, *(u for u in nll.users if u.target is operator.getitem)}
+    x = logp.args[0]
+    while x is not mm:  # the views and the upcast _logits_matmul walked
+        head.add(x)
+        x = x.args[0]
+    x = hidden
+    head.add(x)
+    while x.op == "call_function" and x.target in _VIEWS:
+        x = x.args[0]
+        head.add(x)
+    x = nll.args[1]  # the targets (labels[:, 1:].contiguous().view(-1))
+    while isinstance(x, fx.Node) and x.op == "call_function" and (
+            allocates_nothing(x) or x.target in (*_VIEWS, aten.clone.default, aten._to_copy.default)):
+        head.add(x)
+        x = x.args[0]
+    return head
 
 
 def fuse_linear_cross_entropy(graph: StepGraph, options: PassOptions) -> PassResult:

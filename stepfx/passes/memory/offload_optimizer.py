@@ -163,7 +163,8 @@ def offload_optimizer(graph: StepGraph, options: PassOptions) -> PassResult:
                 up += pval.numel() * pval.element_size()
             moved += 1
     g.eliminate_dead_code(is_impure_node=has_side_effect)
-    donated = sum(_donate_pieces(g, start) for start in [n for n in g.nodes if n.target is host_adam_start])
+    positions = {n: i for i, n in enumerate(g.nodes)}
+    donated = sum(_donate_pieces(start, positions) for start in positions if start.target is host_adam_start)
     graph.gm.recompile()
     sig = graph.signature
     extra = {**sig.extra, HOST_STATE_KEY: frozenset(host_idents)}
@@ -337,11 +338,11 @@ def _replace(g: fx.Graph, members: list, order: dict, original: list, *, pin: bo
     return idents, speculate
 
 
-def _donate_pieces(g: fx.Graph, start: fx.Node) -> int:
+def _donate_pieces(start: fx.Node, order: dict) -> int:
     """Let ``start``'s job write the updated pieces into the device pieces (``donate``, ``META_DONATED``: verify
     checks that nothing reads them later) where they are rank-held pieces (ZeRO-3) that the start reads last;
-    1 if it does. Else the device holds each piece twice at the end of the step, old and updated."""
-    order = {n: i for i, n in enumerate(g.nodes)}
+    1 if it does. Else the device holds each piece twice at the end of the step, old and updated. ``order``:
+    the nodes' positions."""
     count = start.args[0]
     params = start.args[1:1 + count]
     if len(set(params)) != count:

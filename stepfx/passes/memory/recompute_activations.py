@@ -151,41 +151,15 @@ def _is_tensor(val) -> bool:
 
 
 def _loss_head(nodes: list) -> set:
-    """The language-model head under each cross-entropy loss that fuse_linear_cross_entropy can fuse: the loss,
-    its targets (through views and copies of the batch), the log-softmax, the views and the upcast between it
-    and the logits' matmul, the matmul, and the hidden state it reads (through views, to the op that makes it).
-    With codegen that chain becomes a kernel that never stores the logits, and the pass matches it only where
-    backward reads the forward's own values: recomputed, the logits would be stored after all ([tokens, vocab]
-    in fp32: 6 GiB at 32k tokens)."""
-    from ..fusion.fuse_linear_cross_entropy import _VIEWS, _logits_matmul
+    """The chains under each cross-entropy loss that fuse_linear_cross_entropy (codegen) turns into a kernel
+    that never stores the logits; it matches them only where backward reads the forward's own values:
+    recomputed, the logits would be stored after all ([tokens, vocab] in fp32: 6 GiB at 32k tokens)."""
+    from ..fusion.fuse_linear_cross_entropy import fusable_head
 
     head: set = set()
-    for nll in nodes:
-        if nll.op != "call_function" or nll.target is not aten.nll_loss_forward.default:
-            continue
-        logp = nll.args[0]
-        if not isinstance(logp, fx.Node) or logp.target is not aten._log_softmax.default:
-            continue
-        found = _logits_matmul(logp.args[0], {logp})
-        if isinstance(found, str):
-            continue  # not the fused shape: recomputed as any other chain
-        mm, hidden = found[0], found[1]
-        head |= {nll, logp, mm, *(u for u in nll.users if u.target is operator.getitem)}
-        x = logp.args[0]
-        while x is not mm:  # views and the upcast (what _logits_matmul walked)
-            head.add(x)
-            x = x.args[0]
-        x = hidden
-        while True:
-            head.add(x)
-            if x.op != "call_function" or x.target not in _VIEWS:
-                break
-            x = x.args[0]
-        x = nll.args[1]  # the targets (labels[:, 1:].contiguous().view(-1))
-        while isinstance(x, fx.Node) and x.op == "call_function" and (
-                x.target in _VIEWS or allocates_nothing(x) or x.target in (aten.clone.default, aten._to_copy.default)):
-            head.add(x)
-            x = x.args[0]
+    for n in nodes:
+        if n.op == "call_function" and n.target is aten.nll_loss_forward.default:
+            head |= fusable_head(n)
     return head
 
 
@@ -327,8 +301,9 @@ def recompute_activations(graph: StepGraph, options: PassOptions) -> PassResult:
         return PassResult(graph, False, "")
     if not graph.functional:
         raise PassError("recompute_activations requires a functional graph (run functionalize_graph first)")
-    codegen = getattr(getattr(options.config, "stepfx", None), "codegen", None)
-    analysis = _Analysis(graph, keep_loss_head=options.device_type == "cuda" if codegen is None else bool(codegen))
+    from ..declared import codegen_enabled  # (declared.py imports this module)
+
+    analysis = _Analysis(graph, keep_loss_head=codegen_enabled(options))
     if imposed is not None:  # the memory planner chose the level
         choice = analysis.choose(LEVELS.index(imposed))
         head = (f"level {choice.level!r} (stepfx.memory_budget_gib's plan): {len(choice.recompute)} ops recomputed, "
