@@ -891,10 +891,13 @@ class ParallelStep:
     def _apply_delayed_update(self) -> None:
         """``stepfx.delayed_parameter_update``: the last step's host update is
         still running; wait for it and install what it made, so what is read
-        next (or the next step) sees the latest parameters."""
-        from .runtime.host_optimizer import flush_delayed
+        next (or the next step) sees the latest parameters; under
+        ``stepfx.host_update_across_steps``, wait for the update the last step
+        left running (it writes in place)."""
+        from .runtime.host_optimizer import flush_delayed, settle_across_steps
 
         flush_delayed(self._store)
+        settle_across_steps()
 
     def model_state_dict(self, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
         """The whole model state (parameters and buffers) by the module's

@@ -64,7 +64,8 @@ def _host_traffic_lines(graph, device_type: str) -> list[str]:
         f"  {'host update':<24} {elements:>12,} elements: {1e3 * host:.1f} ms",
         f"  {'device compute':<24} {t.flops / 1e12:>10.3g} TFLOP: {1e3 * compute:.1f} ms",
         f"  bound by {bound[0]} where they do not overlap (the update overlaps the backward under "
-        "host_update_speculation, the next step under delayed_parameter_update)",
+        "host_update_speculation, the next step's forward under host_update_across_steps, the next step under "
+        "delayed_parameter_update)",
     ]
 
 

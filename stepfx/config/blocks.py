@@ -258,6 +258,18 @@ class StepfxOptions:
         the delay begins after them (ZeRO-Offload's warm-up: stale
         gradients hurt most at the start; on the 1.3B, 7 delayed steps
         from the first ended at loss 12.07 against 9.72 exact).
+    host_update_across_steps: with ``offload_optimizer`` at ZeRO-3, the
+        host update that waits for the gradient norm (clipping, loss
+        scaling) runs while the next step begins: the step returns once the
+        update is started, its buckets in the order the forward reads them,
+        and the next step's first reader of each updated piece (or its bf16
+        copy) waits for that bucket only, so the host update overlaps the
+        next forward. Exact (the same arithmetic, nothing stale: unlike
+        ``delayed_parameter_update``, which it excludes); the updated pieces
+        and copies are written in place. Reading the state between steps
+        (``model_state_dict``, a checkpoint) waits for the update first.
+        Turns ``host_update_speculation`` "auto" off (the two overlap
+        different things; true with both is an error). Off by default.
     pipeline: pipeline parallelism's schedule, virtual stages and split
         points (config/pipeline.py: PipelineOptions); given, it turns
         pipeline parallelism on with DeepSpeed's ``pipeline.stages`` "auto".
@@ -304,6 +316,7 @@ class StepfxOptions:
     host_update_speculation: str | bool = spec("auto", OneOf((Choice(("auto",)), Bool())), auto_value=True)
     host_master_weights: str | bool = spec("auto", OneOf((Choice(("auto",)), Bool())), auto_value=True)
     delayed_parameter_update: bool | int = spec(False, OneOf((Bool(), Int(ge=1))))
+    host_update_across_steps: bool = spec(False, Bool())
     sequence_parallel: bool = spec(False, Bool())
     attention_pad_multiple: int | str = spec(0, OneOf((Choice(("auto",)), Int(ge=0))), auto_value=True)
 

@@ -260,7 +260,8 @@ def has_side_effect(node: fx.Node) -> bool:
         return True
     if node.op != "call_function":
         return False
-    return is_mutating(node) or is_random(node) or is_collective(node) or node.target in ASSERT_OPS
+    return (is_mutating(node) or is_random(node) or is_collective(node) or node.target in ASSERT_OPS
+            or getattr(node.target, "stepfx_side_effect", False))  # a runtime op that must run unread
 
 
 def dtype_cast(node: fx.Node) -> "tuple[torch.Tensor, torch.Tensor] | None":

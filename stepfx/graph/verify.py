@@ -92,7 +92,9 @@ def verify_step_graph(graph: StepGraph) -> list[str]:
             continue
         for i in node.meta.get(META_DONATED, ()):
             donated = node.args[i]
-            later = [u.name for u in donated.users if u is not node and order[u] > order[node]]
+            # a host update across steps (update_across_steps) writes what the step returns: the output may read it
+            later = [u.name for u in donated.users if u is not node and order[u] > order[node]
+                     and not (u.op == "output" and node.kwargs.get("across_steps"))]
             if later:
                 problems.append(f"{node.name} writes {donated.name} in place, but {', '.join(later)} read it later:\n{_context(node)}")
         if node.op == "call_function":

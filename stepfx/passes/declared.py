@@ -20,6 +20,7 @@ from .memory.host_master_weights import delayed_update, host_master_weights, mas
 from .memory.offload_optimizer import offload_optimizer, offload_settings
 from .memory.offload_parameters import offload_parameters, param_offload_settings
 from .memory.recompute_activations import recompute_activations
+from .memory.update_across_steps import across_steps_apply, update_across_steps
 from .data_parallel.hold_accumulated_gradients import accumulation_steps, hold_accumulated_gradients
 from .data_parallel.place_gradients_early import place_gradients_early
 from .data_parallel.plan_zero_layout import plan_zero_layout, zero_settings
@@ -322,6 +323,13 @@ PIPELINE: tuple[PipelineEntry, ...] = (
         fuse_generic_regions,
         "last: what stepfx's own kernels did not take is generic, and goes to inductor",
         applies=regions_apply,
+    ),
+    PipelineEntry(
+        "update_across_steps",
+        update_across_steps,
+        "after every pass that moves readers of the stage-3 pieces and their copies (the fusions): their first "
+        "readers wait for the previous step's host update; before offload_parameters, which it refuses",
+        applies=across_steps_apply,
     ),
     PipelineEntry(
         "offload_parameters",

@@ -16,7 +16,7 @@ import torch
 from ..graph import StepGraph
 from .binding import ModuleBinding
 from .distributed import DataParallel, failed_together
-from .host_optimizer import abort_jobs, release_delayed
+from .host_optimizer import abort_jobs, host_adam_ready, release_delayed, settle_across_steps
 from .graphs import WARMUP_RUNS, GraphedStep, NotGraphable, PoolHolder
 from .phase_timer import PhaseTimer
 
@@ -35,6 +35,9 @@ class LocalExecutor:
         self.gm = graph.gm
         self.gm.recompile()
         self.runs = 0
+        placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+        # host_update_across_steps: the inputs this graph reads through host_adam_ready (waited for there)
+        self._ready_inputs = [i for i, n in enumerate(placeholders) if any(u.target is host_adam_ready for u in n.users)]
         self.graphed: GraphedStep | None = None
         self._no_graphs = "off (stepfx.cuda_graphs)"  # why there is no GraphedStep
         # wall_clock_breakdown: a marked copy of the program; seconds per phase of the last eager run
@@ -54,6 +57,8 @@ class LocalExecutor:
     def run(self, batch_tensors: list[torch.Tensor]) -> Any:
         try:
             inputs = self.binding.inputs(batch_tensors, release=True)
+            # host updates earlier steps left running: waited for here unless this graph waits for them itself
+            settle_across_steps(frozenset(id(inputs[i]) for i in self._ready_inputs))
             graphed = self.graphed
             with torch.no_grad():
                 self.phase_seconds = None

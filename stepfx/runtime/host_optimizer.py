@@ -36,6 +36,14 @@ H200 machine's host) through torch's fused CPU kernel, whose moments are the
 same and whose parameter rounds differently within 1e-6 relative per step
 (tests/runtime/test_offload_optimizer.py).
 
+Under ``stepfx.host_update_across_steps`` a start (``across_steps``) is the
+step's last word on its job: the job outlives the step, writing the donated
+device pieces (or the 16-bit copies it is given, ``copy_into``) in place,
+and registers them; the next step's first reader of each goes through
+:func:`host_adam_ready`, which waits for that job only, so the update
+overlaps the next forward. :func:`settle_across_steps` waits for them all
+(state read between steps, a plan without those readers).
+
 Failure: the host state is updated in place. A job that has not begun its
 update when the step fails is cancelled (:func:`abort_jobs`, from the
 executor's failure path) and speculated updates not yet validated are
@@ -55,13 +63,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-__all__ = ["host_adam_start", "host_adam_validate", "host_adam_wait", "host_adam_swap", "flush_delayed",
-           "release_delayed", "HostJob", "abort_jobs", "PinnedPool"]
+__all__ = ["host_adam_start", "host_adam_validate", "host_adam_wait", "host_adam_swap", "host_adam_ready",
+           "flush_delayed", "release_delayed", "settle_across_steps", "HostJob", "abort_jobs", "PinnedPool"]
 
 _LOCK = threading.Lock()
 _WORKER: ThreadPoolExecutor | None = None
 _STREAMS: dict = {}
 _PENDING: set = set()
+_IN_FLIGHT: dict = {}  # host_update_across_steps: id(device tensor) -> (tensor, job writing it in place)
+_ACROSS: set = set()  # the jobs of finished steps still running (host_update_across_steps)
 
 
 def _worker() -> ThreadPoolExecutor:
@@ -144,7 +154,7 @@ class _Group:
     ``speculated``), or not yet (``pending``)."""
 
     def __init__(self, device, params, grads, exp_avgs, exp_avg_sqs, steps, hyper, kernel, pin, in_place,
-                 copy_dtype=None, donate=False):
+                 copy_dtype=None, donate=False, copy_into=None):
         self.device, self.params, self.grads = device, params, grads
         self.exp_avgs, self.exp_avg_sqs, self.steps = exp_avgs, exp_avg_sqs, steps
         self.hyper, self.pin, self.in_place = hyper, pin, in_place
@@ -152,6 +162,7 @@ class _Group:
         self.out: list = [None] * len(params)
         self.copy_dtype = copy_dtype  # host_master_weights: each piece's 16-bit copy goes up
         self.copies: list = [None] * len(params)
+        self.copy_into = copy_into  # the copies' device tensors, written in place (host_update_across_steps)
         self.backups: dict[int, list] = {}
         self.speculated: dict[int, object] = {}
         self.pending: list[int] = []
@@ -251,6 +262,16 @@ def abort_jobs() -> None:
         job.finish()
     for key in [k for k, entry in _DELAYED.items() if entry[1] in pending]:  # the failed step's own
         del _DELAYED[key]
+    with _LOCK:
+        for key in [k for k, entry in _IN_FLIGHT.items() if entry[1] in pending]:
+            del _IN_FLIGHT[key]
+        _ACROSS.difference_update(pending)
+        earlier = list(_ACROSS)
+    for job in earlier:  # the steps before the failed one: their updates complete (the state is theirs)
+        try:
+            _settle(job)
+        except Exception:  # the failed step's error is what the user sees
+            pass
 
 
 def _host_scalar(value) -> float | None:
@@ -300,7 +321,7 @@ _COPIES_LIVE = 0  # bytes of host state copied by speculated updates not yet val
 def host_adam_start(count: int, *flat, step_is_new: bool, eps: float, weight_decay: float, decoupled: bool,
                     maximize: bool, pin_memory: bool, kernel: str = "fused", params_on_host: bool = False,
                     speculative: bool | str = False, key: str = "", copy_cap: int | None = None,
-                    copy_dtype: torch.dtype | None = None, donate: bool = False) -> HostJob:
+                    copy_dtype: torch.dtype | None = None, donate: bool = False, across_steps: bool = False) -> HostJob:
     """Start the update of ``count`` parameter pieces on the host. ``flat``:
     the pieces (on the device), their gradients (device), exp_avgs and
     exp_avg_sqs (host), their step counters (before this step's increment
@@ -326,9 +347,19 @@ def host_adam_start(count: int, *flat, step_is_new: bool, eps: float, weight_dec
     this start): an update made on the real factor goes up into the piece
     itself, so the device never holds the old and the new masters together
     (a 13B model's fp32 pieces: 48 GiB); one made on a guess still goes into
-    a new tensor (the redo reads the piece as it was)."""
+    a new tensor (the redo reads the piece as it was).
+
+    ``across_steps`` (``host_update_across_steps``; no speculation, the
+    pieces donated or host-held): nothing waits for the job in this step.
+    With ``copy_dtype`` the copies' device tensors follow the scalars in
+    ``flat``, written in place. The device tensors the job writes are
+    registered: :func:`host_adam_ready` waits for it where the next step
+    first reads them."""
     params, grads, exp_avgs, exp_avg_sqs, steps = (list(flat[i * count:(i + 1) * count]) for i in range(5))
     lr, beta1, beta2, grad_factor, found_inf = flat[5 * count:5 * count + 5]
+    copy_into = list(flat[5 * count + 5:6 * count + 5]) if across_steps and copy_dtype is not None else None
+    if across_steps and (speculative or not (donate or params_on_host)):
+        raise ValueError("host_adam_start: across_steps needs donated or host-held pieces and no speculation")
     device = grads[0].device if grads else torch.device("cpu")
     ready = None
     if device.type == "cuda":
@@ -352,7 +383,7 @@ def host_adam_start(count: int, *flat, step_is_new: bool, eps: float, weight_dec
                          weight_decay=weight_decay, decoupled=decoupled, maximize=maximize)
             counts = [_host_scalar(s) + (0.0 if step_is_new else 1.0) for s in counts]
             group = job.group = _Group(device, params, grads, exp_avgs, exp_avg_sqs, counts, hyper, kernel, pin_memory,
-                                       params_on_host, copy_dtype, donate)
+                                       params_on_host, copy_dtype, donate, copy_into)
             factor = group.guess = _host_factor(factor)
             if verdict is None:
                 overflow = _overflowed(flag)
@@ -372,8 +403,56 @@ def host_adam_start(count: int, *flat, step_is_new: bool, eps: float, weight_dec
 
     job.future = _worker().submit(run)
     with _LOCK:
-        _PENDING.add(job)  # until its wait reads it, or a failed step aborts it
+        _PENDING.add(job)  # until its wait reads it (the step's end under across_steps), or a failed step aborts it
+        if across_steps:
+            for t in (copy_into if copy_into is not None else [] if params_on_host else params):
+                _IN_FLIGHT[id(t)] = (t, job)
+            _ACROSS.add(job)
     return job
+
+
+host_adam_start.stepfx_side_effect = True  # under across_steps nothing reads its job: it must still run
+
+
+def _settle(job: HostJob) -> None:
+    """Wait for an across-steps ``job``; forget what it writes."""
+    try:
+        job.result()
+    finally:
+        with _LOCK:
+            _ACROSS.discard(job)
+            _PENDING.discard(job)
+            for key in [k for k, (_, j) in _IN_FLIGHT.items() if j is job]:
+                del _IN_FLIGHT[key]
+
+
+def host_adam_ready(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (a piece or 16-bit copy the previous step's host update writes in
+    place under ``host_update_across_steps``) once that update is done; ``x``
+    as it is when nothing writes it. The update's copies up are complete when
+    its job is (the worker waited for them)."""
+    entry = _IN_FLIGHT.get(id(x))
+    if entry is not None and entry[0] is x:
+        try:
+            _settle(entry[1])
+        except Exception as exc:
+            raise RuntimeError(f"stepfx: the previous step's host optimizer update failed: {exc}") from exc
+    return x
+
+
+host_adam_ready.stepfx_result_of_first_arg = True  # an alias of its argument: allocates nothing
+
+
+def settle_across_steps(keep: frozenset = frozenset()) -> int:
+    """Wait for the host updates finished steps left running (their writes in
+    place complete), except those writing only tensors whose ids are in
+    ``keep`` (a plan whose readers wait for them itself); how many."""
+    with _LOCK:
+        jobs = {j for j in _ACROSS if any(jj is j and key not in keep for key, (_, jj) in _IN_FLIGHT.items())
+                or not any(jj is j for _, jj in _IN_FLIGHT.values())}
+    for job in jobs:
+        _settle(job)
+    return len(jobs)
 
 
 def host_adam_validate(job: HostJob, grad_factor, found_inf) -> HostJob:
@@ -483,9 +562,10 @@ def host_adam_swap(job: HostJob, *current, idents: tuple, step=None, step_is_new
 
 
 def release_delayed() -> None:
-    """The step succeeded: its delayed jobs belong to the steps after it, not to its failure path."""
+    """The step succeeded: its delayed and across-steps jobs belong to the steps after it, not to its failure path."""
     with _LOCK:
         _PENDING.difference_update(entry[1] for entry in _DELAYED.values())
+        _PENDING.difference_update(_ACROSS)
 
 
 def flush_delayed(store) -> int:
@@ -614,7 +694,10 @@ def _run(group: _Group, indices: list[int], choose) -> list[int]:
             p = p.detach() if group.in_place or (group.donate and mode == "real") else p.detach().clone()
             _update_one(group, i, p.view(-1), group.grads[i].reshape(-1), mode, factor)
         group.out[i] = p
-        if group.copy_dtype is not None:
+        if group.copy_dtype is not None and group.copy_into is not None:
+            group.copies[i] = group.copy_into[i]
+            group.copies[i].copy_(p.detach())
+        elif group.copy_dtype is not None:
             group.copies[i] = p.detach().to(group.copy_dtype)
     STATS["jobs"] += 1
     return []
@@ -681,7 +764,8 @@ def _pipelined(group: _Group, indices: list[int], choose) -> list[int]:
                 staged = POOL.take(hp.numel(), group.copy_dtype, pin)
                 staged.copy_(hp)
                 with torch.cuda.stream(up):
-                    copy = torch.empty(params[i].shape, dtype=group.copy_dtype, device=group.device)
+                    copy = (group.copy_into[i] if group.copy_into is not None
+                            else torch.empty(params[i].shape, dtype=group.copy_dtype, device=group.device))
                     copy.view(-1).copy_(staged, non_blocking=True)
                     done = torch.cuda.Event()
                     done.record(up)

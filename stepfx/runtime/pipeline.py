@@ -38,6 +38,7 @@ from .. import compat
 from ..graph import Role, StepGraph
 from ..passes.pipeline.stage_programs import StagePrograms
 from .binding import ModuleBinding
+from .host_optimizer import settle_across_steps
 from .distributed import DataParallel, failed_together
 from .pipeline_schedule import Action, CommBatch, Schedule
 
@@ -189,6 +190,7 @@ class PipelineExecutor:
     def run(self, batch_tensors: list[torch.Tensor]) -> Any:
         try:
             inputs = self.binding.inputs(batch_tensors, release=True)
+            settle_across_steps()  # host updates earlier steps left running (stages wait for none themselves)
             with torch.no_grad():
                 outputs = self._run(inputs)
         except Exception as exc:

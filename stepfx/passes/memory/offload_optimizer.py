@@ -145,6 +145,8 @@ def offload_optimizer(graph: StepGraph, options: PassOptions) -> PassResult:
     original = list(g.nodes)
     kernel = getattr(getattr(options.config, "stepfx", None), "host_adam", "fused")
     speculation = getattr(getattr(options.config, "stepfx", None), "host_update_speculation", "auto")
+    if getattr(getattr(options.config, "stepfx", None), "host_update_across_steps", False) is True:
+        speculation = False  # the update overlaps the next step instead (update_across_steps)
     speculated = 0
     # "auto": the copies alive at once at most 2 bytes per offloaded element (a quarter of the moments); the
     # backward of a step rarely leaves the host time to update more than that before the norm is known
