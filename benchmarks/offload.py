@@ -150,7 +150,7 @@ def _eager(kind: str, model, args):
 def run(kind: str, args) -> dict:
     torch.manual_seed(0)
     device = torch.device(args.device)
-    cfg = gpt_config(args.size, seq_len=args.seq)
+    cfg = gpt_config(args.size, seq_len=args.seq, **({"n_layers": args.layers} if args.layers else {}))
     with device:  # made where it trains: a 13B model made on the host first would take 50 GB of it
         model = GPT(cfg)
     params = sum(p.numel() for p in model.parameters())
@@ -213,6 +213,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--size", default="1.3B")
     ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=0)  # blocks instead of --size's (the largest trainable size)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--gas", type=int, default=1)
     ap.add_argument("--warmup", type=int, default=2)
@@ -231,12 +232,14 @@ def main() -> None:
             "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "host_cpus": os.cpu_count(),
             "command": f"python3 benchmarks/offload.py --size {args.size} --seq {args.seq} --batch {args.batch} "
                        f"--gas {args.gas} --clip {args.clip} --systems {args.systems}"
+                       + (f" --layers {args.layers}" if args.layers else "")
                        + (f" --recompute {args.recompute}" if args.recompute is not None else "")
                        + (f" --dpu-exact-steps {args.dpu_exact_steps}" if args.dpu_exact_steps else "")
                        + (f" --speculation {args.speculation}" if args.speculation != "auto" else "")}
     if len(systems) > 1:  # one process per system
         for kind in systems:
-            cmd = [sys.executable, os.path.abspath(__file__), "--systems", kind, "--size", args.size, "--seq",
+            cmd = [sys.executable, os.path.abspath(__file__), "--systems", kind, "--size", args.size,
+                   "--layers", str(args.layers), "--seq",
                    str(args.seq), "--batch", str(args.batch), "--gas", str(args.gas), "--warmup", str(args.warmup),
                    "--steps", str(args.steps), "--device", args.device, "--clip", str(args.clip)] + (["--out", args.out] if args.out else []) \
                 + (["--recompute", str(args.recompute)] if args.recompute is not None else []) \

@@ -192,3 +192,24 @@ def test_host_masters_are_the_device_masters_bitwise_with_less_device_memory(cod
     slack = 512 * len(pieces)
     saved = device_rest - host_rest
     assert 2 * piece_elements - slack <= saved <= 4 * piece_elements + slack, (device_rest, host_rest, piece_elements)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("masters", ["device", "host"])
+def test_the_update_across_steps_is_the_update_within_the_step_bitwise(masters):
+    # stepfx.host_update_across_steps: the step returns with its host update running; the next step's first
+    # reader of each piece (or bf16 copy) waits for its bucket, the copies up written in place on the copy stream
+    def config(across):
+        return _config(3, True, bf16={"enabled": True},
+                       stepfx={"host_update_across_steps": across, "host_master_weights": masters == "host"})
+
+    def trained(across):
+        step, _, _, losses = _run(config(across), steps=4)
+        return losses, {n: t.cpu() for n, t in step.model_state_dict().items()}, step
+
+    within, theirs, _ = trained(False)
+    across, ours, step = trained(True)
+    assert across == within
+    assert all(torch.equal(ours[n], theirs[n]) for n in theirs)
+    assert "finish in the next step" in step.explain()
