@@ -144,8 +144,12 @@ def liveness(graph: StepGraph, sizes: Sizes):
     The live set right after ``allocated`` is added is what a peak counts.
     Under ``delayed_parameter_update`` the 16-bit copies the host jobs upload
     outside the graph are counted where they arrive: the previous step's
-    from the first node, this step's from their job's start, never freed."""
-    from ..runtime.host_optimizer import host_adam_start, host_adam_swap, host_adam_wait  # (the runtime imports this module)
+    from the first node, this step's from their job's start, never freed.
+    Under ``host_update_across_steps`` a job reads its gradients after the
+    step: they stay to its end, and the previous step's are on the device
+    from the first node until the first reader that waits for their job."""
+    from ..runtime.host_optimizer import (host_adam_ready, host_adam_start, host_adam_swap,  # (the runtime imports
+                                          host_adam_wait)  # this module)
 
     nodes = list(graph.gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
@@ -168,6 +172,18 @@ def liveness(graph: StepGraph, sizes: Sizes):
             last_read[root] = max(last_read.get(root, -1), pos[n])
     outputs = {root_of(v) for v in (nodes[-1].args[0] if nodes and nodes[-1].op == "output" else ()) if isinstance(v, fx.Node)}
     frees: dict[int, list[tuple[fx.Node, collections.Counter]]] = collections.defaultdict(list)
+    carried = collections.Counter()  # host_update_across_steps: the previous step's gradients, held by its jobs
+    for start in (n for n in nodes if n.target is host_adam_start and n.kwargs.get("across_steps")):
+        count = start.args[0]
+        grads = {root_of(g) for g in start.args[1 + count:1 + 2 * count] if isinstance(g, fx.Node)}
+        outputs |= grads  # alive past the step's end: the job reads them after it
+        held = collections.Counter()
+        for g in grads:
+            held.update(sizes.bytes_of(g.meta.get("val")))
+        readies = [a for a in start.args if isinstance(a, fx.Node) and a.target is host_adam_ready]
+        carried.update(held)
+        at = min((pos[r] for r in readies), default=pos[start])
+        frees[at].append((start, held))  # the job is done there: the worker let go of them
     delayed = _delayed_copies(nodes, sizes, host_adam_swap)  # swap -> bytes of the 16-bit copies its job uploads
     started = {_job_start(swap, host_adam_start): swap for swap in delayed}
     first = True
@@ -177,11 +193,12 @@ def liveness(graph: StepGraph, sizes: Sizes):
             continue
         if n.op != "call_function":
             continue
-        kept = collections.Counter()  # allocated here, alive past the step's end (never in ``frees``)
+        kept = collections.Counter()  # allocated here, alive past the step's end (in ``frees`` only if carried)
         if first:  # delayed_parameter_update: the previous step's job's copies, on the device all step
             for copies in delayed.values():
                 kept.update(copies)
             first = False
+            kept.update(carried)  # (given back at their job's first ready: ``frees``)
         if n in started:  # this step's delayed job uploads its copies from here on
             kept.update(delayed[started[n]])
         size = None

@@ -108,3 +108,29 @@ def test_conflicting_options_are_refused_by_key(extra, match):
     config = _config(True, bf16=True, **extra)
     with pytest.raises(ConfigError, match=r"stepfx\.host_update_across_steps: .*" + match):
         _train(config, 1)
+
+
+def test_the_memory_estimate_holds_the_gradients_until_their_job_is_waited_for():
+    # the job reads the step's gradients after the step: they stay to its end, and into the next step until
+    # its first reader of the job's pieces waits for it
+    from stepfx.graph.accounting import Sizes, estimate_memory, liveness, size_values
+
+    step = _train(_config(True), 1)[0]
+    graph = step.plan.graph
+    nodes = list(graph.gm.graph.nodes)
+    starts = [n for n in nodes if n.target is host_adam_start]
+    grads = {g for s in starts for g in s.args[1 + s.args[0]:1 + 2 * s.args[0]]}
+    held = sum(g.meta["val"].numel() * g.meta["val"].element_size() for g in grads)
+    sizes = Sizes(size_values(graph))
+    live = at_first = 0
+    for n, size, freed in liveness(graph, sizes):
+        if size is not None:
+            live += sizes.value(size)
+            if n.op != "placeholder" and not at_first:
+                at_first = sizes.value(size)
+        live -= sum(sizes.value(s) for _, s in freed)
+    inputs = sum(sizes.value(sizes.bytes_of(n.meta["val"])) for n in nodes if n.op == "placeholder")
+    assert held > 0 and at_first >= held  # the previous step's, at the first node
+    assert live - inputs >= held  # this step's, at its end
+    within = estimate_memory(_train(_config(False), 1)[0].plan.graph)
+    assert estimate_memory(graph).peak >= within.peak
