@@ -357,6 +357,10 @@ def host_adam_start(count: int, *flat, step_is_new: bool, eps: float, weight_dec
     first reads them."""
     params, grads, exp_avgs, exp_avg_sqs, steps = (list(flat[i * count:(i + 1) * count]) for i in range(5))
     lr, beta1, beta2, grad_factor, found_inf = flat[5 * count:5 * count + 5]
+    # read now, not when the worker gets to it (after the step, under across_steps): a scheduler may change a
+    # tensor learning rate in place before then
+    lr, beta1, beta2 = (v if isinstance(v, torch.Tensor) and v.device.type != "cpu" else _host_scalar(v)
+                        for v in (lr, beta1, beta2))
     copy_into = list(flat[5 * count + 5:6 * count + 5]) if across_steps and copy_dtype is not None else None
     if across_steps and (speculative or not (donate or params_on_host)):
         raise ValueError("host_adam_start: across_steps needs donated or host-held pieces and no speculation")

@@ -134,3 +134,23 @@ def test_the_memory_estimate_holds_the_gradients_until_their_job_is_waited_for()
     assert live - inputs >= held  # this step's, at its end
     within = estimate_memory(_train(_config(False), 1)[0].plan.graph)
     assert estimate_memory(graph).peak >= within.peak
+
+
+def test_a_learning_rate_changed_in_place_between_steps_is_read_when_the_update_starts(monkeypatch):
+    # the job runs after its step returned; a scheduler that writes a tensor learning rate in place before the
+    # worker gets to it must not reach the update it already started
+    _slow_host(monkeypatch)
+
+    def trained(across):
+        torch.manual_seed(0)
+        model = tiny_gpt()
+        opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-2, dtype=torch.float64))
+        step = stepfx.parallelize(_config(across))(lm_step)
+        losses = []
+        for i, (batch,) in enumerate(dp_batches(1, steps=3)[0]):
+            losses.append(step(model, opt, batch).item())
+            opt.param_groups[0]["lr"].fill_(1e-2 / (i + 2))
+        return losses, step.model_state_dict()
+
+    (within, theirs), (across, ours) = trained(False), trained(True)
+    assert across == within and all(torch.equal(ours[n], theirs[n]) for n in theirs)
