@@ -154,3 +154,11 @@ def test_a_learning_rate_changed_in_place_between_steps_is_read_when_the_update_
 
     (within, theirs), (across, ours) = trained(False), trained(True)
     assert across == within and all(torch.equal(ours[n], theirs[n]) for n in theirs)
+
+
+def test_below_zero_3_it_does_not_apply_and_says_so():
+    config = _config(True)
+    config["zero_optimization"]["stage"] = 2
+    step = _train(config, 1)[0]
+    assert any(r.name == "update_across_steps" and r.skipped for r in step.plan.records)
+    assert any(n.target is host_adam_wait for n in step.plan.graph.gm.graph.nodes)

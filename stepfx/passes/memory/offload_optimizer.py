@@ -145,7 +145,9 @@ def offload_optimizer(graph: StepGraph, options: PassOptions) -> PassResult:
     original = list(g.nodes)
     kernel = getattr(getattr(options.config, "stepfx", None), "host_adam", "fused")
     speculation = getattr(getattr(options.config, "stepfx", None), "host_update_speculation", "auto")
-    if getattr(getattr(options.config, "stepfx", None), "host_update_across_steps", False) is True:
+    from .update_across_steps import across_steps_apply  # (it imports this module)
+
+    if across_steps_apply(options):
         speculation = False  # the update overlaps the next step instead (update_across_steps)
     speculated = 0
     # "auto": the copies alive at once at most 2 bytes per offloaded element (a quarter of the moments); the

@@ -58,19 +58,17 @@ _KEY = "stepfx.host_update_across_steps"
 
 
 def across_steps_apply(options: PassOptions) -> bool:
-    return getattr(getattr(options.config, "stepfx", None), "host_update_across_steps", False) is True
+    """Asked for, where it applies: a host update at ZeRO-3 (below it the updated pieces are gathered into the
+    whole parameters within the step; the memory planner's candidates without offload or at other stages
+    simply run without it, and explain() lists the pass as not applicable)."""
+    from ..data_parallel.plan_zero_layout import zero_settings
+
+    asked = getattr(getattr(options.config, "stepfx", None), "host_update_across_steps", False) is True
+    return asked and offload_settings(options) is not None and zero_settings(options)[0] == 3
 
 
 def _check(options: PassOptions) -> None:
-    from ..data_parallel.plan_zero_layout import zero_settings
-
     stepfx = getattr(options.config, "stepfx", None)
-    if offload_settings(options) is None:
-        raise ConfigError(_KEY, "needs zero_optimization.offload_optimizer (it overlaps the host update)",
-                          value=True, expected="false without offload_optimizer")
-    if zero_settings(options)[0] != 3:
-        raise ConfigError(_KEY, "needs zero_optimization.stage 3 (below it the updated pieces are gathered into the "
-                          "whole parameters within the step)", value=True, expected="false below ZeRO-3")
     if delayed_update(options):
         raise ConfigError(_KEY, "and stepfx.delayed_parameter_update both move the host update into the next step; "
                           "choose one (this one is exact, the delayed update one step stale)", value=True,
@@ -98,17 +96,19 @@ def update_across_steps(graph: StepGraph, options: PassOptions) -> PassResult:
         copies_of[by_ident[piece_ident]] = by_ident[copy_ident]
     written: dict[fx.Node, fx.Node] = {}  # device tensor a job writes in place -> its start
     moved = 0
-    for wait in waits:
+    for wait in waits:  # all or none: a step whose updates only partly finish later would be two rules at once
         start = start_of(wait)
         if start is not wait.args[0] or start.kwargs.get("speculative"):
             raise ConfigError(_KEY, f"{start.name} speculates on the norm; the update across steps needs "
                               "host_update_speculation false", value=True, expected="false")
+        if not start.kwargs.get("params_on_host") and META_DONATED not in start.meta:
+            return PassResult(graph, False, f"{start.name}'s updated pieces are read later in the step (not donated): "
+                                            "the updates stay within the step")
+    for wait in waits:
+        start = start_of(wait)
         count = start.args[0]
         params = list(start.args[1:1 + count])
         on_host = bool(start.kwargs.get("params_on_host"))
-        if not on_host and META_DONATED not in start.meta:
-            return PassResult(graph, False, f"{start.name}'s updated pieces are read later in the step (not donated): "
-                                            "the update stays within the step")
         moments = [start.args[1 + count * k + i] for i in range(count) for k in (2, 3)]
         current = [x for i in range(count) for x in (params[i], moments[2 * i], moments[2 * i + 1])]
         copies = [copies_of[p] for p in params] if on_host else []
