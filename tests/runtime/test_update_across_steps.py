@@ -29,7 +29,7 @@ def _config(across, *, bf16=False, accumulation=1, **stepfx_extra):
     return config
 
 
-def _slow_host(monkeypatch, seconds=0.02):
+def _slow_host(monkeypatch, seconds=0.005):
     exact = H.adam_chunked
 
     def slow(*args, **kwargs):
@@ -40,11 +40,16 @@ def _slow_host(monkeypatch, seconds=0.02):
 
 
 def _train(config, steps, batches=None):
+    """A tensor learning rate that a schedule writes in place after each step: the job runs after its step
+    returned, and must not see the next step's rate."""
     torch.manual_seed(0)
     model = tiny_gpt()
-    opt = adamw(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-2, dtype=torch.float64), weight_decay=0.1)
     step = stepfx.parallelize(config)(lm_step)
-    losses = [step(model, opt, batch).item() for (batch,) in (batches or dp_batches(1, steps=steps)[0])]
+    losses = []
+    for i, (batch,) in enumerate(batches or dp_batches(1, steps=steps)[0]):
+        losses.append(step(model, opt, batch).item())
+        opt.param_groups[0]["lr"].fill_(1e-2 / (i + 2))
     return step, model, opt, losses
 
 
@@ -79,7 +84,7 @@ def test_the_update_across_steps_is_the_same_step_bitwise(monkeypatch, bf16, acc
 
 def test_a_step_failing_while_the_last_update_runs_leaves_that_update(monkeypatch):
     # the failed step's state is the one the step before it left, its host update complete
-    _slow_host(monkeypatch, 0.03)
+    _slow_host(monkeypatch, 0.01)
     batches = dp_batches(1, steps=2)[0]
     step, model, opt, _ = _train(_config(True), 1, batches[:1])
     (bad,) = batches[1]
@@ -134,26 +139,6 @@ def test_the_memory_estimate_holds_the_gradients_until_their_job_is_waited_for()
     assert live - inputs >= held  # this step's, at its end
     within = estimate_memory(_train(_config(False), 1)[0].plan.graph)
     assert estimate_memory(graph).peak >= within.peak
-
-
-def test_a_learning_rate_changed_in_place_between_steps_is_read_when_the_update_starts(monkeypatch):
-    # the job runs after its step returned; a scheduler that writes a tensor learning rate in place before the
-    # worker gets to it must not reach the update it already started
-    _slow_host(monkeypatch)
-
-    def trained(across):
-        torch.manual_seed(0)
-        model = tiny_gpt()
-        opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-2, dtype=torch.float64))
-        step = stepfx.parallelize(_config(across))(lm_step)
-        losses = []
-        for i, (batch,) in enumerate(dp_batches(1, steps=3)[0]):
-            losses.append(step(model, opt, batch).item())
-            opt.param_groups[0]["lr"].fill_(1e-2 / (i + 2))
-        return losses, step.model_state_dict()
-
-    (within, theirs), (across, ours) = trained(False), trained(True)
-    assert across == within and all(torch.equal(ours[n], theirs[n]) for n in theirs)
 
 
 def test_below_zero_3_it_does_not_apply_and_says_so():
