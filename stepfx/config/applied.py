@@ -51,6 +51,7 @@ APPLIED: frozenset[str] = frozenset({
     "pipeline.pipe_partitioned",  # under TP: activations cross stages in TP slices, gathered at the receiver
     "pipeline.grad_partitioned",  # ... and their gradients
     "pipeline.partition",
+    "activation_checkpointing.cpu_checkpointing",  # passes/memory/offload_activations.py (not under pipeline)
     "pipeline.activation_checkpoint_interval",  # > 0: recompute_activations at budget 0 (the graph's cut, not every N)
     # precision, accumulation, clipping (capture options and the passes
     # hold_accumulated_gradients, unscale_clip_gradients, skip_step_on_overflow)

@@ -423,7 +423,7 @@ HOST_ADAM_RATE = {"fused": 1.37e9, "exact": 0.56e9}
 @dataclass
 class HostTraffic:
     """What a step moves between host and device and updates on the host
-    (offload_optimizer, host_master_weights, offload_param)."""
+    (offload_optimizer, host_master_weights, offload_param, cpu_checkpointing)."""
 
     to_host: int = 0  # bytes: gradients and fp32 pieces going down, updated pieces stored back
     to_device: int = 0  # bytes: updated pieces or their 16-bit copies going up, fetched pieces
@@ -434,11 +434,11 @@ class HostTraffic:
 def host_traffic(graph: StepGraph) -> HostTraffic:
     """The step's host traffic and host update work, from its host ops."""
     from ..runtime.host_optimizer import host_adam_start  # at call time: the runtime imports this module
-    from ..runtime.host_params import host_fetch_start, host_store
+    from ..runtime.host_params import activation_fetch_start, activation_store, host_fetch_start, host_store
 
     out = HostTraffic()
     nodes = [n for n in graph.gm.graph.nodes if n.op == "call_function"]
-    if not any(n.target in (host_adam_start, host_fetch_start, host_store) for n in nodes):
+    if not any(n.target in (host_adam_start, host_fetch_start, host_store, activation_store) for n in nodes):
         return out  # no offload: nothing to count
     for node in nodes:
         out.flops += node_flops(node)
@@ -462,4 +462,12 @@ def host_traffic(graph: StepGraph) -> HostTraffic:
         elif node.target is host_store:
             val = node.args[1].meta["val"]
             out.to_host += int(val.numel()) * val.element_size()
+        elif node.target in (activation_store, activation_fetch_start):  # cpu_checkpointing: down, then up
+            val = (node.args[0] if node.target is activation_store else node).meta["val"]
+            numel = val.numel()
+            moved = int(numel) * val.element_size() if isinstance(numel, int) else 0  # (symbolic: uncounted)
+            if node.target is activation_store:
+                out.to_host += moved
+            else:
+                out.to_device += moved
     return out

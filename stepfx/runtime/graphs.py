@@ -221,12 +221,14 @@ class GraphedStep:
                                "one size; set stepfx.dynamic false for a graph per size")
         from .host_optimizer import host_adam_start
 
-        from .host_params import host_fetch_start
+        from .host_params import activation_store, host_fetch_start
 
         if any(n.target is host_adam_start for n in gm.graph.nodes):
             raise NotGraphable("the optimizer update runs on the host (zero_optimization.offload_optimizer)")
         if any(n.target is host_fetch_start for n in gm.graph.nodes):
             raise NotGraphable("the parameters' pieces live on the host (zero_optimization.offload_param)")
+        if any(n.target is activation_store for n in gm.graph.nodes):
+            raise NotGraphable("the saved activations go to the host (activation_checkpointing.cpu_checkpointing)")
         self.gm = gm
         self.pool = pool if pool is not None else PoolHolder()
         self.device_type = device_type

@@ -20,6 +20,14 @@ these ops):
   the step's last store waits (on the host) for all of them, so the user
   and checkpoints read finished values.
 
+DeepSpeed's ``activation_checkpointing.cpu_checkpointing`` (the
+``offload_activations`` pass) moves the step's saved activations the same
+way: :func:`activation_store` after a value's last forward reader copies it
+down into pinned host memory on the parameter stream (the device copy is
+freed once that copy is done), :func:`activation_fetch_start` brings it back
+up on the same stream ahead of its backward readers, and
+:func:`host_fetch_wait` hands it to them.
+
 On a CPU device every op is the identity (or a plain copy): the step's
 arithmetic never changes, which is what the CPU tests check bit for bit.
 """
@@ -31,7 +39,8 @@ import torch
 
 from ..graph.ops import result_of_first_arg
 
-__all__ = ["host_fetch_start", "host_fetch_wait", "host_store", "FetchHandle"]
+__all__ = ["host_fetch_start", "host_fetch_wait", "host_store", "activation_store", "activation_fetch_start",
+           "FetchHandle"]
 
 _LOCK = threading.Lock()
 _STREAMS: dict = {}
@@ -98,3 +107,32 @@ def host_store(dest: torch.Tensor, value: torch.Tensor, *, last: bool = False) -
         stream.synchronize()
     return dest
 
+
+
+class StoredActivation:
+    """A forward value on the host between the forward and the backward (or the value itself on a CPU device)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: torch.Tensor):
+        self.value = value
+
+
+def activation_store(value: torch.Tensor) -> StoredActivation:
+    """Copy ``value`` down into pinned host memory (torch's caching host
+    allocator) on the parameter stream, after the compute stream's work so
+    far; the device copy goes back to the allocator once the copy is done."""
+    if value.device.type != "cuda":
+        return StoredActivation(value)
+    stream = _stream(value.device)
+    stream.wait_stream(torch.cuda.current_stream(value.device))
+    with torch.cuda.stream(stream):
+        value.record_stream(stream)  # read on the parameter stream: not reused before the copy is done
+        host = torch.empty_like(value, device="cpu", pin_memory=True)
+        host.copy_(value, non_blocking=True)
+    return StoredActivation(host)
+
+
+def activation_fetch_start(stored: StoredActivation, *, device: str) -> FetchHandle:
+    """Start copying a stored activation back up to ``device`` (on the stream that copied it down: after it)."""
+    return host_fetch_start(stored.value, device=device)

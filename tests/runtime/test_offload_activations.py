@@ -1,0 +1,80 @@
+"""DeepSpeed's ``activation_checkpointing.cpu_checkpointing``: the values the
+backward reads from the forward wait on the host in between
+(passes/memory/offload_activations.py). On CPU the host is the device and
+the ops are identities, so these tests check the program (stores after the
+last forward reader, fetches ahead of the backward's, every backward reader
+rewired), the accounting, and that the step is the same bits; on a GPU
+tests/gpu/test_offload_cuda.py compares it and its peak."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import stepfx
+from stepfx.graph import Phase
+from stepfx.graph.accounting import Sizes, estimate_memory, host_traffic, liveness, size_values
+from stepfx.graph.step_graph import META_PHASE
+from stepfx.runtime.host_params import activation_fetch_start, activation_store, host_fetch_wait
+from tests.steps import adamw, dp_batches, lm_step, tiny_gpt
+
+
+def _live_at_the_backward(graph) -> int:
+    """The estimate's live bytes right before the first backward op."""
+    sizes = Sizes(size_values(graph))
+    live = 0
+    for n, size, freed in liveness(graph, sizes):
+        if n.op == "call_function" and n.meta.get(META_PHASE) is Phase.BACKWARD:
+            return live
+        live += sizes.value(size) if size is not None else 0
+        live -= sum(sizes.value(s) for _, s in freed)
+    raise AssertionError("no backward")
+
+
+def _train(config, steps=3):
+    torch.manual_seed(0)
+    model = tiny_gpt()
+    opt = adamw(model)
+    step = stepfx.parallelize(config)(lm_step)
+    losses = [step(model, opt, batch).item() for (batch,) in dp_batches(1, steps=steps)[0]]
+    return step, losses
+
+
+@pytest.mark.parametrize("stage, bf16, budget", [(2, False, 1.0), (3, True, None)],
+                         ids=["zero2-fp32-nothing-recomputed", "zero3-bf16-checkpointed"])
+def test_saved_activations_on_the_host_are_the_same_step(stage, bf16, budget):
+    # budget 1.0: every activation the backward reads is kept (no recomputation) and goes to the host; None:
+    # the block alone means recompute all that can be, and what remains saved goes
+    def config(cpu):
+        out = {"gradient_clipping": 1.0, "zero_optimization": {"stage": stage},
+               "activation_checkpointing": {"partition_activations": False, "cpu_checkpointing": cpu}}
+        if bf16:
+            out["bf16"] = {"enabled": True}
+        if budget is not None:
+            out["stepfx"] = {"activation_memory_budget": budget}
+        return out
+
+    ours, losses = _train(config(True))
+    theirs, plain_losses = _train(config(False))
+    assert losses == plain_losses
+    a, b = ours.model_state_dict(), theirs.model_state_dict()
+    assert all(torch.equal(a[n], b[n]) for n in b)
+    nodes = list(ours.plan.graph.gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    stores = [n for n in nodes if n.target is activation_store]
+    assert stores and "kept on the host between the forward" in ours.explain()
+    stored = 0
+    for store in stores:
+        x = store.args[0]
+        fetch = next(u for u in store.users if u.target is activation_fetch_start)
+        (back,) = [u for u in fetch.users if u.target is host_fetch_wait]
+        # the forward reads x, the store follows its last forward reader; the backward reads only the copy
+        assert all(pos[u] < pos[store] and u.meta[META_PHASE] is Phase.FORWARD for u in x.users if u is not store)
+        assert back.users and all(u.meta[META_PHASE] is not Phase.FORWARD for u in back.users)
+        assert pos[store] < pos[fetch] < pos[back]
+        stored += x.meta["val"].numel() * x.meta["val"].element_size()
+    traffic = host_traffic(ours.plan.graph)
+    assert traffic.to_host == traffic.to_device == stored
+    assert estimate_memory(ours.plan.graph).peak <= estimate_memory(theirs.plan.graph).peak
+    # between the forward and the backward the device holds the stored values no more
+    assert _live_at_the_backward(ours.plan.graph) <= _live_at_the_backward(theirs.plan.graph) - stored
+    assert "activation_checkpointing.cpu_checkpointing" not in ours.explain().split("not applied:")[-1]
