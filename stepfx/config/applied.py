@@ -52,6 +52,7 @@ APPLIED: frozenset[str] = frozenset({
     "pipeline.grad_partitioned",  # ... and their gradients
     "pipeline.partition",
     "activation_checkpointing.cpu_checkpointing",  # passes/memory/offload_activations.py (not under pipeline)
+    "activation_checkpointing.partition_activations",  # the same pass: over the tensor-parallel group (none: no-op)
     "pipeline.activation_checkpoint_interval",  # > 0: recompute_activations at budget 0 (the graph's cut, not every N)
     # precision, accumulation, clipping (capture options and the passes
     # hold_accumulated_gradients, unscale_clip_gradients, skip_step_on_overflow)

@@ -19,7 +19,7 @@ from .data_parallel.fuse_bucket_packing import fuse_bucket_packing
 from .memory.host_master_weights import delayed_update, host_master_weights, master_weights_apply
 from .memory.offload_optimizer import offload_optimizer, offload_settings
 from .memory.offload_parameters import offload_parameters, param_offload_settings
-from .memory.offload_activations import cpu_checkpointing, offload_activations
+from .memory.offload_activations import activations_apply, offload_activations
 from .memory.recompute_activations import recompute_activations
 from .memory.update_across_steps import across_steps_apply, update_across_steps
 from .data_parallel.hold_accumulated_gradients import accumulation_steps, hold_accumulated_gradients
@@ -329,9 +329,9 @@ PIPELINE: tuple[PipelineEntry, ...] = (
         "offload_activations",
         offload_activations,
         "after the fusions and the recomputation (what the backward reads from the forward is final): "
-        "DeepSpeed's cpu_checkpointing keeps those values on the host in between; not under pipeline "
-        "parallelism (each stage's program is cut after it)",
-        applies=lambda options: cpu_checkpointing(options) and pipeline_settings(options) <= 1,
+        "DeepSpeed's cpu_checkpointing keeps those values on the host in between, partition_activations each "
+        "tensor-parallel rank's share of them; not under pipeline parallelism (each stage's program is cut after it)",
+        applies=lambda options: activations_apply(options) and pipeline_settings(options) <= 1,
     ),
     PipelineEntry(
         "update_across_steps",

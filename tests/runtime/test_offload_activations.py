@@ -78,3 +78,26 @@ def test_saved_activations_on_the_host_are_the_same_step(stage, bf16, budget):
     # between the forward and the backward the device holds the stored values no more
     assert _live_at_the_backward(ours.plan.graph) <= _live_at_the_backward(theirs.plan.graph) - stored
     assert "activation_checkpointing.cpu_checkpointing" not in ours.explain().split("not applied:")[-1]
+
+
+@pytest.mark.xdist_group("tensor_parallel")
+def test_partitioned_over_the_tensor_parallel_group_are_the_same_bits(rank_pool):
+    # partition_activations (with cpu_checkpointing): each TP rank keeps its half of the replicated saved values
+    # (the residual stream) and the backward all-gathers them; against the same TP run keeping them whole
+    from tests.steps import one_block_gpt, sgd_momentum, token_batches
+    from tests.tp_workers import tp_run
+
+    batches = [token_batches(2, seed=0)]
+    config = {"gradient_clipping": 0, "tensor_parallel": {"autotp_size": 2}}
+    parted = rank_pool(2).run(tp_run, lm_step, one_block_gpt, sgd_momentum, batches,
+                              {**config, "activation_checkpointing": {"partition_activations": True,
+                                                                      "cpu_checkpointing": True}}, timeout=300)
+    whole = rank_pool(2).run(tp_run, lm_step, one_block_gpt, sgd_momentum, batches,
+                             {**config, "activation_checkpointing": {}}, timeout=300)
+    for ours, theirs in zip(parted, whole):
+        assert ours["losses"] == theirs["losses"]
+        assert all(torch.equal(ours["state"][n], theirs["state"][n]) for n in theirs["state"])
+        said = ours["explain"]
+        assert "kept as each rank's 1/2 (partition_activations)" in said and "kept on the host" in said
+        assert not said.split("saved activations replicated")[0].endswith(" 0 ")
+        assert ours["shapes"] != theirs["shapes"]

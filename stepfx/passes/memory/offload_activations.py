@@ -1,4 +1,5 @@
-"""offload_activations: the saved activations on the host between the forward and the backward.
+"""offload_activations: the saved activations partitioned over the tensor-parallel group and/or on the
+host between the forward and the backward.
 
 DeepSpeed's ``activation_checkpointing.cpu_checkpointing``: the values a
 checkpointed step keeps for its backward (with the block present,
@@ -25,6 +26,18 @@ from the batch) that a backward or optimizer node reads:
 On a CPU device the ops are identities: the same arithmetic, bitwise. The
 estimate counts ``x`` until the store and ``y`` from the fetch's start.
 
+DeepSpeed's ``activation_checkpointing.partition_activations``: under
+tensor parallelism every rank of a group holds the same saved activations
+(those ``shard_tensor_parallel`` marks replicated: the residual stream
+without sequence parallelism); each rank keeps only its 1/tp of such a
+value (flattened, zero-padded to a multiple of tp, its slice copied so
+that the whole is freed) and the backward all-gathers it over the group
+before its first reader; with ``cpu_checkpointing`` the slice is what goes
+to the host. Bitwise: the ranks' slices of one value are the value. Values
+of symbolic size stay whole (noted). Without tensor parallelism there is
+nothing to partition (as in DeepSpeed, whose partitioning is over the
+model-parallel ranks).
+
 Before / after::
 
     h = add(x, attn)           # forward                 h = add(x, attn)
@@ -44,17 +57,33 @@ from ...graph.build import clone_step_graph
 from ...graph.ops import allocates_nothing
 from ...graph.step_graph import META_PHASE
 from ...runtime.host_params import activation_fetch_start, activation_store, host_fetch_wait
-from ..data_parallel.collectives import make_node
+from ..data_parallel.collectives import fake_like, make_node
+from ..tensor_parallel.shard_tensor_parallel import META_TP_REPLICATED
 from ..manager import PassOptions, PassResult
 from .recompute_activations import format_bytes
 
-__all__ = ["offload_activations", "cpu_checkpointing"]
+__all__ = ["offload_activations", "cpu_checkpointing", "partition_activations", "activations_apply"]
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+
+def _block(options: PassOptions) -> dict:
+    raw = getattr(options.config, "raw", None) or {}
+    return raw.get("activation_checkpointing") or {}
 
 
 def cpu_checkpointing(options: PassOptions) -> bool:
-    raw = getattr(options.config, "raw", None) or {}
-    block = raw.get("activation_checkpointing") or {}
-    return bool(block.get("cpu_checkpointing", False))
+    return bool(_block(options).get("cpu_checkpointing", False))
+
+
+def partition_activations(options: PassOptions) -> bool:
+    """Asked for and there is a group to partition over."""
+    return bool(_block(options).get("partition_activations", False)) and options.tp_size > 1
+
+
+def activations_apply(options: PassOptions) -> bool:
+    return cpu_checkpointing(options) or partition_activations(options)
 
 
 def _batch_dependent(g: fx.Graph) -> set:
@@ -90,32 +119,98 @@ def offload_activations(graph: StepGraph, options: PassOptions) -> PassResult:
         saved.append((n, later))
     if not saved:
         return PassResult(graph, False, "no saved activation: the backward reads nothing from the forward")
-    stores = {}
+    cpu, part = cpu_checkpointing(options), partition_activations(options)
+    tp, rank, group = options.tp_size, options.tp_rank, options.tp_group_name
+    kept: dict[fx.Node, fx.Node] = {}  # saved value -> what stays of it (its slice, or itself)
+    parted, whole_symbolic = [], 0
     for x, later in saved:
         forward = [u for u in x.users if u not in later]
         after = max(forward, key=pos.__getitem__) if forward else x
-        with g.inserting_after(after):
-            stores[x] = make_node(g, activation_store, (x,), val=None, like=x, name=f"{x.name}_stored")
+        kept[x] = x
+        if part and x.meta.get(META_TP_REPLICATED):
+            numel = x.meta["val"].numel()
+            if not isinstance(numel, int):
+                whole_symbolic += 1
+            else:
+                with g.inserting_after(after):
+                    kept[x] = after = _slice_of(g, x, numel, tp, rank)
+                parted.append(x)
+    stores = {}
+    if cpu:
+        for x, later in saved:
+            forward = [u for u in x.users if u not in later]
+            after = kept[x] if kept[x] is not x else max(forward, key=pos.__getitem__) if forward else x
+            with g.inserting_after(after):
+                stores[x] = make_node(g, activation_store, (kept[x],), val=None, like=x, name=f"{x.name}_stored")
     order = sorted(saved, key=lambda s: pos[s[1][0]])  # by the backward's first reader
     pos = {n: i for i, n in enumerate(g.nodes)}
     moved = 0
     for i, (x, later) in enumerate(order):
         first = later[0]
-        anchor = order[i - 1][1][0] if i else first
-        if pos[anchor] <= pos[stores[x]]:
-            anchor = first
-        val = x.meta["val"]
-        with g.inserting_before(anchor):
-            start = make_node(g, activation_fetch_start, (stores[x],), {"device": str(val.device)}, val=val,
-                              like=first, name=f"{x.name}_fetch")
-        with g.inserting_before(first):
-            back = make_node(g, host_fetch_wait, (start,), val=val, like=first, name=f"{x.name}_back")
-        for u in later:
-            u.replace_input_with(x, back)
-        numel = val.numel()
-        moved += int(numel) * val.element_size() if isinstance(numel, int) else 0
+        val = kept[x].meta["val"]
+        back = kept[x]
+        if x in stores:
+            anchor = order[i - 1][1][0] if i else first
+            if pos[anchor] <= pos[stores[x]]:
+                anchor = first
+            with g.inserting_before(anchor):
+                start = make_node(g, activation_fetch_start, (stores[x],), {"device": str(val.device)}, val=val,
+                                  like=first, name=f"{x.name}_fetch")
+            with g.inserting_before(first):
+                back = make_node(g, host_fetch_wait, (start,), val=val, like=first, name=f"{x.name}_back")
+            numel = val.numel()
+            moved += int(numel) * val.element_size() if isinstance(numel, int) else 0
+        if x in parted:
+            with g.inserting_before(first):
+                back = _gathered(g, back, x, tp, group, first)
+        if back is not x:
+            for u in later:
+                u.replace_input_with(x, back)
     g.lint()
     graph.gm.recompile()
-    return PassResult(graph, True, f"{len(saved)} saved activations ({format_bytes(moved)}, static sizes counted) "
-                                   "kept on the host between the forward and the backward (cpu_checkpointing), "
-                                   "each fetched one ahead of its backward readers")
+    said = []
+    if part:
+        said.append(f"{len(parted)} saved activations replicated over the tensor-parallel group kept as each "
+                    f"rank's 1/{tp} (partition_activations), all-gathered before their backward readers"
+                    + (f"; {whole_symbolic} of symbolic size kept whole" if whole_symbolic else ""))
+    if cpu:
+        said.append(f"{len(stores)} saved activations ({format_bytes(moved)}, static sizes counted) kept on the "
+                    "host between the forward and the backward (cpu_checkpointing), each fetched one ahead of "
+                    "its backward readers")
+    return PassResult(graph, bool(parted or stores), "; ".join(said))
+
+
+def _slice_of(g: fx.Graph, x: fx.Node, numel: int, tp: int, rank: int) -> fx.Node:
+    """This rank's slice of ``x`` flattened and zero-padded to a multiple of ``tp``, copied (so ``x`` is freed)."""
+    val = x.meta["val"]
+    share = -(-numel // tp)
+    meta = dict(like=x)
+    flat = make_node(g, aten.reshape.default, (x, [numel]), val=fake_like(val, (numel,)), name=f"{x.name}_flat",
+                     **meta)
+    if share * tp != numel:
+        with g.inserting_after(flat):
+            flat = make_node(g, aten.constant_pad_nd.default, (flat, [0, share * tp - numel]),
+                             val=fake_like(val, (share * tp,)), name=f"{x.name}_padded", **meta)
+    with g.inserting_after(flat):
+        part = make_node(g, aten.slice.Tensor, (flat, 0, rank * share, (rank + 1) * share),
+                         val=fake_like(val, (share,)), name=f"{x.name}_part", **meta)
+    with g.inserting_after(part):
+        return make_node(g, aten.clone.default, (part,), val=fake_like(val, (share,)), name=f"{x.name}_kept", **meta)
+
+
+def _gathered(g: fx.Graph, piece: fx.Node, x: fx.Node, tp: int, group: str, first: fx.Node) -> fx.Node:
+    """``x`` again, from the ranks' slices: all-gathered over the group, the padding cut, reshaped."""
+    val = x.meta["val"]
+    numel = val.numel()
+    share = piece.meta["val"].shape[0]
+    meta = dict(like=first)
+    issued = make_node(g, c10d.all_gather_into_tensor.default, (piece, tp, group),
+                       val=fake_like(val, (share * tp,)), name="tp_activation_gather", **meta)
+    done = make_node(g, c10d.wait_tensor.default, (issued,), val=fake_like(val, (share * tp,)),
+                     name="tp_activation_wait", **meta)
+    whole = done
+    if share * tp != numel:
+        whole = make_node(g, aten.slice.Tensor, (done, 0, 0, numel), val=fake_like(val, (numel,)),
+                          name=f"{x.name}_unpadded", **meta)
+    return make_node(g, aten.reshape.default, (whole, list(val.shape)), val=fake_like(val, tuple(val.shape)),
+                     name=f"{x.name}_whole", **meta)
