@@ -331,7 +331,7 @@ PIPELINE: tuple[PipelineEntry, ...] = (
         "after the fusions and the recomputation (what the backward reads from the forward is final): "
         "DeepSpeed's cpu_checkpointing keeps those values on the host in between, partition_activations each "
         "tensor-parallel rank's share of them; not under pipeline parallelism (each stage's program is cut after it)",
-        applies=lambda options: activations_apply(options) and pipeline_settings(options) <= 1,
+        applies=activations_apply,
     ),
     PipelineEntry(
         "update_across_steps",

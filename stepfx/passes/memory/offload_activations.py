@@ -98,6 +98,13 @@ def _batch_dependent(g: fx.Graph) -> set:
 
 
 def offload_activations(graph: StepGraph, options: PassOptions) -> PassResult:
+    from ..pipeline.partition_stages import pipeline_settings
+
+    if pipeline_settings(options) > 1:  # said, not dropped: explain() lists it
+        return PassResult(graph, False, "not implemented under pipeline parallelism (the stage programs are cut "
+                                        "after this pass): activation_checkpointing's cpu_checkpointing and "
+                                        "partition_activations not applied, the saved activations stay whole on "
+                                        "the device")
     graph = clone_step_graph(graph)
     g = graph.gm.graph
     nodes = list(g.nodes)
