@@ -134,7 +134,7 @@ def offload_activations(graph: StepGraph, options: PassOptions) -> PassResult:
         forward = [u for u in x.users if u not in later]
         after = max(forward, key=pos.__getitem__) if forward else x
         kept[x] = x
-        if part and x.meta.get(META_TP_REPLICATED):
+        if part and x.meta.get(META_TP_REPLICATED) and x.meta["val"].dtype.is_floating_point:  # (masks stay whole)
             numel = x.meta["val"].numel()
             if not isinstance(numel, int):
                 whole_symbolic += 1
