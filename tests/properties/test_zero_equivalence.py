@@ -3,8 +3,10 @@ parameter sizes that do not divide by the world size, and some parameters
 frozen: at stage 3 those are sharded too), with or without activations
 recomputed under a drawn budget (recompute_activations), with or without
 Adam's update offloaded to the host (offload_optimizer, "exact" host
-arithmetic, a drawn ratio), ZeRO on 2 real ranks equals the averaged-gradient
-reference bitwise."""
+arithmetic, a drawn ratio; at stage 3 possibly finishing in the next step:
+host_update_across_steps), with or without the saved activations kept on
+the host (cpu_checkpointing), ZeRO on 2 real ranks equals the
+averaged-gradient reference bitwise."""
 from __future__ import annotations
 
 from hypothesis import HealthCheck, Phase, example, given, settings
@@ -35,11 +37,14 @@ from tests.steps import ce_step
     frozen=st.sets(st.integers(0, 7), max_size=3),
     budget=st.sampled_from([None, None, 0.6, 0.0]),
     offload=st.sampled_from([None, None, 1.0, 0.5]),
+    across=st.booleans(),
+    host_activations=st.booleans(),
 )
 @example(widths=[5, 3], d_in=3, classes=3, stage=3, bucket=7, optimizer="adamw", steps=2, seed=1, frozen={1},
-         budget=None, offload=0.5)  # offload, partial, with a frozen parameter and pieces empty on a rank, always
+         budget=1.0, offload=0.5, across=True, host_activations=True)  # offload, partial, with a frozen parameter
+# and pieces empty on a rank, the update finishing in the next step, every activation saved and on the host: always
 def test_generated_zero_runs_equal_the_reference(rank_pool, widths, d_in, classes, stage, bucket, optimizer, steps, seed, frozen,
-                                                 budget, offload):
+                                                 budget, offload, across, host_activations):
     sizes = (d_in, *widths, classes)
     make_model = W.MLPFactory(sizes, sorted(frozen))
     make_opt = W.OptimizerFactory(optimizer)
@@ -48,6 +53,8 @@ def test_generated_zero_runs_equal_the_reference(rank_pool, widths, d_in, classe
     if offload is not None and stage >= 1 and optimizer == "adamw":  # what the host update implements ("adam" is amsgrad)
         zero["offload_optimizer"] = {"device": "cpu", "ratio": offload if stage == 3 else 1.0}
     config = {"gradient_clipping": 0, "zero_optimization": zero,
-              "stepfx": {"activation_memory_budget": budget, "host_adam": "exact"}}
+              "stepfx": {"activation_memory_budget": budget, "host_adam": "exact", "host_update_across_steps": across}}
+    if host_activations:  # cpu_checkpointing (the block alone would also mean budget 0 where none is drawn)
+        config["activation_checkpointing"] = {"cpu_checkpointing": True}
     report = assert_data_parallel_equivalent(rank_pool(2), ce_step, make_model, make_opt, batches, config=config, exact=True, seed=seed)
     assert report.bitwise and report.steps == steps
