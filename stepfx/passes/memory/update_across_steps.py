@@ -104,6 +104,11 @@ def update_across_steps(graph: StepGraph, options: PassOptions) -> PassResult:
         if not start.kwargs.get("params_on_host") and META_DONATED not in start.meta:
             return PassResult(graph, False, f"{start.name}'s updated pieces are read later in the step (not donated): "
                                             "the updates stay within the step")
+        if start.kwargs.get("params_on_host") and start.kwargs.get("copy_dtype") is None:
+            raise ConfigError(_KEY, f"{start.name} updates host-held pieces without 16-bit copies", value=True,
+                              expected="false")
+        if any(u.target is not operator.getitem for u in wait.users):
+            raise ConfigError(_KEY, f"{wait.name}'s results are read as a whole", value=True, expected="false")
     for wait in waits:
         start = start_of(wait)
         count = start.args[0]
@@ -112,13 +117,7 @@ def update_across_steps(graph: StepGraph, options: PassOptions) -> PassResult:
         moments = [start.args[1 + count * k + i] for i in range(count) for k in (2, 3)]
         current = [x for i in range(count) for x in (params[i], moments[2 * i], moments[2 * i + 1])]
         copies = [copies_of[p] for p in params] if on_host else []
-        if on_host and start.kwargs.get("copy_dtype") is None:
-            raise ConfigError(_KEY, f"{start.name} updates host-held pieces without 16-bit copies", value=True,
-                              expected="false")
         for user in list(wait.users):
-            if user.target is not operator.getitem:
-                raise ConfigError(_KEY, f"{user.name} reads the host update's results as a whole", value=True,
-                                  expected="false")
             i = user.args[1]
             user.replace_all_uses_with(current[i] if i < 3 * count else copies[i - 3 * count])
             g.erase_node(user)
@@ -137,9 +136,8 @@ def update_across_steps(graph: StepGraph, options: PassOptions) -> PassResult:
         moved += 1
     # each written tensor read through its ready, before its first reader
     order = {n: i for i, n in enumerate(g.nodes)}
-    ready_of = {}
     for x in written:
-        readers = [u for u in x.users]
+        readers = list(x.users)
         first = min(readers, key=order.__getitem__)
         with g.inserting_before(first):
             r = make_node(g, host_adam_ready, (x,), val=x.meta["val"], like=first, name=f"{x.name}_ready")
