@@ -101,3 +101,20 @@ def test_partitioned_over_the_tensor_parallel_group_are_the_same_bits(rank_pool)
         assert "kept as each rank's 1/2 (partition_activations)" in said and "kept on the host" in said
         assert not said.split("saved activations replicated")[0].endswith(" 0 ")
         assert ours["shapes"] != theirs["shapes"]
+
+
+def test_symbolic_lengths_are_stored_and_fetched_by_one_plan():
+    def trained(cpu):
+        torch.manual_seed(0)
+        model = tiny_gpt()
+        opt = adamw(model)
+        config = {"gradient_clipping": 1.0, "zero_optimization": {"stage": 1},
+                  "stepfx": {"dynamic": True, "activation_memory_budget": 1.0},
+                  "activation_checkpointing": {"cpu_checkpointing": cpu}}
+        step = stepfx.parallelize(config)(lm_step)
+        g = torch.Generator().manual_seed(3)
+        return step, [step(model, opt, torch.randint(0, 64, (2, n), generator=g)).item() for n in (9, 13, 7)]
+
+    (ours, losses), (_, plain) = trained(True), trained(False)
+    assert losses == plain and len(ours.plans) == 1
+    assert "of symbolic size) kept on the host" in ours.explain()

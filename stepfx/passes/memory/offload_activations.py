@@ -151,7 +151,7 @@ def offload_activations(graph: StepGraph, options: PassOptions) -> PassResult:
                 stores[x] = make_node(g, activation_store, (kept[x],), val=None, like=x, name=f"{x.name}_stored")
     order = sorted(saved, key=lambda s: pos[s[1][0]])  # by the backward's first reader
     pos = {n: i for i, n in enumerate(g.nodes)}
-    moved = 0
+    moved = symbolic = 0
     for i, (x, later) in enumerate(order):
         first = later[0]
         val = kept[x].meta["val"]
@@ -166,7 +166,10 @@ def offload_activations(graph: StepGraph, options: PassOptions) -> PassResult:
             with g.inserting_before(first):
                 back = make_node(g, host_fetch_wait, (start,), val=val, like=first, name=f"{x.name}_back")
             numel = val.numel()
-            moved += int(numel) * val.element_size() if isinstance(numel, int) else 0
+            if isinstance(numel, int):
+                moved += numel * val.element_size()
+            else:
+                symbolic += 1
         if x in parted:
             with g.inserting_before(first):
                 back = _gathered(g, back, x, tp, group, first)
@@ -181,9 +184,9 @@ def offload_activations(graph: StepGraph, options: PassOptions) -> PassResult:
                     f"rank's 1/{tp} (partition_activations), all-gathered before their backward readers"
                     + (f"; {whole_symbolic} of symbolic size kept whole" if whole_symbolic else ""))
     if cpu:
-        said.append(f"{len(stores)} saved activations ({format_bytes(moved)}, static sizes counted) kept on the "
-                    "host between the forward and the backward (cpu_checkpointing), each fetched one ahead of "
-                    "its backward readers")
+        sizes = format_bytes(moved) + (f" and {symbolic} of symbolic size" if symbolic else "")
+        said.append(f"{len(stores)} saved activations ({sizes}) kept on the host between the forward and the "
+                    "backward (cpu_checkpointing), each fetched one ahead of its backward readers")
     return PassResult(graph, bool(parted or stores), "; ".join(said))
 
 
