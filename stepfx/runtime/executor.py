@@ -56,9 +56,14 @@ class LocalExecutor:
 
     def run(self, batch_tensors: list[torch.Tensor]) -> Any:
         try:
+            # host updates earlier steps left running (host_update_across_steps): waited for here unless this graph
+            # waits for them itself; a graph that waits for none (a micro-step's) waits before the binding reads
+            # the state (a piece's copy made afresh from its master would read it mid-update)
+            if not self._ready_inputs:
+                settle_across_steps()
             inputs = self.binding.inputs(batch_tensors, release=True)
-            # host updates earlier steps left running: waited for here unless this graph waits for them itself
-            settle_across_steps(frozenset(id(inputs[i]) for i in self._ready_inputs))
+            if self._ready_inputs:
+                settle_across_steps(frozenset(id(inputs[i]) for i in self._ready_inputs))
             graphed = self.graphed
             with torch.no_grad():
                 self.phase_seconds = None
