@@ -207,6 +207,21 @@ def allocates_nothing(node: fx.Node) -> bool:
             and schema.arguments[0].alias_info.is_write)
 
 
+def batch_dependent(nodes) -> set:
+    """The nodes among ``nodes`` (in program order) whose values are computed from the batch: its
+    placeholders and everything that reads one of them, directly or not."""
+    from .signature import Role
+
+    out = set()
+    for n in nodes:
+        if n.op == "placeholder":
+            if getattr(n.meta.get("slot"), "role", None) is Role.BATCH:
+                out.add(n)
+        elif any(a in out for a in n.all_input_nodes):
+            out.add(n)
+    return out
+
+
 def storage_root(node: fx.Node) -> fx.Node:
     """The node that made the storage ``node``'s value lives in."""
     while allocates_nothing(node) and isinstance(node.args[0], fx.Node):

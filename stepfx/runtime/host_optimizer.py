@@ -451,6 +451,8 @@ def settle_across_steps(keep: frozenset = frozenset()) -> int:
     """Wait for the host updates finished steps left running (their writes in
     place complete), except those writing only tensors whose ids are in
     ``keep`` (a plan whose readers wait for them itself); how many."""
+    if not _ACROSS:  # every step of every plan asks: nothing left running is the common case
+        return 0
     with _LOCK:
         jobs = {j for j in _ACROSS if any(jj is j and key not in keep for key, (_, jj) in _IN_FLIGHT.items())
                 or not any(jj is j for _, jj in _IN_FLIGHT.values())}

@@ -52,9 +52,9 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ...graph import Phase, Role, StepGraph
+from ...graph import Phase, StepGraph
 from ...graph.build import clone_step_graph
-from ...graph.ops import allocates_nothing
+from ...graph.ops import allocates_nothing, batch_dependent
 from ...graph.step_graph import META_PHASE
 from ...runtime.host_params import activation_fetch_start, activation_store, host_fetch_wait
 from ..data_parallel.collectives import fake_like, make_node
@@ -86,17 +86,6 @@ def activations_apply(options: PassOptions) -> bool:
     return cpu_checkpointing(options) or partition_activations(options)
 
 
-def _batch_dependent(g: fx.Graph) -> set:
-    out = set()
-    for n in g.nodes:
-        if n.op == "placeholder":
-            if n.meta["slot"].role is Role.BATCH:
-                out.add(n)
-        elif any(a in out for a in n.all_input_nodes):
-            out.add(n)
-    return out
-
-
 def offload_activations(graph: StepGraph, options: PassOptions) -> PassResult:
     from ..pipeline.partition_stages import pipeline_settings
 
@@ -109,8 +98,9 @@ def offload_activations(graph: StepGraph, options: PassOptions) -> PassResult:
     g = graph.gm.graph
     nodes = list(g.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
-    data = _batch_dependent(g)
+    data = batch_dependent(g.nodes)
     saved = []
+    last_forward: dict[fx.Node, fx.Node] = {}  # saved value -> its last forward reader (or itself)
     for n in nodes:
         val = n.meta.get("val")
         if (n.op != "call_function" or n.meta.get(META_PHASE) is not Phase.FORWARD or n not in data
@@ -124,30 +114,27 @@ def offload_activations(graph: StepGraph, options: PassOptions) -> PassResult:
         if forward and max(pos[u] for u in forward) > pos[later[0]]:
             continue  # a backward reader before a forward one (a scheduled graph): nowhere to keep it apart
         saved.append((n, later))
+        last_forward[n] = max(forward, key=pos.__getitem__) if forward else n
     if not saved:
         return PassResult(graph, False, "no saved activation: the backward reads nothing from the forward")
     cpu, part = cpu_checkpointing(options), partition_activations(options)
     tp, rank, group = options.tp_size, options.tp_rank, options.tp_group_name
     kept: dict[fx.Node, fx.Node] = {}  # saved value -> what stays of it (its slice, or itself)
     parted, whole_symbolic = [], 0
-    for x, later in saved:
-        forward = [u for u in x.users if u not in later]
-        after = max(forward, key=pos.__getitem__) if forward else x
+    for x, _ in saved:
         kept[x] = x
         if part and x.meta.get(META_TP_REPLICATED) and x.meta["val"].dtype.is_floating_point:  # (masks stay whole)
             numel = x.meta["val"].numel()
             if not isinstance(numel, int):
                 whole_symbolic += 1
             else:
-                with g.inserting_after(after):
-                    kept[x] = after = _slice_of(g, x, numel, tp, rank)
+                with g.inserting_after(last_forward[x]):
+                    kept[x] = _slice_of(g, x, numel, tp, rank)
                 parted.append(x)
     stores = {}
     if cpu:
-        for x, later in saved:
-            forward = [u for u in x.users if u not in later]
-            after = kept[x] if kept[x] is not x else max(forward, key=pos.__getitem__) if forward else x
-            with g.inserting_after(after):
+        for x, _ in saved:
+            with g.inserting_after(kept[x] if kept[x] is not x else last_forward[x]):
                 stores[x] = make_node(g, activation_store, (kept[x],), val=None, like=x, name=f"{x.name}_stored")
     order = sorted(saved, key=lambda s: pos[s[1][0]])  # by the backward's first reader
     pos = {n: i for i, n in enumerate(g.nodes)}

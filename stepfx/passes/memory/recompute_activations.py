@@ -74,11 +74,11 @@ from ...graph.build import clone_step_graph_mapped, copy_node_meta
 from ...graph.ops import (
     ATTENTION_OPS,
     allocates_nothing,
+    batch_dependent,
     has_side_effect,
     is_collective,
     is_random,
 )
-from ...graph.signature import Role
 from ...graph.step_graph import META_PHASE, Phase
 from ..manager import PassOptions, PassResult
 
@@ -186,10 +186,7 @@ class _Analysis:
         between blocks (an articulation point of the forward's data flow with more than one reader).
         Recomputing across them would rebuild earlier blocks for a later block's backward and keep the
         copies alive until their own backward: from the ``matmuls`` level on they are kept."""
-        data = {n for n in self.nodes if n.op == "placeholder" and getattr(n.meta.get("slot"), "role", None) is Role.BATCH}
-        for n in self.forward:
-            if any(a in data for a in n.all_input_nodes):
-                data.add(n)
+        data = batch_dependent([n for n in self.nodes if n.op == "placeholder"] + list(self.forward))
         flow = nx.Graph()
         for n in self.forward:
             if n in data and _is_tensor(n.meta.get("val")):
