@@ -192,13 +192,16 @@ def is_collective(node: fx.Node) -> bool:
 def allocates_nothing(node: fx.Node) -> bool:
     """The result is storage something else made: a view, an alias, one
     element of a multi-output op's result, an op that writes its first
-    argument in place and returns it (``all_reduce_``), or the wait for a
-    collective (its result is the collective's buffer)."""
+    argument in place and returns it (``all_reduce_``), the wait for a
+    collective (its result is the collective's buffer), or ``_unsafe_view``
+    (a view its schema does not declare: what a matmul's result is reshaped
+    by)."""
     if node.op != "call_function":
         return False
     if (node.target in ALIAS_OPS or node.target is operator.getitem
             or getattr(node.target, "stepfx_result_of_first_arg", False)
-            or node.target is torch.ops._c10d_functional.wait_tensor.default or is_view(node)):
+            or node.target is torch.ops._c10d_functional.wait_tensor.default or is_view(node)
+            or node.target is torch.ops.aten._unsafe_view.default):
         return True
     schema = _schema(node)
     returns = schema.returns if schema is not None else ()

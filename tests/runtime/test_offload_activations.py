@@ -7,12 +7,15 @@ rewired), the accounting, and that the step is the same bits; on a GPU
 tests/gpu/test_offload_cuda.py compares it and its peak."""
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 
 import stepfx
 from stepfx.graph import Phase
 from stepfx.graph.accounting import Sizes, estimate_memory, host_traffic, liveness, size_values
+from stepfx.graph.ops import allocates_nothing
 from stepfx.graph.step_graph import META_PHASE
 from stepfx.runtime.host_params import activation_fetch_start, activation_store, host_fetch_wait
 from tests.steps import adamw, dp_batches, lm_step, tiny_gpt
@@ -28,6 +31,18 @@ def _live_at_the_backward(graph) -> int:
         live += sizes.value(size) if size is not None else 0
         live -= sum(sizes.value(s) for _, s in freed)
     raise AssertionError("no backward")
+
+
+def _views_of(x) -> set:
+    """The nodes that see ``x``'s storage (views of views included; the accounting's rule, and reshape)."""
+    out, stack = set(), [x]
+    while stack:
+        for u in stack.pop().users:
+            if u not in out and u.target is not operator.getitem and u.args and u.args[0] in (x, *out) and (
+                    allocates_nothing(u) or u.target is torch.ops.aten.reshape.default):
+                out.add(u)
+                stack.append(u)
+    return out
 
 
 def _train(config, steps=3):
@@ -67,8 +82,11 @@ def test_saved_activations_on_the_host_are_the_same_step(stage, bf16, budget):
         x = store.args[0]
         fetch = next(u for u in store.users if u.target is activation_fetch_start)
         (back,) = [u for u in fetch.users if u.target is host_fetch_wait]
-        # the forward reads x, the store follows its last forward reader; the backward reads only the copy
-        assert all(pos[u] < pos[store] and u.meta[META_PHASE] is Phase.FORWARD for u in x.users if u is not store)
+        # the forward reads x and its views, the store follows their last forward reader; the backward reads only
+        # the copy (a view of x read by the backward would keep x's memory on the device beside the copy)
+        views = _views_of(x)
+        readers = {u for v in (x, *views) for u in v.users if u is not store and u not in views}
+        assert all(pos[u] < pos[store] and u.meta[META_PHASE] is Phase.FORWARD for u in readers)
         assert back.users and all(u.meta[META_PHASE] is not Phase.FORWARD for u in back.users)
         assert pos[store] < pos[fetch] < pos[back]
         stored += x.meta["val"].numel() * x.meta["val"].element_size()

@@ -49,6 +49,8 @@ Before / after::
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 
@@ -66,6 +68,7 @@ __all__ = ["offload_activations", "cpu_checkpointing", "partition_activations", 
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
+_RESHAPES = frozenset({aten.reshape.default, aten._unsafe_view.default})
 
 
 def _block(options: PassOptions) -> dict:
@@ -99,21 +102,25 @@ def offload_activations(graph: StepGraph, options: PassOptions) -> PassResult:
     nodes = list(g.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     data = batch_dependent(g.nodes)
-    saved = []
-    last_forward: dict[fx.Node, fx.Node] = {}  # saved value -> its last forward reader (or itself)
+    saved = []  # (value, its aliases in graph order, the backward nodes reading it or them)
+    last_forward: dict[fx.Node, fx.Node] = {}  # saved value -> its (or an alias's) last forward reader, or itself
     for n in nodes:
         val = n.meta.get("val")
         if (n.op != "call_function" or n.meta.get(META_PHASE) is not Phase.FORWARD or n not in data
-                or not isinstance(val, torch.Tensor) or allocates_nothing(n)):
+                or not isinstance(val, torch.Tensor) or not _owns_storage(n)):
             continue
-        later = sorted((u for u in n.users if u.op != "output" and u.meta.get(META_PHASE) is not Phase.FORWARD),
-                       key=pos.__getitem__)
-        forward = [u for u in n.users if u not in later]
-        if not later or any(u.op == "output" for u in n.users):
+        aliases = _aliases(n)
+        group = {n, *aliases}
+        readers = {u for m in group for u in m.users if u not in group}
+        if any(u.op == "output" for u in readers):
+            continue
+        later = sorted((u for u in readers if u.meta.get(META_PHASE) is not Phase.FORWARD), key=pos.__getitem__)
+        forward = [u for u in readers if u not in later] + aliases
+        if not later:
             continue
         if forward and max(pos[u] for u in forward) > pos[later[0]]:
             continue  # a backward reader before a forward one (a scheduled graph): nowhere to keep it apart
-        saved.append((n, later))
+        saved.append((n, aliases, later))
         last_forward[n] = max(forward, key=pos.__getitem__) if forward else n
     if not saved:
         return PassResult(graph, False, "no saved activation: the backward reads nothing from the forward")
@@ -121,7 +128,7 @@ def offload_activations(graph: StepGraph, options: PassOptions) -> PassResult:
     tp, rank, group = options.tp_size, options.tp_rank, options.tp_group_name
     kept: dict[fx.Node, fx.Node] = {}  # saved value -> what stays of it (its slice, or itself)
     parted, whole_symbolic = [], 0
-    for x, _ in saved:
+    for x, _, _ in saved:
         kept[x] = x
         if part and x.meta.get(META_TP_REPLICATED) and x.meta["val"].dtype.is_floating_point:  # (masks stay whole)
             numel = x.meta["val"].numel()
@@ -133,18 +140,18 @@ def offload_activations(graph: StepGraph, options: PassOptions) -> PassResult:
                 parted.append(x)
     stores = {}
     if cpu:
-        for x, _ in saved:
+        for x, _, _ in saved:
             with g.inserting_after(kept[x] if kept[x] is not x else last_forward[x]):
                 stores[x] = make_node(g, activation_store, (kept[x],), val=None, like=x, name=f"{x.name}_stored")
-    order = sorted(saved, key=lambda s: pos[s[1][0]])  # by the backward's first reader
+    order = sorted(saved, key=lambda s: pos[s[2][0]])  # by the backward's first reader
     pos = {n: i for i, n in enumerate(g.nodes)}
     moved = symbolic = 0
-    for i, (x, later) in enumerate(order):
+    for i, (x, aliases, later) in enumerate(order):
         first = later[0]
         val = kept[x].meta["val"]
         back = kept[x]
         if x in stores:
-            anchor = order[i - 1][1][0] if i else first
+            anchor = order[i - 1][2][0] if i else first
             if pos[anchor] <= pos[stores[x]]:
                 anchor = first
             with g.inserting_before(anchor):
@@ -161,8 +168,21 @@ def offload_activations(graph: StepGraph, options: PassOptions) -> PassResult:
             with g.inserting_before(first):
                 back = _gathered(g, back, x, tp, group, first)
         if back is not x:
+            again = {x: back}  # the aliases the backward reads, made again of what came back (views: no copy)
+            needed = set()
+            for a in aliases:
+                if any(u in later for u in a.users):
+                    while a is not x and a not in needed:
+                        needed.add(a)
+                        a = a.args[0]
+            with g.inserting_before(first):
+                for a in aliases:  # (graph order: each after what it views)
+                    if a in needed:
+                        again[a] = g.node_copy(a, lambda arg: again.get(arg, arg))
+                        again[a].meta.update(a.meta, **{META_PHASE: first.meta.get(META_PHASE)})
             for u in later:
-                u.replace_input_with(x, back)
+                for m, y in again.items():
+                    u.replace_input_with(m, y)
     g.lint()
     graph.gm.recompile()
     said = []
@@ -175,6 +195,34 @@ def offload_activations(graph: StepGraph, options: PassOptions) -> PassResult:
         said.append(f"{len(stores)} saved activations ({sizes}) kept on the host between the forward and the "
                     "backward (cpu_checkpointing), each fetched one ahead of its backward readers")
     return PassResult(graph, bool(parted or stores), "; ".join(said))
+
+
+def _aliases_input(n: fx.Node) -> bool:
+    """``n``'s result is (or may be, for reshape) its first argument's storage seen another way: read again
+    of the fetched value, it is the same."""
+    return (n.op == "call_function" and n.target is not operator.getitem and bool(n.args)
+            and isinstance(n.args[0], fx.Node) and (allocates_nothing(n) or n.target in _RESHAPES))
+
+
+def _owns_storage(n: fx.Node) -> bool:
+    """A value whose memory goes back once it and its aliases are no longer read: an op's own result, or one
+    result of an op that returns several (``getitem`` of a layer norm's or an attention's outputs)."""
+    if n.target is operator.getitem:
+        src = n.args[0]
+        return isinstance(src, fx.Node) and src.op == "call_function" and not allocates_nothing(src)
+    return not _aliases_input(n) and not allocates_nothing(n)
+
+
+def _aliases(x: fx.Node) -> list:
+    """The nodes that view ``x`` (through views of views), in graph order."""
+    out, stack = [], [x]
+    while stack:
+        for u in stack.pop().users:
+            if _aliases_input(u) and u.args[0] in (x, *out) and u not in out:
+                out.append(u)
+                stack.append(u)
+    order = {n: i for i, n in enumerate(x.graph.nodes)}
+    return sorted(out, key=order.__getitem__)
 
 
 def _slice_of(g: fx.Graph, x: fx.Node, numel: int, tp: int, rank: int) -> fx.Node:
