@@ -9,6 +9,7 @@ from .cleanup.drop_profiler_nodes import drop_profiler_nodes
 from .cleanup.eliminate_dead_code import eliminate_dead_code
 from .cleanup.fold_causal_masks import fold_causal_masks
 from .cleanup.functionalize_graph import functionalize_graph
+from .cleanup.hoist_getitems import hoist_getitems
 from .cleanup.hoist_symbolic_sizes import hoist_symbolic_sizes
 from .cleanup.prune_unchanged_outputs import prune_unchanged_outputs
 from .cleanup.remove_aliases import remove_aliases
@@ -324,6 +325,13 @@ PIPELINE: tuple[PipelineEntry, ...] = (
         fuse_generic_regions,
         "last: what stepfx's own kernels did not take is generic, and goes to inductor",
         applies=regions_apply,
+    ),
+    PipelineEntry(
+        "hoist_getitems",
+        hoist_getitems,
+        "after the recomputation and the fusions (which read results of multi-output ops from later nodes), before "
+        "offload_activations (a forward result the backward reads is then a forward value it can store): the "
+        "op's tuple no longer keeps every result alive until its last reader",
     ),
     PipelineEntry(
         "offload_activations",
