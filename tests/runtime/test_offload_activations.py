@@ -78,7 +78,9 @@ def test_saved_activations_on_the_host_are_the_same_step(stage, bf16, budget):
     stores = [n for n in nodes if n.target is activation_store]
     assert stores and "kept on the host between the forward" in ours.explain()
     stored = 0
+    backward = min(pos[n] for n in nodes if n.op == "call_function" and n.meta.get(META_PHASE) is Phase.BACKWARD)
     for store in stores:
+        assert pos[store] < backward  # (a view the recomputed backward takes of x once kept x to it)
         x = store.args[0]
         fetch = next(u for u in store.users if u.target is activation_fetch_start)
         (back,) = [u for u in fetch.users if u.target is host_fetch_wait]

@@ -115,7 +115,9 @@ def offload_activations(graph: StepGraph, options: PassOptions) -> PassResult:
         if any(u.op == "output" for u in readers):
             continue
         later = sorted((u for u in readers if u.meta.get(META_PHASE) is not Phase.FORWARD), key=pos.__getitem__)
-        forward = [u for u in readers if u not in later] + aliases
+        # the views the forward takes count as its readers; those the backward takes (the recomputation's) are
+        # made again of the fetched copy below, and the originals dropped
+        forward = [u for u in readers if u not in later] + [a for a in aliases if a.meta.get(META_PHASE) is Phase.FORWARD]
         if not later:
             continue
         if forward and max(pos[u] for u in forward) > pos[later[0]]:
@@ -183,6 +185,9 @@ def offload_activations(graph: StepGraph, options: PassOptions) -> PassResult:
             for u in later:
                 for m, y in again.items():
                     u.replace_input_with(m, y)
+            for a in reversed(aliases):  # a view nothing reads now would still keep x to where it is
+                if not a.users:
+                    g.erase_node(a)
     g.lint()
     graph.gm.recompile()
     said = []
