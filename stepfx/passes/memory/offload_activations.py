@@ -56,7 +56,7 @@ import torch.fx as fx
 
 from ...graph import Phase, StepGraph
 from ...graph.build import clone_step_graph
-from ...graph.ops import allocates_nothing, batch_dependent
+from ...graph.ops import ALIAS_OPS, allocates_nothing, batch_dependent, is_view
 from ...graph.step_graph import META_PHASE
 from ...runtime.host_params import activation_fetch_start, activation_store, host_fetch_wait
 from ..data_parallel.collectives import fake_like, make_node
@@ -111,6 +111,8 @@ def offload_activations(graph: StepGraph, options: PassOptions) -> PassResult:
             continue
         aliases = _aliases(n)
         group = {n, *aliases}
+        if _held_otherwise(group):
+            continue
         readers = {u for m in group for u in m.users if u not in group}
         if any(u.op == "output" for u in readers):
             continue
@@ -203,10 +205,18 @@ def offload_activations(graph: StepGraph, options: PassOptions) -> PassResult:
 
 
 def _aliases_input(n: fx.Node) -> bool:
-    """``n``'s result is (or may be, for reshape) its first argument's storage seen another way: read again
-    of the fetched value, it is the same."""
-    return (n.op == "call_function" and n.target is not operator.getitem and bool(n.args)
-            and isinstance(n.args[0], fx.Node) and (allocates_nothing(n) or n.target in _RESHAPES))
+    """``n``'s result is (or may be, for reshape) its first argument's storage seen another way, and nothing
+    else: read again of the fetched value, it is the same (not an in-place op returning its argument, nor a
+    collective's wait, nor a runtime call)."""
+    return (n.op == "call_function" and bool(n.args) and isinstance(n.args[0], fx.Node)
+            and (is_view(n) or n.target in ALIAS_OPS or n.target in _RESHAPES))
+
+
+def _held_otherwise(group: set) -> bool:
+    """Something other than a view keeps the value's storage (an op writing it in place and returning it):
+    storing it would not give its memory back."""
+    return any(allocates_nothing(u) and u.target is not operator.getitem and not _aliases_input(u)
+               for m in group for u in m.users)
 
 
 def _owns_storage(n: fx.Node) -> bool:
