@@ -57,16 +57,15 @@ def _in_place(node: fx.Node, items: list) -> bool:
 
 
 def hoist_getitems(graph: StepGraph, options: PassOptions) -> PassResult:
-    todo = [n for n in graph.gm.graph.nodes
-            if n.op == "call_function" and _items(n) and not _in_place(n, _items(n))]
+    todo = [n.name for n in graph.gm.graph.nodes if n.op == "call_function" and not _in_place(n, _items(n))]
     if not todo:
         return PassResult(graph, False)
     graph = clone_step_graph(graph)
     g = graph.gm.graph
-    names = {n.name for n in todo}
+    names = set(todo)
+    order = {n: i for i, n in enumerate(g.nodes)}  # (moving getitems never reorders two of one op)
     moved = merged = 0
     for node in [n for n in g.nodes if n.name in names]:
-        order = {n: i for i, n in enumerate(g.nodes)}
         first: dict = {}
         anchor = node
         for item in sorted(_items(node), key=lambda u: (u.args[1], order[u])):

@@ -74,7 +74,7 @@ def fuse_optimizer_update(graph: StepGraph, options: PassOptions) -> PassResult:
         if node.op == "call_function" and node.meta.get(META_PHASE) is Phase.OPTIMIZER and node.meta.get(META_PARAM) in rules:
             tagged.setdefault(node.meta[META_PARAM], []).append(node)
     for name, nodes in tagged.items():
-        if any(_runtime_call(n) for n in nodes):
+        if any(_runtime_effect(n) for n in nodes):
             continue  # its update is already a host job (offload_optimizer): nothing here to fuse, nor to run
         rule = rules[name]
         why = _unsupported(rule)
@@ -279,17 +279,17 @@ def _sample(region: _Region, overflow: bool) -> dict:
     return values
 
 
-def _runtime_call(node: fx.Node) -> bool:
-    """A call of stepfx's runtime (a host job's start, wait or validation):
-    never an op of an update to fuse, and never to be run by the check (it
-    would start a real job on the samples)."""
-    return node.op == "call_function" and getattr(node.target, "__module__", "").startswith("stepfx.runtime")
+def _runtime_effect(node: fx.Node) -> bool:
+    """A runtime op marked as acting beyond its value (a host job's start:
+    ``stepfx_side_effect``): never an op of an update to fuse, and never to
+    be run by the check (it would start a real job on the samples)."""
+    return node.op == "call_function" and getattr(node.target, "stepfx_side_effect", False)
 
 
 def _run(nodes: set, values: dict, order: dict) -> dict:
     env = dict(values)
     for node in sorted(nodes, key=order.__getitem__):
-        if _runtime_call(node) or is_collective(node):
+        if _runtime_effect(node) or is_collective(node):
             raise ValueError(f"{node.name} ({getattr(node.target, '__name__', node.target)}) has effects beyond "
                              "its value")
         args = fx.node.map_arg(node.args, lambda a: env[a])

@@ -109,7 +109,7 @@ def offload_activations(graph: StepGraph, options: PassOptions) -> PassResult:
         if (n.op != "call_function" or n.meta.get(META_PHASE) is not Phase.FORWARD or n not in data
                 or not isinstance(val, torch.Tensor) or not _owns_storage(n)):
             continue
-        aliases = _aliases(n)
+        aliases = _aliases(n, pos)
         group = {n, *aliases}
         if _held_otherwise(group):
             continue
@@ -182,8 +182,8 @@ def offload_activations(graph: StepGraph, options: PassOptions) -> PassResult:
             with g.inserting_before(first):
                 for a in aliases:  # (graph order: each after what it views)
                     if a in needed:
-                        again[a] = g.node_copy(a, lambda arg: again.get(arg, arg))
-                        again[a].meta.update(a.meta, **{META_PHASE: first.meta.get(META_PHASE)})
+                        again[a] = g.node_copy(a, lambda arg: again.get(arg, arg))  # (its meta copied)
+                        again[a].meta[META_PHASE] = first.meta.get(META_PHASE)
             for u in later:
                 for m, y in again.items():
                     u.replace_input_with(m, y)
@@ -228,16 +228,16 @@ def _owns_storage(n: fx.Node) -> bool:
     return not _aliases_input(n) and not allocates_nothing(n)
 
 
-def _aliases(x: fx.Node) -> list:
-    """The nodes that view ``x`` (through views of views), in graph order."""
-    out, stack = [], [x]
+def _aliases(x: fx.Node, pos: dict) -> list:
+    """The nodes that view ``x`` (through views of views), in graph order (``pos``: node -> position)."""
+    seen, stack = {x}, [x]
     while stack:
         for u in stack.pop().users:
-            if _aliases_input(u) and u.args[0] in (x, *out) and u not in out:
-                out.append(u)
+            if u not in seen and _aliases_input(u) and u.args[0] in seen:
+                seen.add(u)
                 stack.append(u)
-    order = {n: i for i, n in enumerate(x.graph.nodes)}
-    return sorted(out, key=order.__getitem__)
+    seen.discard(x)
+    return sorted(seen, key=pos.__getitem__)
 
 
 def _slice_of(g: fx.Graph, x: fx.Node, numel: int, tp: int, rank: int) -> fx.Node:
