@@ -13,6 +13,8 @@ one, out of memory, is recorded as such):
 - ``stepfx``: no recomputation (expected to run out of memory at the
   default micro-batch: that is the point);
 - ``stepfx-<b>``: ``"stepfx": {"activation_memory_budget": b}`` (codegen on);
+- ``stepfx-gib<X>``: ``"stepfx": {"memory_budget_gib": X}``: the planner's
+  least recomputation whose predicted peak fits X GiB;
 - ``eager-ckpt``: autocast, every block under ``torch.utils.checkpoint``
   (non-reentrant), fused AdamW;
 - ``compile-<b>``: every block ``torch.compile``d with
@@ -58,10 +60,13 @@ def run(kind: str, args) -> dict:
     adamw = dict(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
     summary = None
     if kind.startswith("stepfx"):
-        budget = float(kind.split("-", 1)[1]) if "-" in kind else None
+        arg = kind.split("-", 1)[1] if "-" in kind else None
         optimizer = torch.optim.AdamW(model.parameters(), **adamw)
-        config = {"bf16": {"enabled": True}, "gradient_clipping": 1.0,
-                  "stepfx": {"codegen": device.type == "cuda" or None, "activation_memory_budget": budget}}
+        config = {"bf16": {"enabled": True}, "gradient_clipping": 1.0, "stepfx": {"codegen": device.type == "cuda" or None}}
+        if arg is not None and arg.startswith("gib"):  # the planner: the least recomputation that fits
+            config["stepfx"]["memory_budget_gib"] = float(arg[3:])
+        elif arg is not None:
+            config["stepfx"]["activation_memory_budget"] = float(arg)
         step = stepfx.parallelize(config)(stepfx_step)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), fused=device.type == "cuda", **adamw)
@@ -92,6 +97,8 @@ def run(kind: str, args) -> dict:
     counted = None
     if kind.startswith("stepfx"):
         summary = next((r.summary for r in step.plan.records if r.name == "recompute_activations"), None)
+        if step.plan.planned_choice is not None:
+            summary = f"planner: {step.plan.planned_choice}; {summary}"
         counted = recomputed_flops(step.plan.graph)
     row = {"system": kind, "size": args.size, "batch": args.batch, "seq": args.seq, "tokens_per_s": round(tps),
             "mfu_useful": round(flops_per_token * tps / PEAK_FLOPS, 4), "first_call_s": warm[0],
