@@ -42,7 +42,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import stepfx  # noqa: E402
-from benchmarks.single_gpu import PEAK_FLOPS, eager_step, failure_row, record_row, stepfx_step, sync, timed  # noqa: E402
+from benchmarks.single_gpu import PEAK_FLOPS, eager_step, failure_row, profile, record_row, stepfx_step, sync, timed  # noqa: E402
 from stepfx.graph.accounting import node_flops  # noqa: E402
 from stepfx.passes.memory.recompute_activations import META_RECOMPUTED  # noqa: E402
 from stepfx.testing.models import GPT, gpt_config  # noqa: E402
@@ -94,6 +94,8 @@ def run(kind: str, args) -> dict:
     times, loss = timed(lambda i: step(model, optimizer, batches[i % 2]), args.steps, device)
     tps = args.batch * args.seq / (times["step_ms"] / 1e3)
     flops_per_token = 6 * model.matmul_params() + 12 * cfg.n_layers * cfg.d_model * args.seq
+    if args.profile and device.type == "cuda":  # 3 more steps under torch.profiler: device ms by kind of kernel
+        row_profile = profile(kind, lambda i: step(model, optimizer, batches[i % 2]), args, trace=args.trace)
     counted = None
     if kind.startswith("stepfx"):
         summary = next((r.summary for r in step.plan.records if r.name == "recompute_activations"), None)
@@ -104,6 +106,8 @@ def run(kind: str, args) -> dict:
             "mfu_useful": round(flops_per_token * tps / PEAK_FLOPS, 4), "first_call_s": warm[0],
             "peak_alloc_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None,
             "final_loss": round(float(loss.detach()), 4), "timing": times, "remat": summary}
+    if args.profile and device.type == "cuda":
+        row["profile"] = row_profile
     if counted is not None:  # the useful MFU scaled by the plan's matmul and attention FLOPs over those not recomputed
         # (a ratio: node_flops misses the head inside the fused linear + cross-entropy kernel, never recomputed)
         total, again = counted
@@ -135,6 +139,8 @@ def main() -> None:
     ap.add_argument("--systems", default="stepfx,stepfx-0.5,stepfx-0,eager-ckpt,compile-0.5,compile-0")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default=os.environ.get("OUT"))
+    ap.add_argument("--profile", action="store_true", help="also profile 3 steps (single_gpu.profile: $OUT/profile_<system>.txt)")
+    ap.add_argument("--trace", action="store_true", help="with --profile: keep the Chrome trace (gzipped)")
     args = ap.parse_args()
     systems = args.systems.split(",")
     meta = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
@@ -145,7 +151,8 @@ def main() -> None:
         for kind in systems:
             cmd = [sys.executable, os.path.abspath(__file__), "--systems", kind, "--size", args.size, "--seq",
                    str(args.seq), "--batch", str(args.batch), "--warmup", str(args.warmup), "--steps",
-                   str(args.steps), "--device", args.device] + (["--out", args.out] if args.out else [])
+                   str(args.steps), "--device", args.device] + (["--out", args.out] if args.out else []) + \
+                  (["--profile"] if args.profile else []) + (["--trace"] if args.trace else [])
             subprocess.run(cmd, check=False)
         return
     kind = systems[0]
