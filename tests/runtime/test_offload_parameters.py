@@ -155,3 +155,59 @@ def test_refusals_name_the_key():
         _single(_cfg(param={"device": "nvme"}), steps=1)
     with pytest.raises(ConfigError, match=r"offload_param\.device: 'nvme' with offload_optimizer on 'cpu'"):
         _single(_cfg(param={"device": "nvme", "nvme_path": "/tmp/x"}, optimizer={}), steps=1)
+
+
+class _Inline:
+    """The host worker run in the caller's thread: a job's updates happen exactly where the graph starts it."""
+
+    def submit(self, fn, *args):
+        from concurrent.futures import Future
+
+        future = Future()
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiter, as the thread pool does
+            future.set_exception(exc)
+        return future
+
+
+def test_a_speculated_update_of_host_pieces_waits_for_their_last_reader(monkeypatch):
+    # a speculating start comes as soon as its gradients exist, in the backward; Llama's layers read a weight
+    # for their input gradient after its own gradient is made. Updated there (on a CPU device the fetched
+    # piece is the host piece itself), that input gradient came out wrong: the validation restores the piece,
+    # not what was computed from it. With the worker inline the update runs exactly at the start: the step
+    # must still be the one without offloading, bit for bit. With DeepSpeed's "auto" bucket and persistence
+    # sizes (as open-instruct's stage-3 offload config gives them) a group's start fell before such a reader:
+    # 6e-4 relative in the second loss, one run in two with the worker on its own thread, every run inline
+    from stepfx.runtime import host_optimizer as H
+    from tests.steps import hf_llama, padded_rank_batches, padded_step
+
+    monkeypatch.setattr(H, "_worker", lambda: _Inline())
+    monkeypatch.setattr(H._Verdict, "known", lambda self: False)
+    batches = padded_rank_batches(1, 3, seed=3)[0]
+
+    def run(config):
+        torch.manual_seed(0)
+        model = hf_llama()
+        opt = adamw(model)
+        step = stepfx.parallelize(config)(padded_step)
+        return [float(step(model, opt, b)) for (b,) in batches], step
+
+    zero = {"stage": 3, "stage3_param_persistence_threshold": "auto", "reduce_bucket_size": "auto"}
+    offloaded = {"gradient_clipping": 1e-3, "stepfx": {"host_adam": "exact", "host_update_speculation": True},
+                 "zero_optimization": {**zero, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}}
+    losses, step = run(offloaded)
+    plain, ref = run({"gradient_clipping": 1e-3, "zero_optimization": zero})
+    assert losses == plain
+    ours, theirs = step.model_state_dict(), ref.model_state_dict()
+    assert all(torch.equal(ours[n], theirs[n]) for n in theirs)
+    for plan in step.plans:
+        nodes = list(plan.graph.gm.graph.nodes)
+        pos = {n: i for i, n in enumerate(nodes)}
+        starts = [n for n in nodes if n.target is host_adam_start]
+        assert starts and all(n.kwargs.get("params_on_host") and n.kwargs.get("speculative") for n in starts)
+        for start in starts:  # after every fetch of its pieces and every reader of what was fetched
+            for piece in start.args[1:1 + start.args[0]]:
+                for fetch in (u for u in piece.users if u.target is host_fetch_start):
+                    waits = [w for w in fetch.users if w.target is host_fetch_wait]
+                    assert all(pos[r] < pos[start] for w in waits for r in w.users), start.name

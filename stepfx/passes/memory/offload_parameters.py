@@ -49,6 +49,7 @@ from ...errors import PassError
 from ...graph import HOST_PINNED_KEY, HOST_STATE_KEY, HOST_STATE_NVME_KEY, Role, StepGraph, Storage
 from ...graph.step_graph import META_HOST_RESULTS, META_PHASE
 from ...graph.build import clone_step_graph
+from ...graph.ops import allocates_nothing
 from ...runtime.host_optimizer import host_adam_start, host_adam_wait
 from ...runtime.host_params import host_fetch_start, host_fetch_wait, host_store
 from .offload_optimizer import offload_block, offload_settings, start_of, undonate
@@ -158,6 +159,8 @@ def offload_parameters(graph: StepGraph, options: PassOptions) -> PassResult:
         fetched += 1
         moved += val.numel() * val.element_size()
 
+    started_late = _starts_after_readers(g)
+
     # updated pieces made on the device go back into the host tensor, after the old value's last reader
     nodes = list(g.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
@@ -193,7 +196,49 @@ def offload_parameters(graph: StepGraph, options: PassOptions) -> PassResult:
         ("pinned host memory" if block.pin_memory else "host memory (not pinned: pin_memory false)")
     return PassResult(graph, True, f"{len(host)} parameter pieces ({format_bytes(at_rest)}) at rest in {where}; "
                                    f"{fetched} fetches up a step ({format_bytes(moved)}), at most {depth} ahead of "
-                                   f"their readers; {len(stores)} updated pieces copied back down")
+                                   f"their readers; {len(stores)} updated pieces copied back down"
+                                   + (f"; {started_late} host updates moved after the last reader of the pieces "
+                                      "they update in place" if started_late else ""))
+
+
+def _starts_after_readers(g: fx.Graph) -> int:
+    """Move each host update that works on host pieces in place (``params_on_host``) after the last reader of
+    those pieces: the fetches (their copies up must be done before the host writes the piece) and, through
+    the fetched values and their views, what reads them (on a CPU device the fetched value is the piece
+    itself). A start that speculates comes as soon as its gradients exist, in the backward, where the same
+    layer's input gradient may still read the piece: updated under it, that gradient would be wrong (a
+    validation restores the piece, not what was computed from it). Its validation follows it. How many moved."""
+    nodes = list(g.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    moved = 0
+    for start in [n for n in nodes if n.target is host_adam_start and n.kwargs.get("params_on_host")]:
+        readers: list[fx.Node] = []
+        todo = list(start.args[1:1 + start.args[0]])
+        seen = set(todo)
+        while todo:
+            value = todo.pop()
+            for user in value.users:
+                if user is start or user.op == "output" or user in seen:
+                    continue
+                seen.add(user)
+                readers.append(user)
+                if user.target in (host_fetch_start, host_fetch_wait) or allocates_nothing(user):
+                    todo.append(user)  # the same memory (a view, or the fetched piece on a CPU device)
+        last = max(readers, key=pos.__getitem__, default=None)
+        if last is None or pos[last] < pos[start]:
+            continue
+        followers = [u for u in start.users if u.target is not host_adam_wait and pos[u] <= pos[last]]
+        waits = [u for u in start.users if u.target is host_adam_wait]
+        if any(pos[w] <= pos[last] for w in waits):
+            raise PassError(f"{start.name}: the host update's results are read before the last reader of the "
+                            f"pieces it updates in place ({last.name})")
+        anchor = last
+        for node in [start, *sorted(followers, key=pos.__getitem__)]:
+            anchor.append(node)
+            anchor = node
+        moved += 1
+        pos = {n: i for i, n in enumerate(g.nodes)}
+    return moved
 
 
 def _pieces(g: fx.Graph) -> list[fx.Node]:
