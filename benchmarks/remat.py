@@ -48,7 +48,7 @@ from stepfx.passes.memory.recompute_activations import META_RECOMPUTED  # noqa: 
 from stepfx.testing.models import GPT, gpt_config  # noqa: E402
 
 # BENCHMARKS.md, "the workload's own limit": the 1.3B step's GEMMs and flash attention back to back on one H200
-# run at 74% MFU; a step's FLOPs (recomputation counted) over its time, against that, is the fraction reported
+# run at 74% MFU; a step's MFU with its recomputed FLOPs counted, against that, is the fraction reported
 COMPUTE_BOUND_MFU = 0.74
 
 

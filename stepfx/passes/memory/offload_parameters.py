@@ -49,7 +49,7 @@ from ...errors import PassError
 from ...graph import HOST_PINNED_KEY, HOST_STATE_KEY, HOST_STATE_NVME_KEY, Role, StepGraph, Storage
 from ...graph.step_graph import META_HOST_RESULTS, META_PHASE
 from ...graph.build import clone_step_graph
-from ...graph.ops import allocates_nothing
+from ...graph.ops import allocates_nothing, is_collective
 from ...runtime.host_optimizer import host_adam_start, host_adam_wait
 from ...runtime.host_params import host_fetch_start, host_fetch_wait, host_store
 from .offload_optimizer import offload_block, offload_settings, start_of, undonate
@@ -204,8 +204,8 @@ def offload_parameters(graph: StepGraph, options: PassOptions) -> PassResult:
 def _starts_after_readers(g: fx.Graph) -> int:
     """Move each host update that works on host pieces in place (``params_on_host``) after the last reader of
     those pieces: the fetches (their copies up must be done before the host writes the piece) and, through
-    the fetched values and their views, what reads them (on a CPU device the fetched value is the piece
-    itself). A start that speculates comes as soon as its gradients exist, in the backward, where the same
+    the fetched values, their views and collectives, what reads them (on a CPU device the fetched value is
+    the piece itself). A start that speculates comes as soon as its gradients exist, in the backward, where the same
     layer's input gradient may still read the piece: updated under it, that gradient would be wrong (a
     validation restores the piece, not what was computed from it). Its validation follows it. How many moved."""
     nodes = list(g.nodes)
@@ -222,8 +222,10 @@ def _starts_after_readers(g: fx.Graph) -> int:
                     continue
                 seen.add(user)
                 readers.append(user)
-                if user.target in (host_fetch_start, host_fetch_wait) or allocates_nothing(user):
-                    todo.append(user)  # the same memory (a view, or the fetched piece on a CPU device)
+                if user.target in (host_fetch_start, host_fetch_wait) or allocates_nothing(user) or is_collective(user):
+                    # the same memory (a view, or the fetched piece on a CPU device), or a collective that reads
+                    # it until its wait (gloo's runs on its own thread)
+                    todo.append(user)
         last = max(readers, key=pos.__getitem__, default=None)
         if last is None or pos[last] < pos[start]:
             continue
