@@ -370,8 +370,9 @@ def test_fp32_masters_on_the_host_and_bf16_copies_on_the_device_are_the_same_ste
     assert ours.host == theirs.host + 4 * elements
     assert ours.at_rest.get(Role.PARAM, 0) == theirs.at_rest[Role.PARAM] - 4 * elements
     assert ours.at_rest[Role.RUNTIME_STATE] - theirs.at_rest.get(Role.RUNTIME_STATE, 0) == 2 * elements
-    # over PCIe a step: the fp32 gradients down and the bf16 copies up, against gradients and pieces down and
-    # the pieces up; explain() says so, with times at the cost model's rates against the device's compute
+    # over PCIe a step: the fp32 gradients down (clipped: the norm reads them in fp32 too) and the bf16 copies
+    # up, against gradients and pieces down and the pieces up; explain() says so, with times at the cost
+    # model's rates against the device's compute
     from stepfx.graph.accounting import host_traffic
 
     ours, theirs = host_traffic(graph), host_traffic(plain.plan.graph)
@@ -379,6 +380,36 @@ def test_fp32_masters_on_the_host_and_bf16_copies_on_the_device_are_the_same_ste
     assert (theirs.to_host, theirs.to_device) == (8 * elements, 4 * elements)
     assert ours.host_elements == {"exact": elements} and ours.flops > 0
     assert "offload per step on this rank" in step.explain() and "bound by" in step.explain()
+
+
+def test_unclipped_bf16_gradients_go_down_in_16_bits(monkeypatch):
+    # the backward makes bf16 gradients; where nothing but the host update reads their fp32 widening (no
+    # clipping norm, no overflow check, no fp32 accumulation), they go down as they are and the host widens
+    # them: the same values (bitwise the step without offloading), half the bytes down, and no fp32 copy of
+    # the gradients on the device (a lower predicted peak than with the widening kept)
+    from stepfx.graph.accounting import estimate_memory, host_traffic
+    from stepfx.passes.memory import offload_optimizer as O
+
+    config = _cfg(3, bf16={"enabled": True}, gradient_clipping=0)
+    step, _, _, losses = _single(config)
+    plain, _, _, plain_losses = _single({**config, "zero_optimization": {
+        k: v for k, v in config["zero_optimization"].items() if k != "offload_optimizer"}})
+    assert [l.item() for l in losses] == [l.item() for l in plain_losses]
+    ours, theirs = step.model_state_dict(), plain.model_state_dict()
+    assert all(torch.equal(ours[n], theirs[n]) for n in theirs)
+    ours, theirs = step.optimizer_state(), plain.optimizer_state()
+    assert all(torch.equal(ours[n][k], theirs[n][k]) for n in theirs for k in theirs[n])
+    starts = [n for n in step.plan.graph.gm.graph.nodes if n.target is host_adam_start]
+    grads = [a.meta["val"] for n in starts for a in n.args[1 + n.args[0]:1 + 2 * n.args[0]]]
+    elements = sum(g.numel() for g in grads)
+    narrow = sum(g.numel() for g in grads if g.dtype == torch.bfloat16)
+    assert narrow >= 0.9 * elements  # the small parameters' gradients share fp32 buckets (biases, norms' weights)
+    # (the fp32 masters live on the host here: host_master_weights; only gradients go down)
+    assert host_traffic(step.plan.graph).to_host == 2 * narrow + 4 * (elements - narrow)
+    monkeypatch.setattr(O, "_narrow_gradients", lambda g: 0)
+    wide, _, _, _ = _single(config, steps=1)
+    assert estimate_memory(step.plan.graph).peak < estimate_memory(wide.plan.graph).peak
+    assert host_traffic(wide.plan.graph).to_host == 4 * elements
 
 
 def test_frozen_pieces_keep_their_master_on_the_host_and_their_copy_unchanged():

@@ -33,6 +33,12 @@ them — the ops are replaced, per ZeRO bucket and param group, by
 - ``host_adam_wait``, right before the first updated piece is read (the
   all-gather of stages 1-2, the output of stage 3).
 
+Gradients the backward makes in 16 bits and widens to fp32 only for the
+update (bf16 without clipping: no norm or overflow check reads the fp32
+value) go down in 16 bits and the host widens them (``_narrow_gradients``:
+the same values, half the bytes, no fp32 copy on the device). Under clipping
+the norm reads the fp32 gradients anyway and they go down as they are.
+
 What stays on the device: the parameters (and their stage-3 pieces), the
 gradients; what the host holds at rest: 8 bytes per offloaded element (the
 two moments), against DeepSpeed's 16 (fp32 masters, both moments and fp32
@@ -167,6 +173,10 @@ def offload_optimizer(graph: StepGraph, options: PassOptions) -> PassResult:
                 up += pval.numel() * pval.element_size()
             moved += 1
     g.eliminate_dead_code(is_impure_node=has_side_effect)
+    narrowed = _narrow_gradients(g)
+    if narrowed:
+        down -= narrowed
+        g.eliminate_dead_code(is_impure_node=has_side_effect)
     positions = {n: i for i, n in enumerate(g.nodes)}
     donated = sum(_donate_pieces(start, positions) for start in positions if start.target is host_adam_start)
     graph.gm.recompile()
@@ -340,6 +350,55 @@ def _replace(g: fx.Graph, members: list, order: dict, original: list, *, pin: bo
                 raise ConfigError(_PATH, f"the {role} of {region.param!r} is not state the rank holds between steps")
             idents.add(leaf.meta["slot"].ident)
     return idents, speculate
+
+
+_VIEWS = (torch.ops.aten.reshape.default, torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+
+
+def _narrow_gradients(g: fx.Graph) -> int:
+    """Gradients the backward makes in 16 bits and widens to fp32 only for the host update go down in 16 bits;
+    the host widens them (the same values, half the bytes down, no fp32 copy on the device). Only where nothing
+    else reads the widened value: a clipping norm or overflow check reading it would keep the fp32 copy alive
+    beside the 16-bit one until the update starts. The bytes a step no longer moves down."""
+    saved = 0
+    for start in [n for n in g.nodes if n.target is host_adam_start]:
+        count = start.args[0]
+        for i in range(count):
+            grad = start.args[1 + count + i]
+            source = _sixteen_bit_source(grad, only_reader=start)
+            if source is None:
+                continue
+            shape = list(grad.meta["val"].shape)
+            with g.inserting_before(start):
+                narrow = make_node(g, torch.ops.aten.reshape.default, (source, shape),
+                                   val=source.meta["val"].reshape(shape), like=grad, name="grad_16")
+            start.update_arg(1 + count + i, narrow)
+            saved += grad.meta["val"].numel() * (4 - source.meta["val"].element_size())
+    return saved
+
+
+def _sixteen_bit_source(grad: fx.Node, only_reader: fx.Node) -> fx.Node | None:
+    """The bf16/fp16 value ``grad`` (fp32) is a widening of, through views (``_to_copy`` to float32 on the
+    same device, nothing else changed), where ``only_reader`` is the only reader of the widened value and its
+    views: one rank's gradient as bf16 training makes it, unclipped. None otherwise."""
+    node, reader = grad, only_reader
+    while True:
+        if set(node.users) != {reader}:
+            return None
+        if not (node.op == "call_function" and node.target in _VIEWS):
+            break
+        node, reader = node.args[0], node
+    if node.op != "call_function" or node.target is not torch.ops.aten._to_copy.default:
+        return None
+    source = node.args[0]
+    wide, narrow = node.meta.get("val"), getattr(source, "meta", {}).get("val")
+    if not (isinstance(wide, torch.Tensor) and isinstance(narrow, torch.Tensor)) or set(node.kwargs) - {"dtype", "layout", "device"}:
+        return None
+    if wide.dtype != torch.float32 or narrow.dtype not in (torch.bfloat16, torch.float16) or wide.device != narrow.device:
+        return None
+    if narrow.numel() != grad.meta["val"].numel():
+        return None
+    return source
 
 
 def _donate_pieces(start: fx.Node, order: dict) -> int:
