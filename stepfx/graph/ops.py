@@ -17,6 +17,7 @@ __all__ = [
     "PROFILER_OPS",
     "ASSERT_OPS",
     "ALIAS_OPS",
+    "RESHAPE_OPS",
     "ATTENTION_OPS",
     "ATTENTION_BACKWARD_OPS",
     "SAME_DTYPE_OPS",
@@ -54,6 +55,10 @@ ASSERT_OPS = frozenset({aten._assert_async.msg, aten._assert_async.default, aten
 # no_grad: ``detach`` (autograd bookkeeping), ``alias``, and
 # ``lift_fresh_copy`` of a constant nobody mutates.
 ALIAS_OPS = frozenset({aten.detach.default, aten.alias.default, aten.lift_fresh_copy.default})
+
+# The ops a tensor is reshaped by, whole: ``view`` and ``_unsafe_view`` alias their input, ``reshape`` may
+# copy (a non-contiguous input); the same elements in the same order either way.
+RESHAPE_OPS = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default})
 
 
 def result_of_first_arg(fn):

@@ -47,13 +47,13 @@ from ... import compat
 from ...errors import PassError
 from ...graph import StepGraph
 from ...graph.build import clone_step_graph_mapped
+from ...graph.ops import RESHAPE_OPS
 from ..manager import PassOptions, PassResult
 
 __all__ = ["unrepeat_kv_heads", "GQA_OPS_KEY"]
 
 aten = torch.ops.aten
 GQA_OPS_KEY = "gqa_attention_ops"
-_VIEWS = (aten._unsafe_view.default, aten.view.default, aten.reshape.default)
 
 
 def _arg(node: fx.Node, name: str):
@@ -91,7 +91,7 @@ def _through_full_slices(node: fx.Node) -> fx.Node:
 
 def _repeated(node) -> tuple[fx.Node, object] | None:
     """(x, r) when ``node`` is ``x``'s heads repeated r times (transformers' repeat_kv), else None."""
-    if not isinstance(node, fx.Node) or node.target not in _VIEWS:
+    if not isinstance(node, fx.Node) or node.target not in RESHAPE_OPS:
         return None
     expand = node.args[0]
     if expand.target is aten.clone.default:  # a view of the expand where there is one key/value head
@@ -121,7 +121,7 @@ def _summed_back(grad: fx.Node, hkv_shape) -> fx.Node | None:
     if len(grad.users) != 1:
         return None
     (view,) = grad.users
-    if view.target not in _VIEWS or view.meta["val"].dim() != 5:
+    if view.target not in RESHAPE_OPS or view.meta["val"].dim() != 5:
         return None
     (total,) = view.users if len(view.users) == 1 else (None,)
     if total is None or total.target is not aten.sum.dim_IntList or list(total.args[1]) not in ([2], [-3]):

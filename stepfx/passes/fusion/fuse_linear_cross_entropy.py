@@ -54,7 +54,7 @@ import torch.fx as fx
 from ... import compat
 from ...graph import META_GRAD_OF, META_GRAD_PIECE, META_PARAM, Phase, StepGraph
 from ...graph.build import clone_step_graph
-from ...graph.ops import allocates_nothing, has_side_effect
+from ...graph.ops import RESHAPE_OPS, allocates_nothing, has_side_effect
 from ..data_parallel.collectives import fake_like, make_node
 from ..manager import PassOptions, PassResult
 from .fuse_optimizer_update import FUSION_REPORT_KEY
@@ -63,7 +63,6 @@ __all__ = ["fuse_linear_cross_entropy", "fusable_head"]
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
-_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 _TRANSPOSES = (aten.t.default,)
 _REDUCTIONS = {1: "mean", 2: "sum"}
 
@@ -83,7 +82,7 @@ class _Match:
 
 
 def _through_views(node: fx.Node) -> fx.Node:
-    while node.op == "call_function" and node.target in _VIEWS:
+    while node.op == "call_function" and node.target in RESHAPE_OPS:
         node = node.args[0]
     return node
 
@@ -92,7 +91,7 @@ def _view_users(node: fx.Node) -> list[fx.Node]:
     """The non-view readers of ``node``, looking through views that read only it."""
     out = []
     for user in node.users:
-        if user.op == "call_function" and user.target in _VIEWS:
+        if user.op == "call_function" and user.target in RESHAPE_OPS:
             out.extend(_view_users(user))
         else:
             out.append(user)
@@ -415,12 +414,12 @@ def fusable_head(nll: fx.Node) -> set:
         x = x.args[0]
     x = hidden
     head.add(x)
-    while x.op == "call_function" and x.target in _VIEWS:
+    while x.op == "call_function" and x.target in RESHAPE_OPS:
         x = x.args[0]
         head.add(x)
     x = nll.args[1]  # the targets (labels[:, 1:].contiguous().view(-1))
     while isinstance(x, fx.Node) and x.op == "call_function" and (
-            allocates_nothing(x) or x.target in (*_VIEWS, aten.clone.default, aten._to_copy.default)):
+            allocates_nothing(x) or x.target in (*RESHAPE_OPS, aten.clone.default, aten._to_copy.default)):
         head.add(x)
         x = x.args[0]
     return head

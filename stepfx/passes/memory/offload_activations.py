@@ -56,7 +56,7 @@ import torch.fx as fx
 
 from ...graph import Phase, StepGraph
 from ...graph.build import clone_step_graph
-from ...graph.ops import ALIAS_OPS, allocates_nothing, batch_dependent, is_view
+from ...graph.ops import ALIAS_OPS, RESHAPE_OPS, allocates_nothing, batch_dependent, is_view
 from ...graph.step_graph import META_PHASE
 from ...runtime.host_params import activation_fetch_start, activation_store, host_fetch_wait
 from ..data_parallel.collectives import fake_like, make_node
@@ -68,7 +68,6 @@ __all__ = ["offload_activations", "cpu_checkpointing", "partition_activations", 
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
-_RESHAPES = frozenset({aten.reshape.default, aten._unsafe_view.default})
 
 
 def _block(options: PassOptions) -> dict:
@@ -209,7 +208,7 @@ def _aliases_input(n: fx.Node) -> bool:
     else: read again of the fetched value, it is the same (not an in-place op returning its argument, nor a
     collective's wait, nor a runtime call)."""
     return (n.op == "call_function" and bool(n.args) and isinstance(n.args[0], fx.Node)
-            and (is_view(n) or n.target in ALIAS_OPS or n.target in _RESHAPES))
+            and (is_view(n) or n.target in ALIAS_OPS or n.target in RESHAPE_OPS))
 
 
 def _held_otherwise(group: set) -> bool:

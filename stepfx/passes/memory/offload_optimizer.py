@@ -68,7 +68,7 @@ from ...graph import HOST_STATE_KEY, HOST_STATE_NVME_KEY, Phase, Role, StepGraph
 from ...graph.step_graph import META_DONATED, META_HOST_RESULTS, META_UNCLIPPED
 from ...graph.build import clone_step_graph
 from ...graph.layout import LAYOUT_KEY
-from ...graph.ops import has_side_effect
+from ...graph.ops import RESHAPE_OPS, has_side_effect
 from ...graph.update_rule import UPDATE_RULES_KEY
 from ...runtime.host_optimizer import host_adam_start, host_adam_validate, host_adam_wait
 from ..data_parallel.collectives import make_node
@@ -352,9 +352,6 @@ def _replace(g: fx.Graph, members: list, order: dict, original: list, *, pin: bo
     return idents, speculate
 
 
-_VIEWS = (torch.ops.aten.reshape.default, torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
-
-
 def _narrow_gradients(g: fx.Graph) -> int:
     """Gradients the backward makes in 16 bits and widens to fp32 only for the host update go down in 16 bits;
     the host widens them (the same values, half the bytes down, no fp32 copy on the device). Only where nothing
@@ -385,7 +382,7 @@ def _sixteen_bit_source(grad: fx.Node, only_reader: fx.Node) -> fx.Node | None:
     while True:
         if set(node.users) != {reader}:
             return None
-        if not (node.op == "call_function" and node.target in _VIEWS):
+        if not (node.op == "call_function" and node.target in RESHAPE_OPS):
             break
         node, reader = node.args[0], node
     if node.op != "call_function" or node.target is not torch.ops.aten._to_copy.default:
@@ -395,8 +392,6 @@ def _sixteen_bit_source(grad: fx.Node, only_reader: fx.Node) -> fx.Node | None:
     if not (isinstance(wide, torch.Tensor) and isinstance(narrow, torch.Tensor)) or set(node.kwargs) - {"dtype", "layout", "device"}:
         return None
     if wide.dtype != torch.float32 or narrow.dtype not in (torch.bfloat16, torch.float16) or wide.device != narrow.device:
-        return None
-    if narrow.numel() != grad.meta["val"].numel():
         return None
     return source
 
