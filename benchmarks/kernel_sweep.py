@@ -82,7 +82,9 @@ def main() -> None:
     ap.add_argument("--column", default="64x128x4x4,32x128x4x8,16x256x4x8,32x256x8x4,16x128x4x16,8x256x8x8",
                     help="ROWSxBLOCK_NxWARPSxPER_SM")
     ap.add_argument("--ln-bwd", default="4096x16x16,4096x16x32,2048x8x16,2048x8x32,8192x16x16",
-                    help="TILExPER_THREADxWARPS_PER_SM")
+                    help="TILExPER_THREADxWARPS_PER_SM[xSTAGES] (the backward's _BWD, BWD_WARPS_PER_SM, BWD_STAGES)")
+    ap.add_argument("--tokens", type=int, default=TOKENS, help="rows of every case (8192: batch 4 x seq 2048; the "
+                    "inputs of a case then fit the H200's 50 MB L2 - 98304, micro-batch 48, does not)")
     ap.add_argument("--ln-fwd", default="2048x8,2048x4,2048x16,4096x8,4096x16,8192x16,1024x4",
                     help="TILExPER_THREAD (the forward's _FWD)")
     ap.add_argument("--cat", default="8x256x4x4,8x256x4x2,16x256x8x2,4x512x4x8,8x512x8x4,32x256x8x1",
@@ -95,10 +97,12 @@ def main() -> None:
         print(best_constants(args.best))
         return
     cases = args.cases.split(",")
+    global TOKENS
+    TOKENS = args.tokens
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     meta = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "command": "python3 benchmarks/kernel_sweep.py"}
+            "command": "python3 benchmarks/kernel_sweep.py", "tokens": TOKENS}
 
     def emit(row: dict) -> None:
         print(json.dumps(row), flush=True)
@@ -118,7 +122,7 @@ def main() -> None:
         # bias gradients
         for cols in (D, 3 * D, FF):
             x = dy[:, :cols].contiguous()
-            case = f"column sum 8192x{cols}"
+            case = f"column sum {TOKENS}x{cols}"
             record(case, "aten sum", 2 * x.numel(), lambda: aten.sum(x, [0], True))
             for rows, block_n, warps, per_sm in _ints(args.column):
                 with _patched(red, COLUMN_ROWS=rows, COLUMN_BLOCK_N=block_n, COLUMN_WARPS=warps, COLUMN_PER_SM=per_sm):
@@ -129,21 +133,23 @@ def main() -> None:
     if "ln" in cases:
         # LayerNorm backward with the residual gradient added
         x, g, r, w, b, mean, rstd = _layer_norm_inputs(dev, gen)
-        case = "layer norm bwd + residual 8192x2048"
+        case = f"layer norm bwd + residual {TOKENS}x{D}"
         record(case, "aten+add", 10 * x.numel(),
                lambda: aten.add(aten.native_layer_norm_backward(g, x, [D], mean, rstd, w, b, [True, True, True])[0], r))
-        for tile, per_thread, warps_per_sm in _ints(args.ln_bwd):
-            with _patched(norm, _BWD=dict(tile=tile, per_thread=per_thread), BWD_WARPS_PER_SM=warps_per_sm):
+        for tile, per_thread, warps_per_sm, *stages in _ints(args.ln_bwd):
+            stages = stages[0] if stages else 1
+            with _patched(norm, _BWD=dict(tile=tile, per_thread=per_thread), BWD_WARPS_PER_SM=warps_per_sm,
+                          BWD_STAGES=stages):
                 record(case, "stepfx", 8 * x.numel(),
                        lambda: norm.layer_norm_backward(g, x, [D], mean, rstd, w, b, [True, True, True], r),
-                       tile=tile, per_thread=per_thread, warps_per_sm=warps_per_sm)
+                       tile=tile, per_thread=per_thread, warps_per_sm=warps_per_sm, stages=stages)
 
     if "cat" in cases:
         # attention's q, k, v gradients concatenated into the qkv projection's, and its bias gradient
         from stepfx.codegen import column_sum_kernels as csk
 
         qkv = [torch.randn(TOKENS, D, device=dev, generator=gen).to(bf16) for _ in range(3)]
-        case = "cat qkv grads + bias grad 8192x3x2048"
+        case = f"cat qkv grads + bias grad {TOKENS}x3x{D}"
         record(case, "aten cat", 4 * 3 * TOKENS * D, lambda: aten.cat(qkv, 1))
         record(case, "aten cat + stepfx column_sum", 4 * 3 * TOKENS * D, lambda: red.column_sum(aten.cat(qkv, 1), True))
         names = ("CAT_ROWS", "CAT_BLOCK_N", "CAT_WARPS", "CAT_ITERS")
@@ -171,16 +177,18 @@ def main() -> None:
         # LayerNorm backward + residual gradient, and the column sum of the result (a bias gradient):
         # apart (stepfx's kernel, then column_sum) and summed by the backward kernel (grad_input_sum)
         x, g, r, w, b, mean, rstd = _layer_norm_inputs(dev, gen)
-        case = "layer norm bwd + residual + column sum 8192x2048"
+        case = f"layer norm bwd + residual + column sum {TOKENS}x{D}"
         record(case, "stepfx apart", 8 * x.numel(), lambda: red.column_sum(
             norm.layer_norm_backward(g, x, [D], mean, rstd, w, b, [True, True, True], r)[0], True))
         record(case, "stepfx without the sum", 8 * x.numel(),
                lambda: norm.layer_norm_backward(g, x, [D], mean, rstd, w, b, [True, True, True], r))
-        for tile, per_thread, warps_per_sm in _ints(args.ln_bwd):
-            with _patched(norm, _BWD=dict(tile=tile, per_thread=per_thread), BWD_WARPS_PER_SM=warps_per_sm):
+        for tile, per_thread, warps_per_sm, *stages in _ints(args.ln_bwd):
+            stages = stages[0] if stages else 1
+            with _patched(norm, _BWD=dict(tile=tile, per_thread=per_thread), BWD_WARPS_PER_SM=warps_per_sm,
+                          BWD_STAGES=stages):
                 record(case, "stepfx summed by the backward", 8 * x.numel(),
                        lambda: norm.layer_norm_backward(g, x, [D], mean, rstd, w, b, [True, True, True], r, "keepdim"),
-                       tile=tile, per_thread=per_thread, warps_per_sm=warps_per_sm)
+                       tile=tile, per_thread=per_thread, warps_per_sm=warps_per_sm, stages=stages)
 
     if "addmm" in cases:
         # the forward linear layers (cuBLAS, bias epilogue) with the weight a tensor of
@@ -200,7 +208,7 @@ def main() -> None:
                     wv = buf[offset:].view(rows, D)
                     wv.copy_(w)
                 ms = graph_ms(lambda: aten.addmm(bias, xin, wv.t()), args.iters, reps=10)
-                emit({**meta, "case": f"addmm bias 8192x{D} @ {D}x{rows}", "impl": "cuBLAS",
+                emit({**meta, "case": f"addmm bias {TOKENS}x{D} @ {D}x{rows}", "impl": "cuBLAS",
                       "weight_offset": offset, "us": round(ms * 1e3, 1), "TFLOPs": round(flops / (ms / 1e3) / 1e12, 1)})
 
     if "sdpa" in cases:

@@ -113,7 +113,7 @@ def _layer_norm_bwd_kernel(DY, X, W, MEAN, RSTD, DX, DW_PART, DB_PART, DS_PART, 
                            HAS_W: tl.constexpr, DO_DX: tl.constexpr,
                            DO_DW: tl.constexpr, DO_DB: tl.constexpr,
                            HAS_R: tl.constexpr, DO_DS: tl.constexpr, DX_BF16: tl.constexpr,
-                           ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+                           ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr):
     # Persistent: program p of G handles row tiles p, p+G, p+2G, ... For a row,
     #   xhat = (x-mean)*rstd;  g = w*dy
     #   dx   = rstd * (g - mean(g) - xhat*mean(g*xhat))     (means over the row)
@@ -133,7 +133,7 @@ def _layer_norm_bwd_kernel(DY, X, W, MEAN, RSTD, DX, DW_PART, DB_PART, DS_PART, 
     dw_acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     db_acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     ds_acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-    for tile in tl.range(pid, tl.cdiv(M, ROWS), G):
+    for tile in tl.range(pid, tl.cdiv(M, ROWS), G, num_stages=STAGES):
         rows = tile * ROWS + tl.arange(0, ROWS)
         row_ok = rows < M
         mask = row_ok[:, None] & col_ok[None, :]
@@ -193,7 +193,7 @@ def _rms_norm_fwd_kernel(X, W, Y, RSTD, M, N, eps,
 @triton.jit(do_not_specialize=["M"])  # row counts vary with the batch: one compile for all (Triton would specialize on divisibility by 16)
 def _rms_norm_bwd_kernel(DY, X, W, RSTD, DX, DW_PART, M, N,
                          HAS_W: tl.constexpr, DO_DX: tl.constexpr, DO_DW: tl.constexpr,
-                         ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+                         ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr):
     # Persistent like the LayerNorm backward. For a row,
     #   xhat = x*rstd;  g = w*dy;  dx = rstd * (g - xhat*mean(g*xhat))
     # and dw_p = sum over this program's rows of dy*xhat -> row p of DW_PART (G, N).
@@ -206,7 +206,7 @@ def _rms_norm_bwd_kernel(DY, X, W, RSTD, DX, DW_PART, M, N,
     if HAS_W:
         w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     dw_acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-    for tile in tl.range(pid, tl.cdiv(M, ROWS), G):
+    for tile in tl.range(pid, tl.cdiv(M, ROWS), G, num_stages=STAGES):
         rows = tile * ROWS + tl.arange(0, ROWS)
         row_ok = rows < M
         mask = row_ok[:, None] & col_ok[None, :]
@@ -284,6 +284,8 @@ _FWD = dict(tile=2048, per_thread=8)
 _BWD = dict(tile=4096, per_thread=16)
 # backward programs: about this many warps per SM (two 8-warp programs)
 BWD_WARPS_PER_SM = 16
+# software-pipelining stages of the backward's row-tile loop (tl.range's num_stages; 1: none)
+BWD_STAGES = 1
 
 
 def _persistent_programs(device: torch.device, tiles: int, num_warps: int) -> int:
@@ -502,7 +504,7 @@ def layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, b
         ds_part if do_ds else input, residual_grad if residual_grad is not None else input, m, n,
         HAS_W=weight is not None, DO_DX=do_dx, DO_DW=do_dw, DO_DB=do_db,
         HAS_R=residual_grad is not None, DO_DS=do_ds, DX_BF16=input.dtype == torch.bfloat16,
-        ROWS=rows, BLOCK_N=block_n, num_warps=num_warps,
+        ROWS=rows, BLOCK_N=block_n, STAGES=BWD_STAGES, num_warps=num_warps,
         # no fused multiply-adds: in fp32 the compiler contracted dx * rstd + r into one rounding, so
         # grad_input + residual_grad differed in the last bit from dx and the add apart (H200: results/2026-11-30_gpu_tests_h200x2_run6.txt)
         enable_fp_fusion=False)
@@ -551,7 +553,7 @@ def rms_norm_backward(grad_out, input, normalized_shape, rstd, weight, output_ma
         grad_out, input, weight if weight is not None else input, rstd,
         dx if do_dx else input, dw_part if do_dw else input, m, n,
         HAS_W=weight is not None, DO_DX=do_dx, DO_DW=do_dw,
-        ROWS=rows, BLOCK_N=block_n, num_warps=num_warps)
+        ROWS=rows, BLOCK_N=block_n, STAGES=BWD_STAGES, num_warps=num_warps)
     if do_dw:
         _reduce_partials(dw_part, None, dw, None)
     return dx, dw
