@@ -73,6 +73,16 @@ def hf_gpt2():
     return GPT2LMHeadModel(cfg)
 
 
+def hf_bloom():
+    """Bloom: ALiBi position bias added by ``alibi.baddbmm(q, k)`` with a
+    broadcasting [batch*heads, 1, length] bias."""
+    from transformers import BloomConfig, BloomForCausalLM
+
+    cfg = BloomConfig(vocab_size=64, hidden_size=16, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0,
+                      pad_token_id=0)
+    return BloomForCausalLM(cfg)
+
+
 def hf_llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -8,6 +8,8 @@ as ops whose fake kernels keep sizes symbolic, computing the same values
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 
 aten = torch.ops.aten
@@ -44,4 +46,35 @@ def _constant_pad_nd(x: torch.Tensor, pad: list, value=0.0) -> torch.Tensor:
     return out
 
 
-SYMBOLIC_DECOMPOSITIONS = {aten.constant_pad_nd.default: _constant_pad_nd}
+_inside = threading.local()
+
+
+def _with_self_expanded(op, shape_of):
+    """``op(self, a, b, beta=, alpha=)`` with ``self`` expanded to the result's
+    shape by a view in the graph, then ``op`` itself (traced as it is: the
+    decomposition steps aside when ``op`` comes back to it). Measured: the
+    meta kernels of ``aten.baddbmm`` and ``aten.addbmm`` expand a
+    broadcasting ``self`` inside the fake kernel, where torch 2.13's
+    ``expand`` takes concrete sizes only ("SymIntArrayRef expected to contain
+    only concrete integers"): Bloom's ALiBi bias (``alibi.baddbmm(q, k)``,
+    [batch*heads, 1, length]) failed the symbolic capture so. The kernels
+    expand ``self`` the same way themselves, so the result is the same."""
+
+    def decomposition(self, a, b, *, beta=1, alpha=1):
+        if getattr(_inside, "op", None) is op:
+            return NotImplemented  # make_fx then traces the op as it is
+        _inside.op = op
+        try:
+            return op(self.expand(shape_of(a, b)), a, b, beta=beta, alpha=alpha)
+        finally:
+            _inside.op = None
+
+    decomposition.__name__ = f"_{op.__name__.split('.')[0]}_self_expanded"
+    return decomposition
+
+
+SYMBOLIC_DECOMPOSITIONS = {
+    aten.constant_pad_nd.default: _constant_pad_nd,
+    aten.baddbmm.default: _with_self_expanded(aten.baddbmm.default, lambda a, b: (a.size(0), a.size(1), b.size(2))),
+    aten.addbmm.default: _with_self_expanded(aten.addbmm.default, lambda a, b: (a.size(1), b.size(2))),
+}
