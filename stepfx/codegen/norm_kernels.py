@@ -108,12 +108,36 @@ def _layer_norm_fwd_kernel(X, W, B, Y, MEAN, RSTD, R, S, M, N, eps,
     tl.store(RSTD + rows, rstd.to(RSTD.dtype.element_ty), mask=row_ok)
 
 
+@triton.jit
+def _layer_norm_bwd_loads(DY, X, MEAN, RSTD, R, tile, M, N, cols, col_ok,
+                          NEED_X: tl.constexpr, NEED_R: tl.constexpr, ROWS: tl.constexpr):
+    # One row tile's inputs as stored (dy, x, r in their dtype; mean, rstd): every load issued
+    # before any is used, so their latencies overlap (x and r are dy again where not needed).
+    rows = tile * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < M
+    mask = row_ok[:, None] & col_ok[None, :]
+    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    dy = tl.load(DY + offs, mask=mask, other=0.0)
+    x = dy
+    r = dy
+    mean = tl.zeros((ROWS,), dtype=tl.float32)
+    rstd = mean
+    if NEED_X:
+        x = tl.load(X + offs, mask=mask, other=0.0)
+        mean = tl.load(MEAN + rows, mask=row_ok, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0).to(tl.float32)
+    if NEED_R:
+        r = tl.load(R + offs, mask=mask, other=0.0)
+    return dy, x, r, mean, rstd
+
+
 @triton.jit(do_not_specialize=["M"])  # row counts vary with the batch: one compile for all (Triton would specialize on divisibility by 16)
 def _layer_norm_bwd_kernel(DY, X, W, MEAN, RSTD, DX, DW_PART, DB_PART, DS_PART, R, M, N,
                            HAS_W: tl.constexpr, DO_DX: tl.constexpr,
                            DO_DW: tl.constexpr, DO_DB: tl.constexpr,
                            HAS_R: tl.constexpr, DO_DS: tl.constexpr, DX_BF16: tl.constexpr,
-                           ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr):
+                           ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+                           PREFETCH: tl.constexpr):
     # Persistent: program p of G handles row tiles p, p+G, p+2G, ... For a row,
     #   xhat = (x-mean)*rstd;  g = w*dy
     #   dx   = rstd * (g - mean(g) - xhat*mean(g*xhat))     (means over the row)
@@ -122,28 +146,38 @@ def _layer_norm_bwd_kernel(DY, X, W, MEAN, RSTD, DX, DW_PART, DB_PART, DS_PART, 
     # DO_DS: also ds_p = sum of dx as stored (+ r with HAS_R) -> DS_PART: the
     # column sum of grad_input, the bias gradient of the linear layer whose
     # output gradient it is (no second read of dx).
+    # PREFETCH: the next tile's loads are issued before this tile's arithmetic
+    # (a software pipeline by hand, one tile deep); STAGES: tl.range's own.
     # Memory: reads dy, x (2*M*N), mean, rstd (2*M), w (N, once per program);
     # writes dx (M*N) and the partials (2-3 * G*N fp32, G ~ a few per SM << M).
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)
     col_ok = cols < N
+    NEED_X: tl.constexpr = DO_DX or DO_DW
+    NEED_R: tl.constexpr = DO_DX and HAS_R
     if HAS_W:
         w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     dw_acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     db_acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     ds_acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    if PREFETCH:
+        dy_n, x_n, r_n, mean_n, rstd_n = _layer_norm_bwd_loads(DY, X, MEAN, RSTD, R, pid, M, N, cols, col_ok,
+                                                               NEED_X, NEED_R, ROWS)
     for tile in tl.range(pid, tl.cdiv(M, ROWS), G, num_stages=STAGES):
+        if PREFETCH:
+            dy_s, x_s, r_s, mean, rstd = dy_n, x_n, r_n, mean_n, rstd_n
+            dy_n, x_n, r_n, mean_n, rstd_n = _layer_norm_bwd_loads(DY, X, MEAN, RSTD, R, tile + G, M, N, cols,
+                                                                   col_ok, NEED_X, NEED_R, ROWS)
+        else:
+            dy_s, x_s, r_s, mean, rstd = _layer_norm_bwd_loads(DY, X, MEAN, RSTD, R, tile, M, N, cols, col_ok,
+                                                               NEED_X, NEED_R, ROWS)
         rows = tile * ROWS + tl.arange(0, ROWS)
-        row_ok = rows < M
-        mask = row_ok[:, None] & col_ok[None, :]
+        mask = (rows < M)[:, None] & col_ok[None, :]
         offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
-        dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
-        if DO_DX or DO_DW:
-            x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
-            mean = tl.load(MEAN + rows, mask=row_ok, other=0.0).to(tl.float32)
-            rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0).to(tl.float32)
-            xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        dy = dy_s.to(tl.float32)
+        if NEED_X:
+            xhat = tl.where(mask, (x_s.to(tl.float32) - mean[:, None]) * rstd[:, None], 0.0)
         if DO_DX:
             g = dy * w if HAS_W else dy
             c_g = tl.sum(g, axis=1) / N
@@ -152,8 +186,7 @@ def _layer_norm_bwd_kernel(DY, X, W, MEAN, RSTD, DX, DW_PART, DB_PART, DS_PART, 
             if HAS_R:
                 # dx + r, the residual stream's gradient: dx rounded as it would be stored, then the
                 # sum rounded once (aten's add of the two) - the values the add apart gives
-                r = tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)
-                dx = _rounded(dx.to(DX.dtype.element_ty).to(tl.float32) + r, DX, DX_BF16)
+                dx = _rounded(dx.to(DX.dtype.element_ty).to(tl.float32) + r_s.to(tl.float32), DX, DX_BF16)
             dx = dx.to(DX.dtype.element_ty)
             tl.store(DX + offs, dx, mask=mask)
             if DO_DS:
@@ -286,6 +319,8 @@ _BWD = dict(tile=4096, per_thread=16)
 BWD_WARPS_PER_SM = 16
 # software-pipelining stages of the backward's row-tile loop (tl.range's num_stages; 1: none)
 BWD_STAGES = 1
+# the LayerNorm backward loads the next row tile before working on this one
+BWD_PREFETCH = False
 
 
 def _persistent_programs(device: torch.device, tiles: int, num_warps: int) -> int:
@@ -456,7 +491,7 @@ def _layer_norm_backward_reference(grad_out, input, normalized_shape, mean, rstd
 
 
 @register("layer_norm_backward", reference=_layer_norm_backward_reference,
-          jit=(_rounded, _layer_norm_bwd_kernel, _sum_partials_kernel),
+          jit=(_rounded, _layer_norm_bwd_loads, _layer_norm_bwd_kernel, _sum_partials_kernel),
           what="LayerNorm backward: dx, dw, db in one pass over (dy, x), dw/db from per-program partials")
 def layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask, residual_grad=None,
                         grad_input_sum=None):
@@ -504,7 +539,7 @@ def layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, b
         ds_part if do_ds else input, residual_grad if residual_grad is not None else input, m, n,
         HAS_W=weight is not None, DO_DX=do_dx, DO_DW=do_dw, DO_DB=do_db,
         HAS_R=residual_grad is not None, DO_DS=do_ds, DX_BF16=input.dtype == torch.bfloat16,
-        ROWS=rows, BLOCK_N=block_n, STAGES=BWD_STAGES, num_warps=num_warps,
+        ROWS=rows, BLOCK_N=block_n, STAGES=BWD_STAGES, PREFETCH=BWD_PREFETCH, num_warps=num_warps,
         # no fused multiply-adds: in fp32 the compiler contracted dx * rstd + r into one rounding, so
         # grad_input + residual_grad differed in the last bit from dx and the add apart (H200: results/2026-11-30_gpu_tests_h200x2_run6.txt)
         enable_fp_fusion=False)
