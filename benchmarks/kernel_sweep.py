@@ -76,6 +76,7 @@ def best_constants(path: str) -> str:
 
 
 def main() -> None:
+    global TOKENS
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT"))
     ap.add_argument("--iters", type=int, default=20)
@@ -98,7 +99,6 @@ def main() -> None:
         print(best_constants(args.best))
         return
     cases = args.cases.split(",")
-    global TOKENS
     TOKENS = args.tokens
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)

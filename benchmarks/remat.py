@@ -42,7 +42,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import stepfx  # noqa: E402
-from benchmarks.single_gpu import PEAK_FLOPS, eager_step, failure_row, profile, record_row, stepfx_step, sync, timed  # noqa: E402
+from benchmarks.single_gpu import (PEAK_FLOPS, apply_settings, eager_step, failure_row, profile, record_row,  # noqa: E402
+                                   stepfx_step, sync, timed)
 from stepfx.graph.accounting import node_flops  # noqa: E402
 from stepfx.passes.memory.recompute_activations import META_RECOMPUTED  # noqa: E402
 from stepfx.testing.models import GPT, gpt_config  # noqa: E402
@@ -141,18 +142,22 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT"))
     ap.add_argument("--profile", action="store_true", help="also profile 3 steps (single_gpu.profile: $OUT/profile_<system>.txt)")
     ap.add_argument("--trace", action="store_true", help="with --profile: keep the Chrome trace (gzipped)")
+    ap.add_argument("--set", default="", metavar="MODULE.NAME=INT,...",
+                    help="override stepfx.codegen module constants for this run (single_gpu.py's --set)")
     args = ap.parse_args()
+    apply_settings(args.set)
     systems = args.systems.split(",")
     meta = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
             "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
             "command": f"python3 benchmarks/remat.py --size {args.size} --seq {args.seq} --batch {args.batch} "
-                       f"--systems {args.systems}"}
+                       f"--systems {args.systems}" + (f" --set {args.set}" if args.set else "")}
     if len(systems) > 1:  # one process per system: an out-of-memory failure leaves nothing behind for the next
         for kind in systems:
             cmd = [sys.executable, os.path.abspath(__file__), "--systems", kind, "--size", args.size, "--seq",
                    str(args.seq), "--batch", str(args.batch), "--warmup", str(args.warmup), "--steps",
                    str(args.steps), "--device", args.device] + (["--out", args.out] if args.out else []) + \
-                  (["--profile"] if args.profile else []) + (["--trace"] if args.trace else [])
+                  (["--profile"] if args.profile else []) + (["--trace"] if args.trace else []) + \
+                  (["--set", args.set] if args.set else [])
             subprocess.run(cmd, check=False)
         return
     kind = systems[0]

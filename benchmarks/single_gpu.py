@@ -238,6 +238,20 @@ def run(kind: str, args) -> dict:
     return row
 
 
+
+def apply_settings(text: str) -> None:
+    """``--set MODULE.NAME=INT,...``: override stepfx.codegen module constants (launch geometries) for this
+    process, before any step (the launchers read them at each call)."""
+    for item in filter(None, text.split(",")):
+        name, _, value = item.partition("=")
+        module, _, const = name.rpartition(".")
+        try:
+            target = importlib.import_module(f"stepfx.codegen.{module}")
+            getattr(target, const)
+            setattr(target, const, int(value))
+        except (ImportError, AttributeError, ValueError) as exc:
+            raise SystemExit(f"--set {item!r}: expected stepfx.codegen MODULE.NAME=INT of an existing constant ({exc})")
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--size", default="1.3B")
@@ -254,15 +268,7 @@ def main() -> None:
                     help="override stepfx.codegen module constants (launch geometries) for this run, e.g. the "
                          "fastest of a sweep: kernel_sweep.py --best")
     args = ap.parse_args()
-    for item in filter(None, args.set.split(",")):  # before any step: launchers read them at each call
-        name, _, value = item.partition("=")
-        module, _, const = name.rpartition(".")
-        try:
-            target = importlib.import_module(f"stepfx.codegen.{module}")
-            getattr(target, const)
-            setattr(target, const, int(value))
-        except (ImportError, AttributeError, ValueError) as exc:
-            raise SystemExit(f"--set {item!r}: expected stepfx.codegen MODULE.NAME=INT of an existing constant ({exc})")
+    apply_settings(args.set)
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     meta = {"date": datetime.date.today().isoformat(), "gpu": gpu, "torch": torch.__version__,
             "command": f"python3 benchmarks/single_gpu.py --size {args.size} --systems {args.systems}"

@@ -317,8 +317,11 @@ _FWD = dict(tile=2048, per_thread=8)
 _BWD = dict(tile=4096, per_thread=16)
 # backward programs: about this many warps per SM (two 8-warp programs)
 BWD_WARPS_PER_SM = 16
-# software-pipelining stages of the backward's row-tile loop (tl.range's num_stages; 1: none)
-BWD_STAGES = 1
+# software-pipelining stages of the backward's row-tile loop (tl.range's num_stages; 1: none). 3: at 98304 x
+# 2048 bf16 with the residual gradient and grad_input's column sum (the 1.3B step at micro-batch 48, inputs far
+# past L2) 571 us against 771 with none, without the sum 580 against 614 (one H100, 2026-12-06,
+# results/2026-12-06_kernel_sweep_ln_bwd_98304_h100.jsonl); the hand prefetch (BWD_PREFETCH) 591 / 579
+BWD_STAGES = 3
 # the LayerNorm backward loads the next row tile before working on this one
 BWD_PREFETCH = False
 
