@@ -61,13 +61,14 @@ def _with_self_expanded(op, shape_of):
     expand ``self`` the same way themselves, so the result is the same."""
 
     def decomposition(self, a, b, *, beta=1, alpha=1):
-        if getattr(_inside, "op", None) is op:
+        outer = getattr(_inside, "op", None)
+        if outer is op:
             return NotImplemented  # make_fx then traces the op as it is
         _inside.op = op
         try:
             return op(self.expand(shape_of(a, b)), a, b, beta=beta, alpha=alpha)
         finally:
-            _inside.op = None
+            _inside.op = outer
 
     decomposition.__name__ = f"_{op.__name__.split('.')[0]}_self_expanded"
     return decomposition

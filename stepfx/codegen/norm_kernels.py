@@ -317,13 +317,15 @@ _FWD = dict(tile=2048, per_thread=8)
 _BWD = dict(tile=4096, per_thread=16)
 # backward programs: about this many warps per SM (two 8-warp programs)
 BWD_WARPS_PER_SM = 16
-# software-pipelining stages of the backward's row-tile loop (tl.range's num_stages; 1: none). 3: at 98304 x
+# software-pipelining stages of the LayerNorm backward's row-tile loop (tl.range's num_stages; 1: none). 3: at 98304 x
 # 2048 bf16 with the residual gradient and grad_input's column sum (the 1.3B step at micro-batch 48, inputs far
 # past L2) 571 us against 771 with none, without the sum 580 against 614 (one H100, 2026-12-06,
 # results/2026-12-06_kernel_sweep_ln_bwd_98304_h100.jsonl); the hand prefetch (BWD_PREFETCH) 591 / 579
 BWD_STAGES = 3
 # the LayerNorm backward loads the next row tile before working on this one
 BWD_PREFETCH = False
+# the RMSNorm backward's stages: not swept yet, so as before
+RMS_BWD_STAGES = 1
 
 
 def _persistent_programs(device: torch.device, tiles: int, num_warps: int) -> int:
@@ -591,7 +593,7 @@ def rms_norm_backward(grad_out, input, normalized_shape, rstd, weight, output_ma
         grad_out, input, weight if weight is not None else input, rstd,
         dx if do_dx else input, dw_part if do_dw else input, m, n,
         HAS_W=weight is not None, DO_DX=do_dx, DO_DW=do_dw,
-        ROWS=rows, BLOCK_N=block_n, STAGES=BWD_STAGES, num_warps=num_warps)
+        ROWS=rows, BLOCK_N=block_n, STAGES=RMS_BWD_STAGES, num_warps=num_warps)
     if do_dw:
         _reduce_partials(dw_part, None, dw, None)
     return dx, dw
