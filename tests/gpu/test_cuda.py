@@ -365,6 +365,34 @@ def test_symbolic_lengths_run_padded_cudnn_or_flash_attention():
         assert worst <= 3e-2
 
 
+def cuda_gpt2_padded_batches():
+    from tests.steps import padded_rank_batches
+
+    return [({k: v.cuda() for k, v in b.items()},) for (b,) in padded_rank_batches(1, 6, seed=3)[0]]
+
+
+@gpu
+@pytest.mark.gpu
+def test_padded_lengths_with_attention_masks_on_cuda_equal_eager_with_two_captures(monkeypatch):
+    """Hugging Face GPT-2 with DataCollatorWithPadding-style batches (a new
+    length every step, an attention mask with padding) on CUDA, fp32, symbolic
+    lengths: as eager (1e-6) with at most two captures. Written 2026-12-06, not
+    run on a GPU yet (bitwise, 2 plans, with the tensors left on the CPU):
+    ``compat.sdpa_with_symbolic_sizes`` hands the mask to the fused kernel as
+    the model made it (a boolean one included), where the composite first
+    converts a boolean mask to an additive one; and on the GPU machine (torch
+    2.11, transformers 5.17) the same step on CPU captured 6 times for 8
+    lengths (a guard ``Eq(length, 14)`` at transformers' SDPA call)."""
+    from tests.steps import padded_step, parallelized_steps
+
+    made = parallelized_steps(monkeypatch)
+    report = assert_step_equivalent(padded_step, cuda_gpt2, adamw, cuda_gpt2_padded_batches(),
+                                    config={**NO_CODEGEN, "stepfx": {"codegen": False, "dynamic": "auto"}},
+                                    rtol=1e-6, atol=1e-7)
+    print(f"\ncuda padded gpt2: {report}; plans {[p.created_at_call for p in made[0].plans]}")
+    assert len(made[0].plans) <= 2
+
+
 def _cuda_llama():
     """A Hugging Face Llama with 4 query / 2 key-value heads, use_cache=False, on the GPU."""
     from transformers import LlamaConfig, LlamaForCausalLM
