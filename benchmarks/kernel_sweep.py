@@ -83,8 +83,7 @@ def main() -> None:
     ap.add_argument("--column", default="64x128x4x4,32x128x4x8,16x256x4x8,32x256x8x4,16x128x4x16,8x256x8x8",
                     help="ROWSxBLOCK_NxWARPSxPER_SM")
     ap.add_argument("--ln-bwd", default="4096x16x16,4096x16x32,2048x8x16,2048x8x32,8192x16x16",
-                    help="TILExPER_THREADxWARPS_PER_SM[xSTAGES[xPREFETCH]] (the backward's _BWD, BWD_WARPS_PER_SM, BWD_STAGES, "
-                    "BWD_PREFETCH 0/1)")
+                    help="TILExPER_THREADxWARPS_PER_SM[xSTAGES] (the backward's _BWD, BWD_WARPS_PER_SM, BWD_STAGES)")
     ap.add_argument("--tokens", type=int, default=TOKENS, help="rows of every case (8192: batch 4 x seq 2048; the "
                     "inputs of a case then fit the H200's 50 MB L2 - 98304, micro-batch 48, does not)")
     ap.add_argument("--ln-fwd", default="2048x8,2048x4,2048x16,4096x8,4096x16,8192x16,1024x4",
@@ -138,13 +137,12 @@ def main() -> None:
         record(case, "aten+add", 10 * x.numel(),
                lambda: aten.add(aten.native_layer_norm_backward(g, x, [D], mean, rstd, w, b, [True, True, True])[0], r))
         for tile, per_thread, warps_per_sm, *more in _ints(args.ln_bwd):
-            stages, prefetch = (more[0] if more else 1), (more[1] if len(more) > 1 else 0)
+            stages = more[0] if more else 1
             with _patched(norm, _BWD=dict(tile=tile, per_thread=per_thread), BWD_WARPS_PER_SM=warps_per_sm,
-                          BWD_STAGES=stages, BWD_PREFETCH=bool(prefetch)):
+                          BWD_STAGES=stages):
                 record(case, "stepfx", 8 * x.numel(),
                        lambda: norm.layer_norm_backward(g, x, [D], mean, rstd, w, b, [True, True, True], r),
-                       tile=tile, per_thread=per_thread, warps_per_sm=warps_per_sm, stages=stages,
-                       prefetch=prefetch)
+                       tile=tile, per_thread=per_thread, warps_per_sm=warps_per_sm, stages=stages)
 
     if "cat" in cases:
         # attention's q, k, v gradients concatenated into the qkv projection's, and its bias gradient
@@ -185,13 +183,12 @@ def main() -> None:
         record(case, "stepfx without the sum", 8 * x.numel(),
                lambda: norm.layer_norm_backward(g, x, [D], mean, rstd, w, b, [True, True, True], r))
         for tile, per_thread, warps_per_sm, *more in _ints(args.ln_bwd):
-            stages, prefetch = (more[0] if more else 1), (more[1] if len(more) > 1 else 0)
+            stages = more[0] if more else 1
             with _patched(norm, _BWD=dict(tile=tile, per_thread=per_thread), BWD_WARPS_PER_SM=warps_per_sm,
-                          BWD_STAGES=stages, BWD_PREFETCH=bool(prefetch)):
+                          BWD_STAGES=stages):
                 record(case, "stepfx summed by the backward", 8 * x.numel(),
                        lambda: norm.layer_norm_backward(g, x, [D], mean, rstd, w, b, [True, True, True], r, "keepdim"),
-                       tile=tile, per_thread=per_thread, warps_per_sm=warps_per_sm, stages=stages,
-                       prefetch=prefetch)
+                       tile=tile, per_thread=per_thread, warps_per_sm=warps_per_sm, stages=stages)
 
     if "addmm" in cases:
         # the forward linear layers (cuBLAS, bias epilogue) with the weight a tensor of

@@ -136,8 +136,7 @@ def _layer_norm_bwd_kernel(DY, X, W, MEAN, RSTD, DX, DW_PART, DB_PART, DS_PART, 
                            HAS_W: tl.constexpr, DO_DX: tl.constexpr,
                            DO_DW: tl.constexpr, DO_DB: tl.constexpr,
                            HAS_R: tl.constexpr, DO_DS: tl.constexpr, DX_BF16: tl.constexpr,
-                           ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
-                           PREFETCH: tl.constexpr):
+                           ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr):
     # Persistent: program p of G handles row tiles p, p+G, p+2G, ... For a row,
     #   xhat = (x-mean)*rstd;  g = w*dy
     #   dx   = rstd * (g - mean(g) - xhat*mean(g*xhat))     (means over the row)
@@ -146,8 +145,7 @@ def _layer_norm_bwd_kernel(DY, X, W, MEAN, RSTD, DX, DW_PART, DB_PART, DS_PART, 
     # DO_DS: also ds_p = sum of dx as stored (+ r with HAS_R) -> DS_PART: the
     # column sum of grad_input, the bias gradient of the linear layer whose
     # output gradient it is (no second read of dx).
-    # PREFETCH: the next tile's loads are issued before this tile's arithmetic
-    # (a software pipeline by hand, one tile deep); STAGES: tl.range's own.
+    # STAGES: tl.range's software pipelining of the tile loop (its loads issued ahead).
     # Memory: reads dy, x (2*M*N), mean, rstd (2*M), w (N, once per program);
     # writes dx (M*N) and the partials (2-3 * G*N fp32, G ~ a few per SM << M).
     pid = tl.program_id(0)
@@ -161,17 +159,9 @@ def _layer_norm_bwd_kernel(DY, X, W, MEAN, RSTD, DX, DW_PART, DB_PART, DS_PART, 
     dw_acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     db_acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     ds_acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-    if PREFETCH:
-        dy_n, x_n, r_n, mean_n, rstd_n = _layer_norm_bwd_loads(DY, X, MEAN, RSTD, R, pid, M, N, cols, col_ok,
-                                                               NEED_X, NEED_R, ROWS)
     for tile in tl.range(pid, tl.cdiv(M, ROWS), G, num_stages=STAGES):
-        if PREFETCH:
-            dy_s, x_s, r_s, mean, rstd = dy_n, x_n, r_n, mean_n, rstd_n
-            dy_n, x_n, r_n, mean_n, rstd_n = _layer_norm_bwd_loads(DY, X, MEAN, RSTD, R, tile + G, M, N, cols,
-                                                                   col_ok, NEED_X, NEED_R, ROWS)
-        else:
-            dy_s, x_s, r_s, mean, rstd = _layer_norm_bwd_loads(DY, X, MEAN, RSTD, R, tile, M, N, cols, col_ok,
-                                                               NEED_X, NEED_R, ROWS)
+        dy_s, x_s, r_s, mean, rstd = _layer_norm_bwd_loads(DY, X, MEAN, RSTD, R, tile, M, N, cols, col_ok,
+                                                           NEED_X, NEED_R, ROWS)
         rows = tile * ROWS + tl.arange(0, ROWS)
         mask = (rows < M)[:, None] & col_ok[None, :]
         offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
@@ -320,10 +310,8 @@ BWD_WARPS_PER_SM = 16
 # software-pipelining stages of the LayerNorm backward's row-tile loop (tl.range's num_stages; 1: none). 3: at 98304 x
 # 2048 bf16 with the residual gradient and grad_input's column sum (the 1.3B step at micro-batch 48, inputs far
 # past L2) 571 us against 771 with none, without the sum 580 against 614 (one H100, 2026-12-06,
-# results/2026-12-06_kernel_sweep_ln_bwd_98304_h100.jsonl); the hand prefetch (BWD_PREFETCH) 591 / 579
+# results/2026-12-06_kernel_sweep_ln_bwd_98304_h100.jsonl; a hand-written one-tile prefetch in its place: 591 / 579)
 BWD_STAGES = 3
-# the LayerNorm backward loads the next row tile before working on this one
-BWD_PREFETCH = False
 # the RMSNorm backward's stages: not swept yet, so as before
 RMS_BWD_STAGES = 1
 
@@ -544,7 +532,7 @@ def layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, b
         ds_part if do_ds else input, residual_grad if residual_grad is not None else input, m, n,
         HAS_W=weight is not None, DO_DX=do_dx, DO_DW=do_dw, DO_DB=do_db,
         HAS_R=residual_grad is not None, DO_DS=do_ds, DX_BF16=input.dtype == torch.bfloat16,
-        ROWS=rows, BLOCK_N=block_n, STAGES=BWD_STAGES, PREFETCH=BWD_PREFETCH, num_warps=num_warps,
+        ROWS=rows, BLOCK_N=block_n, STAGES=BWD_STAGES, num_warps=num_warps,
         # no fused multiply-adds: in fp32 the compiler contracted dx * rstd + r into one rounding, so
         # grad_input + residual_grad differed in the last bit from dx and the add apart (H200: results/2026-11-30_gpu_tests_h200x2_run6.txt)
         enable_fp_fusion=False)
