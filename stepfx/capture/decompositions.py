@@ -52,13 +52,14 @@ _inside = threading.local()
 def _with_self_expanded(op, shape_of):
     """``op(self, a, b, beta=, alpha=)`` with ``self`` expanded to the result's
     shape by a view in the graph, then ``op`` itself (traced as it is: the
-    decomposition steps aside when ``op`` comes back to it). Measured: the
-    meta kernels of ``aten.baddbmm`` and ``aten.addbmm`` expand a
-    broadcasting ``self`` inside the fake kernel, where torch 2.13's
-    ``expand`` takes concrete sizes only ("SymIntArrayRef expected to contain
-    only concrete integers"): Bloom's ALiBi bias (``alibi.baddbmm(q, k)``,
-    [batch*heads, 1, length]) failed the symbolic capture so. The kernels
-    expand ``self`` the same way themselves, so the result is the same."""
+    decomposition steps aside when ``op`` comes back to it). Measured on
+    ``aten.baddbmm``: its meta kernel expands a broadcasting ``self`` inside
+    the fake kernel, where torch 2.13's ``expand`` takes concrete sizes only
+    ("SymIntArrayRef expected to contain only concrete integers"), so Bloom's
+    ALiBi bias (``alibi.baddbmm(q, k)``, [batch*heads, 1, length]) failed the
+    symbolic capture; ``aten.addbmm``'s meta kernel expands ``self`` the same
+    way (read in torch's source, not seen failing). The kernels expand
+    ``self`` the same way themselves, so the result is the same."""
 
     def decomposition(self, a, b, *, beta=1, alpha=1):
         outer = getattr(_inside, "op", None)
