@@ -64,6 +64,32 @@ def user_frame_from_traceback(tb: types.TracebackType | None) -> str | None:
     return found
 
 
+def library_of_traceback(tb: types.TracebackType | None) -> tuple[str, str | None] | None:
+    """When the innermost user frame of an exception's traceback is inside an
+    installed package (``site-packages``/``dist-packages``: a model library,
+    not the user's code), ``(package, the innermost frame outside installed
+    packages)`` - the line of the user's own that led there, None if none
+    did. None when the innermost user frame is the user's own."""
+    frames = [f for f in traceback.extract_tb(tb) if is_user_file(f.filename)]
+    if not frames:
+        return None
+    package = _installed_package(frames[-1].filename)
+    if package is None:
+        return None
+    own = [f for f in frames if _installed_package(f.filename) is None]
+    return package, (format_frame(own[-1].filename, own[-1].lineno, own[-1].name, own[-1].line) if own else None)
+
+
+def _installed_package(filename: str) -> str | None:
+    parts = os.path.abspath(filename).split(os.sep)
+    for marker in ("site-packages", "dist-packages"):
+        if marker in parts:
+            rest = parts[len(parts) - 1 - parts[::-1].index(marker) + 1:]
+            if rest:
+                return rest[0].removesuffix(".py")
+    return None
+
+
 def user_frame_of_caller() -> str | None:
     """The innermost user frame of the current Python stack."""
     found = None

@@ -53,7 +53,7 @@ from .host_random import refuse_host_random
 from .tracing_checks import TRACING_CHECKS_KEY, watch_tracing_checks
 from .raising_checks import RaisingCheck, raising_check
 from .optimizers import check_optimizer, hyperparam_inputs, state_tensors, steps_agree, trace_overrides
-from .source import innermost_user_frame, user_frame_from_traceback, user_frame_of_caller
+from .source import innermost_user_frame, library_of_traceback, user_frame_from_traceback, user_frame_of_caller
 
 __all__ = ["StepInputs", "collect_inputs", "capture_step"]
 
@@ -576,10 +576,18 @@ def capture_step(
         except compat.data_dependent_errors() as exc:
             if (op := compat.op_without_fake_kernel(exc)) is not None:
                 raise _no_fake_kernel(op, exc) from exc
+            hint = "express the choice with tensor ops (torch.where, masking) or move it out of the step"
+            if (library := library_of_traceback(exc.__traceback__)) is not None:
+                package, own = library
+                example = (" (transformers' classification heads branch on the labels unless config.problem_type "
+                           "is set)" if package == "transformers" else "")
+                hint = (f"the line is in the installed package {package!r}, not your code"
+                        + (f" (reached from {own})" if own else "")
+                        + f": look for an option of it that takes another path{example}, or " + hint)
             raise CaptureError(
                 "Python code reads a tensor's value (tensor-dependent control flow, .item()/.tolist() used in Python, or a data-dependent shape)",
                 source=user_frame_from_traceback(exc.__traceback__),
-                hint="express the choice with tensor ops (torch.where, masking) or move it out of the step",
+                hint=hint,
                 detail=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
             ) from exc
         except compat.unsupported_operator_error() as exc:

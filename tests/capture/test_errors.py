@@ -171,3 +171,43 @@ def test_item_used_only_in_python_warns():
     model = MLP((8, 16, 4))
     with pytest.warns(stepfx.CaptureWarning, match=r"\.item\(\).*seen.append"):
         stepfx.parallelize()(step)(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(6, 8), torch.randint(0, 4, (6,)))
+
+
+def _deberta_classifier(**config):
+    from transformers import DebertaV2Config, DebertaV2ForSequenceClassification
+
+    return DebertaV2ForSequenceClassification(DebertaV2Config(
+        vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+        max_position_embeddings=64, pad_token_id=0, num_labels=3, **config))
+
+
+def _classifier_step(model, optimizer, batch):
+    out = model(**batch)  # the user's line that reaches the library's branch
+    out.loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return out.loss
+
+
+def test_a_data_dependent_branch_in_a_library_names_the_package_the_users_line_and_a_way_around():
+    # DeBERTa-v2's classification loss: `if label_index.size(0) > 0` on labels.nonzero()
+    from stepfx.testing.equivalence import assert_step_equivalent
+
+    g = torch.Generator().manual_seed(0)
+    batches = [({"input_ids": torch.randint(1, 64, (3, n), generator=g),
+                 "labels": torch.randint(0, 3, (3,), generator=g)},) for n in (7, 9)]
+    model = _deberta_classifier()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(CaptureError) as info:
+        stepfx.parallelize({"gradient_clipping": 0})(_classifier_step)(model, optimizer, *batches[0])
+    text = str(info.value)
+    assert "modeling_deberta_v2.py" in text and "label_index.size(0) > 0" in text
+    assert "installed package 'transformers'" in text and "config.problem_type" in text
+    assert f"{THIS_FILE}:" in text and "out = model(**batch)" in text  # the user's own line
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    # the way around it: the loss without the branch
+    report = assert_step_equivalent(_classifier_step, lambda: _deberta_classifier(
+        problem_type="single_label_classification"), lambda m: torch.optim.SGD(m.parameters(), lr=0.1), batches,
+                                    config={"gradient_clipping": 0}, exact=True)
+    assert report.bitwise
