@@ -81,12 +81,11 @@ def library_of_traceback(tb: types.TracebackType | None) -> tuple[str, str | Non
 
 
 def _installed_package(filename: str) -> str | None:
+    """The top-level package or module a file under ``site-packages``/``dist-packages`` belongs to."""
     parts = os.path.abspath(filename).split(os.sep)
-    for marker in ("site-packages", "dist-packages"):
-        if marker in parts:
-            rest = parts[len(parts) - 1 - parts[::-1].index(marker) + 1:]
-            if rest:
-                return rest[0].removesuffix(".py")
+    for i in range(len(parts) - 2, -1, -1):  # the innermost such directory
+        if parts[i] in ("site-packages", "dist-packages"):
+            return parts[i + 1].removesuffix(".py")
     return None
 
 
