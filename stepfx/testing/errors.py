@@ -39,6 +39,12 @@ class RankFailure:
         lines = [f"rank {self.rank} {what}"]
         if self.traceback:
             lines.append(_indent(self.traceback.rstrip()))
+        crash = self.output.rfind("Fatal Python error") if self.kind == "died" else -1
+        if crash >= 0 and crash < len(self.output) - _OUTPUT_TAIL_CHARS:
+            # faulthandler's dump starts with the thread that crashed; the other threads' stacks follow and would
+            # push it out of the tail
+            lines.append(f"    -- the crash on rank {self.rank} --")
+            lines.append(_indent(self.output[crash:crash + _OUTPUT_TAIL_CHARS].rstrip()))
         if self.output:
             tail = self.output[-_OUTPUT_TAIL_CHARS:]
             cut = " (tail)" if len(tail) < len(self.output) else ""

@@ -57,6 +57,22 @@ def _exit_abruptly(bad: int):
     return rank()
 
 
+def _crash_in_a_thread_among_many(bad: int):
+    if rank() == bad:
+        import ctypes
+        import threading
+
+        def crashing_frame_of_the_test():
+            ctypes.string_at(0)   # SIGSEGV: faulthandler dumps this thread first, then the others
+
+        stop = threading.Event()
+        for _ in range(60):   # their stacks follow the crashed thread's in the dump, more than an error quotes
+            threading.Thread(target=stop.wait, daemon=True).start()
+        threading.Thread(target=crashing_frame_of_the_test).start()
+        stop.wait(30)
+    return rank()
+
+
 def _chatty():
     print("chatty rank output on stdout")
     print("chatty rank output on stderr", file=sys.stderr)
@@ -136,6 +152,17 @@ def test_a_dying_rank_is_reported_with_its_exit_code(rank_pool):
         pool.run(_exit_abruptly, 1)
     assert info.value.ranks == [1]
     assert "rank 1 died: the rank process exited (exit code 7)" in str(info.value)
+    assert pool.run(rank) == [0, 1]
+
+
+def test_a_crashed_rank_quotes_the_thread_that_crashed(rank_pool):
+    pool = rank_pool(2)
+    with pytest.raises(RankError) as info:
+        pool.run(_crash_in_a_thread_among_many, 1)
+    text = str(info.value)
+    assert "rank 1 died: the rank process exited (killed by SIGSEGV)" in text
+    assert "-- the crash on rank 1 --" in text
+    assert "crashing_frame_of_the_test" in text
     assert pool.run(rank) == [0, 1]
 
 
