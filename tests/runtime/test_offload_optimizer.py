@@ -412,6 +412,39 @@ def test_unclipped_bf16_gradients_go_down_in_16_bits(monkeypatch):
     assert host_traffic(wide.plan.graph).to_host == 4 * elements
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_clipped_bf16_gradients_go_down_in_16_bits_with_kernels(monkeypatch, stage):
+    # under clipping the norm reads the gradients too; with kernels it is a sum of squares that reads the 16-bit
+    # gradients (fold_gradient_casts), so the host update takes them as they are as well: the same step bit for
+    # bit, speculated updates undone and redone included, with half the bytes down and no fp32 copy of them
+    from stepfx.graph.accounting import estimate_memory, host_traffic
+
+    _guess_always(monkeypatch)
+    config = _speculative(stage, bf16={"enabled": True}, gradient_clipping=1e-3)
+    config["stepfx"]["codegen"] = True
+    step, _, _, losses = _single(config)
+    assert H.STATS["speculated"] > 0 and H.STATS["rolled_back"] == H.STATS["speculated"]
+    wide_config = {**config, "stepfx": {**config["stepfx"], "disable": ["fold_gradient_casts"]}}
+    wide, _, _, wide_losses = _single(wide_config)
+    assert [l.item() for l in losses] == [l.item() for l in wide_losses]
+    ours, theirs = step.model_state_dict(), wide.model_state_dict()
+    assert all(torch.equal(ours[n], theirs[n]) for n in theirs)
+    ours, theirs = step.optimizer_state(), wide.optimizer_state()
+    assert all(torch.equal(ours[n][k], theirs[n][k]) for n in theirs for k in theirs[n])
+
+    def grads(graph):
+        starts = [n for n in graph.gm.graph.nodes if n.target is host_adam_start]
+        return [a.meta["val"] for n in starts for a in n.args[1 + n.args[0]:1 + 2 * n.args[0]]]
+
+    elements = sum(g.numel() for g in grads(step.plan.graph))
+    narrow = sum(g.numel() for g in grads(step.plan.graph) if g.dtype == torch.bfloat16)
+    assert narrow >= 0.9 * elements and not any(g.dtype == torch.bfloat16 for g in grads(wide.plan.graph))
+    assert host_traffic(wide.plan.graph).to_host - host_traffic(step.plan.graph).to_host == 2 * narrow
+    assert estimate_memory(step.plan.graph).peak < estimate_memory(wide.plan.graph).peak
+    summary = next(r.summary for r in step.plan.records if r.name == "fold_gradient_casts")
+    assert "go down to the host update in 16 bits" in summary
+
+
 def test_frozen_pieces_keep_their_master_on_the_host_and_their_copy_unchanged():
     # a frozen parameter at ZeRO-3 is sharded and gathered, never updated: its copy is made once and read after
     def frozen_gpt():
