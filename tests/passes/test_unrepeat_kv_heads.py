@@ -59,6 +59,51 @@ def test_grouped_heads_are_read_unrepeated_and_the_step_is_eager_bitwise(kv_head
     assert report.bitwise
 
 
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_in_bf16_the_backward_reads_repeats_made_just_before_it_and_is_eager_bitwise(kv_heads):
+    # with a padding mask eager repeats K/V: it rounds each copy's K/V gradient to bf16 and then their sum, where
+    # the kernel would sum them in fp32 and round once (k_proj/v_proj drifted by ~1e-4 after one AdamW step): the
+    # forward reads the heads unrepeated, the backward the repeats, made again from them right before it, not kept
+    # from the forward. (A batch without padding would not be eager's bits: transformers drops its mask in eager
+    # and passes grouped heads, which the captured step cannot see)
+    from stepfx.graph.step_graph import META_PHASE, Phase
+    from stepfx.testing.equivalence import mixed_precision_reference
+    from tests.steps import padded_batch, padded_step
+
+    config = {"bf16": {"enabled": True}, "gradient_clipping": 0}
+    g = torch.Generator().manual_seed(3)
+    batches = [(padded_batch(lengths, generator=g),) for lengths in ([5, 9], [12, 4], [3, 8])]
+    step = _run(lambda: llama(kv_heads), padded_step, batches[:1], config)
+    assert "with a padding mask (2 of them) the backward reads the repeats, made again" in _summary(step)
+    assert _key_heads(step) == [kv_heads] * 2 + [4] * 2  # the forwards unrepeated, the backwards repeated
+    nodes = list(step.plan.graph.gm.graph.nodes)
+    ops = attention_ops()
+    calls = [n for n in nodes if n.op == "call_function" and n.target in ops]
+    for forward, backward in zip(calls[:2], calls[2:][::-1]):
+        repeat = _get(backward, "key")
+        expand = repeat
+        while expand.target is not torch.ops.aten.expand.default:
+            expand = expand.args[0]
+        for node in (repeat, expand):
+            assert nodes.index(forward) < nodes.index(node) < nodes.index(backward)
+            assert node.meta[META_PHASE] is Phase.BACKWARD
+    report = assert_step_equivalent(padded_step, lambda: llama(kv_heads), adamw, batches, exact=True, config=config,
+                                    reference_fn=mixed_precision_reference(padded_step, torch.bfloat16))
+    assert report.bitwise
+
+
+def test_in_bf16_without_a_mask_the_kernel_sums_the_heads_as_eager_does():
+    # no mask: eager passes grouped heads itself (enable_gqa), so the kernel's fp32 sum is eager's
+    from stepfx.testing.equivalence import mixed_precision_reference
+
+    config = {"bf16": {"enabled": True}, "gradient_clipping": 0}
+    step = _run(lambda: llama(1), config=config)
+    assert "padding mask" not in _summary(step) and _key_heads(step) == [1] * 4
+    report = assert_step_equivalent(hf_step, lambda: llama(1), adamw, token_batches(3), exact=True, config=config,
+                                    reference_fn=mixed_precision_reference(hf_step, torch.bfloat16))
+    assert report.bitwise
+
+
 def test_without_a_kernel_that_takes_grouped_heads_nothing_changes(monkeypatch):
     from stepfx import compat
 

@@ -27,7 +27,14 @@ copies (``view`` to [B, Hkv, r, S, D], ``sum`` over dim 2, ``squeeze``, and
 the backward of whole-dimension slices, which symbolic captures keep),
 the ops read ``x`` directly and the summed gradients are the kernel's
 own. Anything else is left as it was. The repeats are left for
-``eliminate_dead_code``.
+``eliminate_dead_code``. In 16 bits with a mask (padding) only the forward
+does: eager, which repeats there, rounds each copy's K/V gradient to 16
+bits and then their sum, where the kernel sums in fp32 and rounds once, so
+the backward keeps reading the repeats and summing their gradients, the
+repeat moved to just before it (made again from ``x``, not kept from the
+forward: the memory saved is the same). Bitwise eager on every batch with
+padding; on one without, eager drops the mask and passes grouped heads
+itself, which a captured step cannot follow.
 
 Before / after::
 
@@ -47,6 +54,7 @@ from ... import compat
 from ...errors import PassError
 from ...graph import StepGraph
 from ...graph.build import clone_step_graph_mapped
+from ...graph.step_graph import META_PHASE, Phase
 from ...graph.ops import RESHAPE_OPS
 from ..manager import PassOptions, PassResult
 
@@ -54,6 +62,7 @@ __all__ = ["unrepeat_kv_heads", "GQA_OPS_KEY"]
 
 aten = torch.ops.aten
 GQA_OPS_KEY = "gqa_attention_ops"
+_SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
 
 def _arg(node: fx.Node, name: str):
@@ -176,7 +185,24 @@ def _plan(forward: fx.Node, ops: frozenset) -> tuple | None:
                 return None
             sums.append(out)
         backwards.append((user, items, *sums))
-    return found_k[0], found_v[0], backwards
+    return found_k[0], found_v[0], backwards, rk, rv
+
+
+def _repeat_chain(rep: fx.Node, x: fx.Node) -> list[fx.Node]:
+    """The ops from ``x`` to ``rep`` (its heads repeated), in graph order."""
+    chain, node = [], rep
+    while node is not x:
+        chain.append(node)
+        node = node.args[0]
+    return chain[::-1]
+
+
+def _repeat_before(chain: list[fx.Node], backward: fx.Node) -> None:
+    """Move the repeat (each op read only by the next, the last by the attention ops) to just before
+    ``backward``: made again there from the unrepeated K/V the forward read, not kept from the forward."""
+    for node in chain:
+        backward.prepend(node)
+        node.meta[META_PHASE] = Phase.BACKWARD
 
 
 def unrepeat_kv_heads(graph: StepGraph, options: PassOptions) -> PassResult:
@@ -191,11 +217,25 @@ def unrepeat_kv_heads(graph: StepGraph, options: PassOptions) -> PassResult:
     if not plans:
         return PassResult(graph, False, note.removeprefix("; "))
     graph, copy_of = clone_step_graph_mapped(graph)
+    position = {n: i for i, n in enumerate(graph.gm.graph.nodes)}
     rewired = 0
-    for old_forward, (old_k, old_v, old_backwards) in plans.items():
+    narrow = 0
+    for old_forward, (old_k, old_v, old_backwards, old_rk, old_rv) in plans.items():
         forward, k, v = copy_of[old_forward], copy_of[old_k], copy_of[old_v]
         _set_arg(forward, "key", k)
         _set_arg(forward, "value", v)
+        rewired += 1
+        if k.meta["val"].dtype in _SIXTEEN_BIT and _arg(forward, "attn_mask") is not None:
+            # with a padding mask eager repeats K/V (transformers' repeat_kv), so it rounds each copy's K/V
+            # gradient to 16 bits and then their sum, where the kernel would sum them in fp32 and round once: the
+            # backward keeps the repeats, made again just before it. (Without a mask eager passes the heads
+            # grouped, enable_gqa, and the kernel's sum is eager's.)
+            narrow += 1
+            if old_backwards:
+                first = min((copy_of[b] for b, *_ in old_backwards), key=position.__getitem__)
+                for rep, x in ((copy_of[old_rk], k), (copy_of[old_rv], v)):
+                    _repeat_before(_repeat_chain(rep, x), first)
+            continue
         for old_backward, old_items, old_sum_k, old_sum_v in old_backwards:
             backward = copy_of[old_backward]
             _set_arg(backward, "key", k)
@@ -214,7 +254,12 @@ def unrepeat_kv_heads(graph: StepGraph, options: PassOptions) -> PassResult:
                 for dead in chain:
                     graph.gm.graph.erase_node(dead)
             backward.meta["val"] = tuple(vals)
-        rewired += 1
     graph.gm.recompile()
+    if narrow:
+        note = (f"; in 16 bits with a padding mask ({narrow} of them) the backward reads the repeats, made again "
+                f"just before it, and sums the copies' gradients as eager does there (bitwise eager; the kernel "
+                f"would sum them in fp32; eager itself passes grouped heads to a batch without padding, whose mask "
+                f"transformers drops)") + note
     return PassResult(graph, True, f"{rewired} grouped-query attention call(s) read K/V heads unrepeated "
-                                   f"(the repeats and their gradients' sums are gone)" + note)
+                                   f"(the repeats are not kept for the backward, nor, in fp32, their gradients' "
+                                   f"sums)" + note)
