@@ -779,6 +779,7 @@ class ParallelStep:
         return CaptureOptions(
             compute_dtype=compute,
             cast_inputs=compute is not None and (cast if cast is not None else True),
+            cast_buffers=cfg.stepfx.cast_buffers,
             loss_scale=fp16,
             grad_accumulation=k,
             accumulate_only=k > 1 and not pipelined and self._micro_steps % k != k - 1,

@@ -17,6 +17,7 @@ from .graph.accounting import HOST_ADAM_RATE, Sizes, communication, estimate_mem
 from .graph.layout import LAYOUT_KEY
 from .graph.tp_layout import TP_PLAN_KEY
 from .capture.tracing_checks import TRACING_CHECKS_KEY
+from .capture.trace import BUFFERS_CAST_KEY
 from .passes.fusion.fuse_optimizer_update import FUSION_REPORT_KEY
 
 __all__ = ["explain_plan", "format_bytes"]
@@ -303,6 +304,11 @@ def explain_plan(step, plan) -> str:
     lines.extend(_pipeline_section(plan))
     lines.extend(_zero_section(graph, world, values, plan.device_type))
     lines.extend(_training_section(step))
+    cast = graph.signature.extra.get(BUFFERS_CAST_KEY, ())
+    if cast:
+        lines[-1:-1] = [f"buffers read in {'fp16' if step.config.fp16.enabled is True else 'bf16'}, as DeepSpeed holds "
+                        f"them (module.bfloat16()): {', '.join(cast)} (fp32, they met the 16-bit weights in a matrix "
+                        "product or convolution; stepfx.cast_buffers)"]
     lines.extend(_kernels_section(step, graph))
 
     model = step._model

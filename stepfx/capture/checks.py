@@ -7,7 +7,11 @@
   at capture);
 - matrix products and convolutions whose operands differ in dtype (an fp32
   batch tensor meeting bf16 weights) are refused with the user's source
-  line: fake kernels let them through, the real kernels would fail.
+  line: fake kernels let them through, the real kernels would fail. Where
+  the wider operand comes from floating buffers (a sinusoidal position
+  table), the error names them (``BufferDtypeError``): capture then reads
+  them in the compute dtype, as DeepSpeed's ``module.bfloat16()`` holds
+  them (``stepfx.cast_buffers``).
 """
 from __future__ import annotations
 
@@ -21,7 +25,34 @@ from ..graph import META_PHASE, META_SLOT, META_SOURCE, Phase, Role, StepGraph, 
 from ..graph.ops import SAME_DTYPE_OPS, mutated_args
 from ..graph.verify import mutation_base
 
-__all__ = ["check_mutations", "check_operand_dtypes", "warn_python_only_reads"]
+__all__ = ["BufferDtypeError", "check_mutations", "check_operand_dtypes", "warn_python_only_reads"]
+
+_SIXTEEN_BIT = (torch.bfloat16, torch.float16)
+
+
+class BufferDtypeError(CaptureError):
+    """An operand mismatch whose wider operand is computed from these floating buffers (names)."""
+
+    def __init__(self, message: str, buffers: tuple[str, ...], **kwargs):
+        super().__init__(message, **kwargs)
+        self.buffers = buffers
+
+
+def _floating_buffers_behind(node: fx.Node) -> list[str]:
+    """The floating-point buffers (slot names) ``node`` is computed from."""
+    seen, stack, found = set(), [node], []
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        slot = n.meta.get(META_SLOT) if n.op == "placeholder" else None
+        if slot is not None and slot.role is Role.BUFFER:
+            val = n.meta.get("val")
+            if isinstance(val, torch.Tensor) and val.is_floating_point():
+                found.append(slot.name)
+        stack.extend(n.all_input_nodes)
+    return sorted(found)
 
 
 def warn_python_only_reads(graph: StepGraph) -> None:
@@ -71,21 +102,33 @@ def check_mutations(graph: StepGraph) -> None:
                 )
 
 
-def check_operand_dtypes(graph: StepGraph) -> None:
+def check_operand_dtypes(graph: StepGraph, *, buffers_hint: str = "") -> None:
     """Matrix products and convolutions (``SAME_DTYPE_OPS``) need operands
     of one dtype. Under bf16/fp16 a floating batch tensor fed as given
-    (``stepfx.cast_inputs`` false) meets 16-bit weights: refused here, with
-    the user's line, rather than when the compiled step first runs."""
+    (``stepfx.cast_inputs`` false) or an fp32 buffer meets 16-bit weights:
+    refused here, with the user's line, rather than when the compiled step
+    first runs (``BufferDtypeError`` naming the buffers for the latter;
+    ``buffers_hint``: what its hint says about them)."""
     for node in graph.gm.graph.nodes:
         if node.op != "call_function" or node.target not in SAME_DTYPE_OPS:
             continue
-        vals = [a.meta.get("val") for a in node.args if isinstance(a, fx.Node)]
-        dtypes = sorted({str(v.dtype).replace("torch.", "") for v in vals if isinstance(v, torch.Tensor)})
-        if len(dtypes) > 1:
-            raise CaptureError(
-                f"{node.target} multiplies tensors of different dtypes ({', '.join(dtypes)}); "
-                "the compiled step would fail when it runs",
-                source=node.meta.get(META_SOURCE),
-                hint="under bf16/fp16 leave stepfx.cast_inputs on (floating batch tensors are cast to the compute "
-                "dtype), or cast the tensor in the step (x.to(weight.dtype))",
-            )
+        operands = [a for a in node.args if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+        dtypes = sorted({str(a.meta["val"].dtype).replace("torch.", "") for a in operands})
+        if len(dtypes) <= 1:
+            continue
+        message = (f"{node.target} multiplies tensors of different dtypes ({', '.join(dtypes)}); "
+                   "the compiled step would fail when it runs")
+        source = node.meta.get(META_SOURCE)
+        narrow = any(a.meta["val"].dtype in _SIXTEEN_BIT for a in operands)
+        buffers = sorted({b for a in operands if narrow and a.meta["val"].dtype not in _SIXTEEN_BIT
+                          for b in _floating_buffers_behind(a)})
+        if buffers:
+            raise BufferDtypeError(
+                message + f"; the wider operand is computed from the buffer(s) {', '.join(buffers)}", tuple(buffers),
+                source=source, hint=buffers_hint or "cast the buffer in the step (buf.to(weight.dtype))")
+        raise CaptureError(
+            message,
+            source=source,
+            hint="under bf16/fp16 leave stepfx.cast_inputs on (floating batch tensors are cast to the compute "
+            "dtype), or cast the tensor in the step (x.to(weight.dtype))",
+        )

@@ -22,6 +22,7 @@ import collections
 import contextlib
 import functools
 import threading
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -33,6 +34,7 @@ from ..errors import CaptureError
 from ..graph import (
     META_GRAD_OF,
     META_PHASE,
+    META_SLOT,
     META_SOURCE,
     SHARED_STEP_KEY,
     Phase,
@@ -41,14 +43,17 @@ from ..graph import (
     StepGraph,
     StepSignature,
     TensorSpec,
+    output_values,
 )
 from ..graph.layout import FROZEN_KEY
+from ..graph.ops import mutated_args
+from ..graph.verify import mutation_base
 from ..graph.signature import hyperparam_tensor
 from ..graph.update_rule import UPDATE_RULES_KEY, update_rule_of
 from ..graph.build import bind_placeholders, flatten_codegen, label_params
 from .decompositions import SYMBOLIC_DECOMPOSITIONS
 from .dynamic import DYNAMIC_KEY
-from .checks import check_mutations, check_operand_dtypes, warn_python_only_reads
+from .checks import BufferDtypeError, check_mutations, check_operand_dtypes, warn_python_only_reads
 from .host_random import refuse_host_random
 from .tracing_checks import TRACING_CHECKS_KEY, watch_tracing_checks
 from .raising_checks import RaisingCheck, raising_check
@@ -82,6 +87,10 @@ class CaptureOptions:
 
     compute_dtype: torch.dtype | None = None
     cast_inputs: bool = False  # floating-point batch tensors are cast to compute_dtype (fp16 "auto_cast")
+    # floating buffers that meet 16-bit weights in a matrix product are read in compute_dtype, as DeepSpeed's
+    # module.bfloat16() holds them (stepfx.cast_buffers; False: refused instead); buffers_cast: those found so
+    cast_buffers: bool = True
+    buffers_cast: frozenset = frozenset()
     loss_scale: bool = False
     grad_accumulation: int = 1
     accumulate_only: bool = False
@@ -455,7 +464,13 @@ def _make_traced_fn(fn, model, optimizer, inputs: StepInputs, rec: _Recorder, op
                 module_tensors = {
                     n: (t.to(options.compute_dtype) if t.is_floating_point() else t) for n, t in module_tensors.items()
                 }
-        module_tensors.update({s.name: v for s, v in by_role[Role.BUFFER]})
+        buffers = {s.name: v for s, v in by_role[Role.BUFFER]}
+        if options.buffers_cast and options.compute_dtype is not None:
+            with compat.annotate_nodes({"phase": Phase.FORWARD.value}):
+                module_tensors.update({n: v.to(options.compute_dtype) if n in options.buffers_cast else v
+                                       for n, v in buffers.items()})
+        else:
+            module_tensors.update(buffers)
         factor = None
         if options.loss_scale:
             (factor,) = [v for s, v in by_role[Role.RUNTIME_STATE] if s.name == LOSS_SCALE]
@@ -474,7 +489,9 @@ def _make_traced_fn(fn, model, optimizer, inputs: StepInputs, rec: _Recorder, op
             if options.grad_accumulation > 1 and not options.accumulate_only:
                 for leaf in leaves.values():
                     leaf.grad = None  # gradients are cleared after the update
-            out_buffers = [model.get_buffer(n) for n in buffer_names]
+            # a buffer read as a 16-bit copy and not replaced keeps its own value
+            out_buffers = [buffers[n] if n in options.buffers_cast and model.get_buffer(n) is module_tensors[n]
+                           else model.get_buffer(n) for n in buffer_names]
             out_states = []
             if optimizer is not None:
                 reverse = {id(t): n for n, t in leaves.items()}
@@ -632,12 +649,46 @@ def capture_step(
             name: update_rule_of(optimizer, optimizer.param_groups[g])
             for g, names in enumerate(inputs.group_params) for name in names
         }
+    if options.buffers_cast:
+        signature.extra[BUFFERS_CAST_KEY] = tuple(sorted(options.buffers_cast))
     graph = StepGraph(gm=gm, signature=signature, functional=False)
     annotate_step_graph(graph)
     check_mutations(graph)
-    check_operand_dtypes(graph)
+    try:
+        check_operand_dtypes(graph, buffers_hint=_BUFFERS_HINT if options.cast_buffers else _BUFFERS_OFF_HINT)
+    except BufferDtypeError as exc:
+        # DeepSpeed holds every floating buffer in the compute dtype (module.bfloat16()): read these so, once
+        written = [n for n in exc.buffers if _written(graph, n)]
+        if not options.cast_buffers or options.compute_dtype is None or written \
+                or set(exc.buffers) <= options.buffers_cast:
+            if written and options.cast_buffers:
+                raise BufferDtypeError(
+                    exc.construct, exc.buffers, source=exc.source,
+                    hint=f"the step writes {', '.join(written)}, so stepfx does not read a 16-bit copy in its place: "
+                         "cast it in the step (buf.to(weight.dtype)) where it meets the weights") from None
+            raise
+        return capture_step(fn, model, optimizer, args, kwargs, inputs,
+                            dataclasses.replace(options, buffers_cast=options.buffers_cast | set(exc.buffers)),
+                            dynamic_dims)
     warn_python_only_reads(graph)
     return graph
+
+
+BUFFERS_CAST_KEY = "buffers_cast"  # signature.extra: the floating buffers read in the compute dtype
+_BUFFERS_HINT = "stepfx reads a buffer the step only reads in the compute dtype (stepfx.cast_buffers)"
+_BUFFERS_OFF_HINT = ('DeepSpeed holds buffers in the compute dtype (module.bfloat16()): leave stepfx.cast_buffers on '
+                     '(true, the default) to read them so, or cast the buffer in the step (buf.to(weight.dtype))')
+
+
+def _written(graph: StepGraph, name: str) -> bool:
+    """Whether the captured step writes buffer ``name`` (in place or by replacing it)."""
+    outputs = dict(zip(graph.signature.outputs, output_values(graph.gm)))
+    placeholder = next((n for n in graph.gm.graph.nodes if n.op == "placeholder"
+                        and (slot := n.meta.get(META_SLOT)) is not None and slot.role is Role.BUFFER
+                        and slot.name == name), None)
+    out = next((v for slot, v in outputs.items() if slot.role is Role.BUFFER and slot.name == name), placeholder)
+    return out is not placeholder or any(mutation_base(arg) is placeholder for node in graph.gm.graph.nodes
+                                         if node.op == "call_function" for arg in mutated_args(node))
 
 
 def _symbol_source(name: str) -> str:

@@ -199,6 +199,12 @@ class StepfxOptions:
     cast_inputs: cast floating-point batch tensors to the compute dtype
         under bf16/fp16, as the Hugging Face Trainer does for DeepSpeed;
         None = on when bf16 or fp16 is enabled, false to feed them as given.
+    cast_buffers: under bf16/fp16 a floating buffer the step only reads
+        that meets 16-bit weights in a matrix product or convolution (a
+        sinusoidal position table) is read in the compute dtype, as
+        DeepSpeed holds every buffer (``module.bfloat16()``); other buffers
+        stay as they are (fp32 rotary frequencies, running statistics).
+        false: such a step is refused at capture, naming the buffer.
     activation_memory_budget: activation checkpointing chosen on the graph
         (passes/memory/recompute_activations.py): the forward values kept for
         the backward may take at most this fraction (0 to 1) of the bytes they
@@ -308,6 +314,7 @@ class StepfxOptions:
     progress: bool = spec(True, Bool())
     dynamic: str | bool = spec("auto", OneOf((Choice(("auto",)), Bool())), auto_value=True)
     cast_inputs: bool | None = spec(None, Optional(Bool()))
+    cast_buffers: bool = spec(True, Bool())
     activation_memory_budget: float | None = spec(None, Optional(Float(ge=0.0, le=1.0)))
     memory_budget_gib: float | None = spec(None, Optional(Float(gt=0.0)))
     host_memory_budget_gib: float | None = spec(None, Optional(Float(gt=0.0)))

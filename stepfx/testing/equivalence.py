@@ -149,14 +149,17 @@ def _compare_states(step, compiled, ref_model, ref_opt, rtol, atol, normwise=Fal
     return worst_abs, worst_rel
 
 
-def mixed_precision_reference(step_fn: Callable, dtype: torch.dtype, *, cast_inputs: bool = False) -> Callable:
+def mixed_precision_reference(step_fn: Callable, dtype: torch.dtype, *, cast_inputs: bool = False,
+                              buffers: tuple[str, ...] = ()) -> Callable:
     """The eager step DeepSpeed-style mixed precision stands for: the module
     computes with ``dtype`` copies of its fp32 parameters (differentiable
     casts, so gradients reach the fp32 parameters as fp32), and the
     optimizer updates the fp32 parameters. Use it as the reference of a
     ``bf16`` step (and of an fp16 step whose loss scale changes nothing).
     ``cast_inputs``: floating-point batch tensors are cast to ``dtype``
-    first, as ``stepfx.cast_inputs`` (on by default) does."""
+    first, as ``stepfx.cast_inputs`` (on by default) does. ``buffers``:
+    these buffers are read as ``dtype`` copies, as ``stepfx.cast_buffers``
+    reads those that meet 16-bit weights."""
     from stepfx import compat
 
     def reference(model, optimizer, *args, **kwargs):
@@ -165,6 +168,7 @@ def mixed_precision_reference(step_fn: Callable, dtype: torch.dtype, *, cast_inp
                 lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x, (args, kwargs)
             )
         casts = {n: (p.to(dtype) if p.is_floating_point() else p) for n, p in model.named_parameters()}
+        casts.update({n: b.to(dtype) for n, b in model.named_buffers() if n in buffers})
         with compat.reparametrize_module(model, casts):
             return step_fn(model, optimizer, *args, **kwargs)
 
