@@ -434,6 +434,38 @@ def test_grouped_query_attention_on_cuda_reads_k_v_unrepeated():
 
 @gpu
 @pytest.mark.gpu
+def test_grouped_query_attention_with_padding_on_cuda_repeats_k_v_for_the_backward_only():
+    """The same Llama in bf16 on padded batches (a mask): where a kernel
+    that takes the mask takes grouped heads, the forward reads K/V
+    unrepeated and the backward the repeats, made just before it (eager's
+    rounding of the copies' gradients); the losses track the step without
+    the pass."""
+    from stepfx.passes.cleanup.fold_causal_masks import _get, attention_ops
+    from tests.steps import padded_batch, padded_step
+
+    g = torch.Generator().manual_seed(0)
+    batches = [padded_batch(lengths, vocab=128, generator=g) for lengths in ([100, 128], [64, 90], [128, 40])]
+    losses = {}
+    for disable in ([], ["unrepeat_kv_heads"]):
+        torch.manual_seed(0)
+        model = _cuda_llama()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        step = stepfx.parallelize({"bf16": {"enabled": True}, "gradient_clipping": 1.0,
+                                   "stepfx": {"disable": disable}})(padded_step)
+        losses[bool(disable)] = [step(model, opt, {k: v.cuda() for k, v in batch.items()}).item()
+                                 for batch in batches]
+        record = next(r for r in step.plan.records if r.name == "unrepeat_kv_heads")
+        print("unrepeat_kv_heads:", record.summary)
+        if not disable and record.changed:
+            heads = [_get(n, "key").meta["val"].shape[1] for n in step.plan.graph.gm.graph.nodes
+                     if n.op == "call_function" and n.target in attention_ops()]
+            assert heads == [2, 2, 4, 4], heads
+    print("losses unrepeated / repeated:", losses[False], losses[True])
+    assert all(abs(a - b) <= 2e-2 * abs(b) for a, b in zip(losses[False], losses[True]))
+
+
+@gpu
+@pytest.mark.gpu
 def test_hugging_face_rms_norms_run_stepfx_kernels_on_cuda():
     """A Hugging Face Llama in bf16 with codegen: every RMSNorm, forward and
     backward, on stepfx's kernels (fuse_rms_norm, checked on the GPU at the
