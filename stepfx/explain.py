@@ -17,7 +17,7 @@ from .graph.accounting import HOST_ADAM_RATE, Sizes, communication, estimate_mem
 from .graph.layout import LAYOUT_KEY
 from .graph.tp_layout import TP_PLAN_KEY
 from .capture.tracing_checks import TRACING_CHECKS_KEY
-from .capture.trace import BUFFERS_CAST_KEY
+from .capture.trace import BUFFERS_CAST_KEY, FP32_PARAMS_KEY
 from .passes.fusion.fuse_optimizer_update import FUSION_REPORT_KEY
 
 __all__ = ["explain_plan", "format_bytes"]
@@ -304,6 +304,11 @@ def explain_plan(step, plan) -> str:
     lines.extend(_pipeline_section(plan))
     lines.extend(_zero_section(graph, world, values, plan.device_type))
     lines.extend(_training_section(step))
+    kept = graph.signature.extra.get(FP32_PARAMS_KEY, ())
+    if kept:
+        lines[-1:-1] = [f"batch norms compute with fp32 weights and running statistics ({len(kept)} parameters, "
+                        f"e.g. {kept[0]}): torch's batch norm takes a 16-bit input so; DeepSpeed would round the "
+                        "statistics to 16 bits each step"]
     cast = graph.signature.extra.get(BUFFERS_CAST_KEY, ())
     if cast:
         lines[-1:-1] = [f"buffers read in {'fp16' if step.config.fp16.enabled is True else 'bf16'}, as DeepSpeed holds "

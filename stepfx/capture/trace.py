@@ -433,10 +433,24 @@ def _no_ops(model, optimizer, options: CaptureOptions):
 _MISSING = object()
 
 
+def batch_norm_fp32_params(model: torch.nn.Module) -> frozenset[str]:
+    """The weights and biases of batch norms whose running statistics are fp32 buffers: under bf16/fp16 they
+    stay fp32, as torch's batch norm takes a 16-bit input only with fp32 weight, bias and statistics together
+    (16-bit weights beside fp32 statistics fail when the kernel runs); DeepSpeed would hold the statistics in
+    16 bits instead (module.bfloat16()), rounding them each step."""
+    names = []
+    for prefix, module in model.named_modules():
+        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.track_running_stats \
+                and isinstance(module.running_mean, torch.Tensor) and module.running_mean.dtype == torch.float32:
+            names.extend(f"{prefix}.{n}" if prefix else n for n, p in module.named_parameters(recurse=False))
+    return frozenset(names)
+
+
 def _make_traced_fn(fn, model, optimizer, inputs: StepInputs, rec: _Recorder, options: CaptureOptions):
     slots = inputs.slots
     buffer_names = [s.name for s in slots if s.role is Role.BUFFER]
     param_req = {name: p.requires_grad for name, p in model.named_parameters()}
+    fp32_params = batch_norm_fp32_params(model) if options.compute_dtype is not None else frozenset()
 
     def forward(*flat):  # named "forward": fx keeps stack frames from here down
         by_role: dict[Role, list] = collections.defaultdict(list)
@@ -459,10 +473,12 @@ def _make_traced_fn(fn, model, optimizer, inputs: StepInputs, rec: _Recorder, op
         args, kwargs = pytree.tree_unflatten(leaves_in, inputs.batch_spec)
         module_tensors = dict(leaves)
         if options.compute_dtype is not None:
-            # the module computes with low-precision copies of the fp32 masters
+            # the module computes with low-precision copies of the fp32 masters; batch norms with fp32 running
+            # statistics read their fp32 weight and bias (torch's mixed-type batch norm: 16-bit in and out)
             with compat.annotate_nodes({"phase": Phase.FORWARD.value}):
                 module_tensors = {
-                    n: (t.to(options.compute_dtype) if t.is_floating_point() else t) for n, t in module_tensors.items()
+                    n: (t.to(options.compute_dtype) if t.is_floating_point() and n not in fp32_params else t)
+                    for n, t in module_tensors.items()
                 }
         buffers = {s.name: v for s, v in by_role[Role.BUFFER]}
         if options.buffers_cast and options.compute_dtype is not None:
@@ -651,6 +667,8 @@ def capture_step(
         }
     if options.buffers_cast:
         signature.extra[BUFFERS_CAST_KEY] = tuple(sorted(options.buffers_cast))
+    if options.compute_dtype is not None and (kept := batch_norm_fp32_params(model)):
+        signature.extra[FP32_PARAMS_KEY] = tuple(sorted(kept))
     graph = StepGraph(gm=gm, signature=signature, functional=False)
     annotate_step_graph(graph)
     check_mutations(graph)
@@ -675,6 +693,7 @@ def capture_step(
 
 
 BUFFERS_CAST_KEY = "buffers_cast"  # signature.extra: the floating buffers read in the compute dtype
+FP32_PARAMS_KEY = "fp32_params"  # signature.extra: parameters read as fp32 under bf16/fp16 (batch norms)
 _BUFFERS_HINT = "stepfx reads a buffer the step only reads in the compute dtype (stepfx.cast_buffers)"
 _BUFFERS_OFF_HINT = ('DeepSpeed holds buffers in the compute dtype (module.bfloat16()): leave stepfx.cast_buffers on '
                      '(true, the default) to read them so, or cast the buffer in the step (buf.to(weight.dtype))')

@@ -159,7 +159,8 @@ def mixed_precision_reference(step_fn: Callable, dtype: torch.dtype, *, cast_inp
     ``cast_inputs``: floating-point batch tensors are cast to ``dtype``
     first, as ``stepfx.cast_inputs`` (on by default) does. ``buffers``:
     these buffers are read as ``dtype`` copies, as ``stepfx.cast_buffers``
-    reads those that meet 16-bit weights."""
+    reads those that meet 16-bit weights. Batch norms with fp32 running
+    statistics keep fp32 weights, as stepfx keeps them."""
     from stepfx import compat
 
     def reference(model, optimizer, *args, **kwargs):
@@ -167,7 +168,10 @@ def mixed_precision_reference(step_fn: Callable, dtype: torch.dtype, *, cast_inp
             args, kwargs = pytree.tree_map(
                 lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x, (args, kwargs)
             )
-        casts = {n: (p.to(dtype) if p.is_floating_point() else p) for n, p in model.named_parameters()}
+        from stepfx.capture.trace import batch_norm_fp32_params
+
+        fp32 = batch_norm_fp32_params(model)  # as stepfx keeps them: torch's mixed-type batch norm
+        casts = {n: (p.to(dtype) if p.is_floating_point() and n not in fp32 else p) for n, p in model.named_parameters()}
         casts.update({n: b.to(dtype) for n, b in model.named_buffers() if n in buffers})
         with compat.reparametrize_module(model, casts):
             return step_fn(model, optimizer, *args, **kwargs)

@@ -194,6 +194,8 @@ def _rewrite_directly(graph: StepGraph) -> tuple[StepGraph, int]:
             rewritten += 1
 
     for node in reversed(replaced):
+        for item in [u for u in node.users if u.target is operator.getitem and not u.users]:
+            g.erase_node(item)  # a multi-output write's results, read through their new values now
         if node.users:
             raise PassError(f"functionalize_graph: {node.name} still has users after the rewrite: {list(node.users)}")
         g.erase_node(node)
@@ -221,8 +223,10 @@ def _replace_write(g: fx.Graph, node: fx.Node, roots: list, current: dict) -> No
         outs = _getitems(g, node, new, 5)
         for user in list(node.users):
             if user.op == "call_function" and user.target is operator.getitem:
-                user.replace_all_uses_with(outs[user.args[1]])
-                g.erase_node(user)
+                # later reads take the new result through ``current``; the captured graph's nodes keep their
+                # arguments until they are rewritten in turn (an in-place op on the output, a residual's
+                # ``h += x``, is judged on the graph as captured); the old item goes when nothing reads it
+                current[user] = outs[user.args[1]]
         current[roots[0]] = outs[3]
         current[roots[1]] = outs[4]
         return
