@@ -110,6 +110,8 @@ def check_operand_dtypes(graph: StepGraph, *, buffers_hint: str = "") -> None:
     first runs (``BufferDtypeError`` naming the buffers for the latter;
     ``buffers_hint``: what its hint says about them)."""
     for node in graph.gm.graph.nodes:
+        if node.op == "call_function" and node.target in _BATCH_NORMS:
+            _check_batch_norm(node)
         if node.op != "call_function" or node.target not in SAME_DTYPE_OPS:
             continue
         operands = [a for a in node.args if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
@@ -132,3 +134,28 @@ def check_operand_dtypes(graph: StepGraph, *, buffers_hint: str = "") -> None:
             hint="under bf16/fp16 leave stepfx.cast_inputs on (floating batch tensors are cast to the compute "
             "dtype), or cast the tensor in the step (x.to(weight.dtype))",
         )
+
+
+_BATCH_NORMS = frozenset({torch.ops.aten.native_batch_norm.default, torch.ops.aten._native_batch_norm_legit.default,
+                          torch.ops.aten._native_batch_norm_legit_no_training.default})
+
+
+def _check_batch_norm(node: fx.Node) -> None:
+    """A 16-bit input with weight, bias and running statistics that are neither all its dtype nor all fp32
+    (what torch's batch norm takes): the kernel would fail when the step first runs."""
+    vals = [a.meta.get("val") if isinstance(a, fx.Node) else None for a in node.args[:5]]
+    x, params = vals[0], [v for v in vals[1:] if isinstance(v, torch.Tensor)]
+    if not isinstance(x, torch.Tensor) or x.dtype not in _SIXTEEN_BIT or not params:
+        return
+    dtypes = {v.dtype for v in params}
+    if dtypes in ({x.dtype}, {torch.float32}):
+        return
+    names = ("weight", "bias", "running_mean", "running_var")
+    found = ", ".join(f"{n} {str(v.dtype).replace('torch.', '')}" for n, v in zip(names, vals[1:]) if isinstance(v, torch.Tensor))
+    raise CaptureError(
+        f"{node.target} takes a {str(x.dtype).replace('torch.', '')} input with {found}; the kernel needs them all "
+        "fp32 or all the input's dtype, and would fail when the step runs",
+        source=node.meta.get(META_SOURCE),
+        hint="pass the batch norm fp32 weight and bias beside fp32 statistics (stepfx does so for nn.BatchNorm "
+             "modules), or cast them together",
+    )

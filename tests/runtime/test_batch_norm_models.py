@@ -92,3 +92,22 @@ def test_hugging_face_resnet_in_bf16():
                                     config={"bf16": {"enabled": True}, "gradient_clipping": 0},
                                     reference_fn=mixed_precision_reference(step_fn, torch.bfloat16, cast_inputs=True))
     assert report.bitwise
+
+
+def test_a_functional_batch_norm_mixing_dtypes_is_refused_at_capture():
+    # what stepfx does not arrange itself (weights read as bf16 copies beside fp32 statistics, through
+    # F.batch_norm) is refused at capture with the line, not when the step first runs
+    from stepfx.errors import CaptureError
+
+    class Functional(ResidualCNN):
+        def forward(self, x):
+            norm = self.norms[0]
+            h = torch.nn.functional.batch_norm(self.stem(x), norm.running_mean, norm.running_var,
+                                               norm.weight.to(torch.bfloat16), norm.bias, training=True)
+            return self.head(h.mean((2, 3)))
+
+    torch.manual_seed(0)
+    model = Functional()
+    step = stepfx.parallelize({"bf16": {"enabled": True}, "gradient_clipping": 0})(cnn_step)
+    with pytest.raises(CaptureError, match=r"(?s)bfloat16 input with weight bfloat16, bias float32.*test_batch_norm"):
+        step(model, _adamw(model), *_batches(1)[0])
