@@ -15,6 +15,15 @@ def ce_step(model, optimizer, x, y):
     return loss
 
 
+def image_step(model, optimizer, pixel_values, labels):
+    """A Hugging Face image classifier's step (pixel_values, labels)."""
+    out = model(pixel_values=pixel_values, labels=labels)
+    out.loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return out.loss
+
+
 def scaled_ce_step(model, optimizer, x, y, blowup):
     """ce_step with the loss multiplied by ``blowup`` (a tensor): 1e30 overflows fp16 gradients."""
     loss = F.cross_entropy(model(x).float(), y) * blowup

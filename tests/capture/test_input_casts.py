@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import stepfx
 from stepfx import CaptureError
 from stepfx.testing.equivalence import assert_step_equivalent, mixed_precision_reference
-from tests.steps import adamw
+from tests.steps import adamw, image_step
 
 BF16 = {"bf16": {"enabled": True}, "gradient_clipping": 0}
 THIS_FILE = __file__.rstrip("c")
@@ -42,12 +42,7 @@ def tiny_whisper():
     ))
 
 
-def vit_step(model, optimizer, pixel_values, labels):
-    out = model(pixel_values=pixel_values, labels=labels)
-    out.loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return out.loss
+vit_step = image_step
 
 
 def whisper_step(model, optimizer, input_features, labels):

@@ -8,6 +8,8 @@ import torch
 
 import stepfx
 from stepfx.testing.equivalence import assert_step_equivalent, mixed_precision_reference
+from tests.steps import ce_step as cnn_step
+from tests.steps import image_step
 
 
 class ResidualCNN(torch.nn.Module):
@@ -27,14 +29,6 @@ class ResidualCNN(torch.nn.Module):
             h += x
             x = torch.relu(h)
         return self.head(x.mean((2, 3)))
-
-
-def cnn_step(model, optimizer, images, labels):
-    loss = torch.nn.functional.cross_entropy(model(images), labels)
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss
 
 
 def _batches(steps=3):
@@ -79,18 +73,11 @@ def test_hugging_face_resnet_in_bf16():
         return transformers.ResNetForImageClassification(transformers.ResNetConfig(
             embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_labels=3, num_channels=3))
 
-    def step_fn(model, optimizer, pixel_values, labels):
-        out = model(pixel_values=pixel_values, labels=labels)
-        out.loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        return out.loss
-
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randn(2, 3, 32, 32, generator=g), torch.randint(0, 3, (2,), generator=g)) for _ in range(3)]
-    report = assert_step_equivalent(step_fn, resnet, _adamw, batches, exact=True,
+    report = assert_step_equivalent(image_step, resnet, _adamw, batches, exact=True,
                                     config={"bf16": {"enabled": True}, "gradient_clipping": 0},
-                                    reference_fn=mixed_precision_reference(step_fn, torch.bfloat16, cast_inputs=True))
+                                    reference_fn=mixed_precision_reference(image_step, torch.bfloat16, cast_inputs=True))
     assert report.bitwise
 
 
