@@ -18,6 +18,7 @@ import gc
 import logging
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -36,7 +37,7 @@ from .passes.data_parallel.plan_zero_layout import stays_whole
 from .config.auto import at_stage
 from .config.implicit import fill_auto_clipping, implicit_defaults, unapplied_settings
 from .config import AUTO, Config, ConfigError, check_tensor_parallel, load_config, resolve_batch_sizes, resolve_zero_auto
-from .errors import ExecutionError, StepfxError
+from .errors import CaptureWarning, ExecutionError, StepfxError
 from .monitor import PHASES, Monitor, dense_flops_per_token, loss_of, tokens_in
 from .graph import Role, StepGraph, Storage, TensorSpec
 from .graph.layout import LAYOUT_KEY, Sharding
@@ -159,6 +160,7 @@ class ParallelStep:
         self._described: dict = {}  # held entries _create_optimizer_state made, until the first run replaces them
         self._moved_state: dict = {}  # parameter -> optimizer state moved to the rank's held map at this call (restored if it fails)
         self._varying: dict[str, frozenset[int]] = {}  # batch dims whose sizes differed between ranks at the first call
+        self._warned_constants: set[str] = set()  # arguments named by _warn_changed_constants
         self._pending_save: Any = None  # an asynchronous checkpoint save under way (checkpoint.PendingSave)
         self._save_group: Any = None  # the process group asynchronous saves run their collectives on
         self._monitor: Monitor | None = None  # logs and DeepSpeed's monitor blocks (stepfx/monitor), from the first call
@@ -475,6 +477,24 @@ class ParallelStep:
         broken = any(plan.structure == structure and plan.dynamic_dims == dims for plan in self._plans.values())
         return {} if broken else dims
 
+    def _warn_changed_constants(self, old: tuple, new: tuple) -> None:
+        """A Python number among the step's arguments that changed is why this call captures again: say so once
+        per argument (a step counter or a count passed as an int captures at every call, the plans cache
+        holding the last few)."""
+        before = dict(old)
+        for label, value in new:
+            if not label.startswith("argument ") or label in self._warned_constants or label not in before:
+                continue
+            was = before[label]
+            numbers = all(isinstance(v, tuple) and len(v) == 2 and v[0] in (int, float) for v in (was, value))
+            if numbers and was != value:
+                self._warned_constants.add(label)
+                warnings.warn(
+                    f"stepfx: {self.__name__}: {_argument_name(label[len('argument '):])} is a Python number ({was[1]!r}, now "
+                    f"{value[1]!r}); the captured step holds it as a constant, so each new value captures the step "
+                    f"again (the last {self.config.stepfx.cache_size} plans are kept). Pass it as a tensor "
+                    "(torch.tensor(value)) for one capture.", CaptureWarning, stacklevel=4)
+
     def _compile(self, key, model, optimizer, args, kwargs, options: CaptureOptions, *, structure: tuple | None = None,
                  dynamic_dims: dict | None = None) -> Plan:
         global _GC_FROZEN
@@ -483,6 +503,7 @@ class ParallelStep:
             _GC_FROZEN = False
         if self._last is not None:
             log.info("stepfx: re-capturing %s (call %d): %s", self.__name__, self._calls, describe_change(self._last.key, key))
+            self._warn_changed_constants(self._last.key, key)
         if dynamic_dims:
             log.info("stepfx: %s: capturing with symbolic batch sizes: %s", self.__name__,
                      "; ".join(f"{n} dims {sorted(d)}" for n, d in dynamic_dims.items()))
@@ -1460,3 +1481,17 @@ def parallelize(config: Any = None) -> Callable[[Callable], ParallelStep]:
         return ParallelStep(fn, cfg, dump_dir=dump_dir)
 
     return wrap
+
+
+def _argument_name(path: str) -> str:
+    """A step argument's pytree path over ``(args, kwargs)`` (``[0][1]``, ``[1]['n']['k']``) in the user's terms."""
+    import re
+
+    m = re.match(r"\[0\]\[(\d+)\](.*)", path)
+    if m:
+        return f"the step's argument #{int(m.group(1)) + 3} (after the model and optimizer){' at ' + m.group(2) if m.group(2) else ''}"
+    m = re.match(r"\[1\]\['([^']+)'\](.*)", path)
+    if m:
+        return f"the step's keyword argument {m.group(1)!r}{' at ' + m.group(2) if m.group(2) else ''}"
+    return f"the step's argument {path}"
+

@@ -227,3 +227,37 @@ def lm_step_for_api(model, optimizer, idx):
     optimizer.step()
     optimizer.zero_grad()
     return loss
+
+
+def _weighted_ce_step(model, optimizer, x, y, weight, *, shift=0.0):
+    loss = torch.nn.functional.cross_entropy(model(x), y) * weight + shift
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def test_a_python_number_that_changes_between_calls_is_named_once_as_the_reason_to_capture_again():
+    import warnings
+
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = stepfx.parallelize({"gradient_clipping": 0})(_weighted_ce_step)
+    (x, y), = mlp_batches(1)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for i in range(3):
+            step(model, opt, x, y, 1.0 + i, shift=0.5 * i)
+    messages = [str(w.message) for w in seen if issubclass(w.category, stepfx.errors.CaptureWarning)]
+    assert len(step.plans) == 3
+    assert len(messages) == 2 and all("Pass it as a tensor (torch.tensor(value))" in m for m in messages)
+    assert "the step's argument #5 (after the model and optimizer) is a Python number (1.0, now 2.0)" in messages[0]
+    assert "the step's keyword argument 'shift' is a Python number (0.0, now 0.5)" in messages[1]
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        tensor_step = stepfx.parallelize({"gradient_clipping": 0})(_weighted_ce_step)
+        for i in range(3):
+            tensor_step(model, opt, x, y, torch.tensor(1.0 + i))
+    assert len(tensor_step.plans) == 1
+    assert not [w for w in seen if issubclass(w.category, stepfx.errors.CaptureWarning)]
