@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import functools
 import threading
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -673,7 +673,8 @@ def capture_step(
     annotate_step_graph(graph)
     check_mutations(graph)
     try:
-        check_operand_dtypes(graph, buffers_hint=_BUFFERS_HINT if options.cast_buffers else _BUFFERS_OFF_HINT)
+        hint = "" if options.compute_dtype is None else _BUFFERS_HINT if options.cast_buffers else _BUFFERS_OFF_HINT
+        check_operand_dtypes(graph, buffers_hint=hint)
     except BufferDtypeError as exc:
         # DeepSpeed holds every floating buffer in the compute dtype (module.bfloat16()): read these so, once
         written = [n for n in exc.buffers if _written(graph, n)]
@@ -694,7 +695,8 @@ def capture_step(
 
 BUFFERS_CAST_KEY = "buffers_cast"  # signature.extra: the floating buffers read in the compute dtype
 FP32_PARAMS_KEY = "fp32_params"  # signature.extra: parameters read as fp32 under bf16/fp16 (batch norms)
-_BUFFERS_HINT = "stepfx reads a buffer the step only reads in the compute dtype (stepfx.cast_buffers)"
+_BUFFERS_HINT = ("stepfx already reads the buffer in the compute dtype and the operands still differ: cast the "
+                 "operand in the step (x.to(weight.dtype)) where it meets the weights")
 _BUFFERS_OFF_HINT = ('DeepSpeed holds buffers in the compute dtype (module.bfloat16()): leave stepfx.cast_buffers on '
                      '(true, the default) to read them so, or cast the buffer in the step (buf.to(weight.dtype))')
 
