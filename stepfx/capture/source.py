@@ -80,6 +80,12 @@ def library_of_traceback(tb: types.TracebackType | None) -> tuple[str, str | Non
     return package, (format_frame(own[-1].filename, own[-1].lineno, own[-1].name, own[-1].line) if own else None)
 
 
+def innermost_user_line(tb: types.TracebackType | None) -> str:
+    """The source text of the innermost user frame of an exception's traceback ("" if none)."""
+    frames = [f for f in traceback.extract_tb(tb) if is_user_file(f.filename)]
+    return (frames[-1].line or "") if frames else ""
+
+
 def _installed_package(filename: str) -> str | None:
     """The top-level package or module a file under ``site-packages``/``dist-packages`` belongs to."""
     parts = os.path.abspath(filename).split(os.sep)

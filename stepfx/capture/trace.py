@@ -58,7 +58,8 @@ from .host_random import refuse_host_random
 from .tracing_checks import TRACING_CHECKS_KEY, watch_tracing_checks
 from .raising_checks import RaisingCheck, raising_check
 from .optimizers import check_optimizer, hyperparam_inputs, state_tensors, steps_agree, trace_overrides
-from .source import innermost_user_frame, library_of_traceback, user_frame_from_traceback, user_frame_of_caller
+from .source import (innermost_user_frame, innermost_user_line, library_of_traceback, user_frame_from_traceback,
+                     user_frame_of_caller)
 
 __all__ = ["StepInputs", "collect_inputs", "capture_step"]
 
@@ -617,6 +618,12 @@ def capture_step(
                 hint = (f"the line is in the installed package {package!r}, not your code"
                         + (f" (reached from {own})" if own else "")
                         + f": look for an option of it that takes another path{example}, or " + hint)
+            if options.compute_dtype is torch.float16 and "float16" in innermost_user_line(exc.__traceback__):
+                # transformers' encoder layers (BART, mBART, Marian, Pegasus, Whisper, ...) clamp fp16 overflow so
+                hint = ("the branch is taken only under fp16 (it looks for fp16 overflow in the values): with bf16 "
+                        '("bf16": {"enabled": true}) the model skips it'
+                        + (f" (the line is in the installed package {library[0]!r}"
+                           + (f", reached from {library[1]})" if library[1] else ")") if library else ""))
             raise CaptureError(
                 "Python code reads a tensor's value (tensor-dependent control flow, .item()/.tolist() used in Python, or a data-dependent shape)",
                 source=user_frame_from_traceback(exc.__traceback__),
