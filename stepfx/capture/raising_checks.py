@@ -26,6 +26,10 @@ dispatched):
 
 A ``try``/``except`` around the check that catches the exception is not
 seen: the assertion fails the step where eager code would have caught it.
+
+Also here: an ``if`` whose body only clamps a tensor into the same name
+(transformers' fp16 overflow guard) is entered while tracing and each clamp
+selected by the traced condition (``clamping_branch``, below).
 """
 from __future__ import annotations
 
@@ -41,7 +45,7 @@ import torch
 
 from .source import format_frame, is_user_file
 
-__all__ = ["RaisingCheck", "raising_check"]
+__all__ = ["ClampingBranch", "RaisingCheck", "clamping_branch", "in_clamping_body", "raising_check"]
 
 _COND_JUMPS = {
     "POP_JUMP_IF_FALSE": False, "POP_JUMP_IF_TRUE": True,
@@ -222,3 +226,171 @@ def _static(expr: ast.expr, frame) -> bool:
 def _evaluate(expr: ast.expr, frame):
     code = compile(ast.Expression(body=expr), "<stepfx check message>", "eval")
     return eval(code, frame.f_globals, dict(frame.f_locals))  # noqa: S307 - names and attributes only (_STATIC)
+
+
+# -- branches that only clamp ----------------------------------------------------
+#
+# Libraries guard 16-bit overflow on the values (transformers' BART-family encoder layers)::
+#
+#     if hidden_states.dtype == torch.float16 and not torch.isfinite(hidden_states).all():
+#         clamp_value = torch.finfo(hidden_states.dtype).max - 1000
+#         hidden_states = torch.clamp(hidden_states, min=-clamp_value, max=clamp_value)
+#
+# An ``if`` without ``else`` whose body only computes constants (``torch.finfo``, arithmetic) and clamps
+# tensors is entered while tracing, and each clamp in it becomes ``where(the body runs, clamp(x), x)``:
+# the device decides, and the result is eager's on either side.
+
+_CLAMPS = frozenset({"clamp", "clip"})
+
+
+@dataclass(frozen=True)
+class ClampingBranch:
+    """A truth test that decides an ``if`` whose body only clamps tensors."""
+
+    body_when: bool  # the truth value that runs the body
+    code: types.CodeType  # the frame holding the ``if``
+    lines: tuple[int, int]  # the body's first and last line
+    source: str  # the user's line of the test
+
+
+def clamping_branch() -> ClampingBranch | None:
+    """The branch the innermost user frame is deciding, if its body only clamps (see above)."""
+    frame = sys._getframe(1)
+    while frame is not None and not is_user_file(frame.f_code.co_filename):
+        frame = frame.f_back
+    if frame is None:
+        return None
+    found = _clamping_body(frame.f_code, frame.f_lasti)
+    if found is None:
+        return None
+    body_when, lines, node = found
+    if not _only_clamps(node.body, frame):
+        return None
+    filename = frame.f_code.co_filename
+    line = linecache.getline(filename, frame.f_lineno)
+    return ClampingBranch(body_when, frame.f_code, lines,
+                          format_frame(filename, frame.f_lineno, frame.f_code.co_name, line or None))
+
+
+def in_clamping_body(branch: ClampingBranch) -> bool:
+    """Whether the op being dispatched comes from ``branch``'s body (its frame, one of its lines)."""
+    frame = sys._getframe(1)
+    while frame is not None and not is_user_file(frame.f_code.co_filename):
+        frame = frame.f_back
+    return frame is not None and frame.f_code is branch.code and branch.lines[0] <= frame.f_lineno <= branch.lines[1]
+
+
+@functools.lru_cache(maxsize=4096)
+def _clamping_body(code: types.CodeType, lasti: int) -> tuple[bool, tuple[int, int], ast.If] | None:
+    instructions, index = _instructions(code)
+    i = index.get(lasti)
+    if i is None:
+        return None
+    if instructions[i].opname == "TO_BOOL" and i + 1 < len(instructions):
+        i += 1
+    jump = instructions[i]
+    taken = _COND_JUMPS.get(jump.opname)
+    if taken is None or i + 1 >= len(instructions) or jump.positions is None or jump.positions.lineno is None:
+        return None
+    branch = _if_around(code.co_filename, jump)
+    if branch is None:
+        return None
+    lines = (branch.body[0].lineno, branch.body[-1].end_lineno)
+
+    def enters(j: int | None) -> bool | None:
+        while j is not None and j < len(instructions):  # the first instruction with a line
+            pos = instructions[j].positions
+            if pos is not None and pos.lineno is not None:
+                return lines[0] <= pos.lineno <= lines[1]
+            j += 1
+        return None
+
+    on_jump, on_fall = enters(index.get(jump.argval)), enters(i + 1)
+    if on_jump is None or on_fall is None or on_jump == on_fall:
+        return None
+    return (taken if on_jump else not taken), lines, branch
+
+
+def _if_around(filename: str, jump: dis.Instruction) -> ast.If | None:
+    """The ``if`` (no ``else``) whose test holds ``jump`` and whose body only clamps, else None."""
+    pos = jump.positions
+    text = "".join(linecache.getlines(filename))
+    for node in _ifs(filename, text):
+        test = node.test
+        if not (test.lineno <= pos.lineno <= test.end_lineno and _inside(node, jump)):
+            continue
+        if node.orelse or not all(_clamping_shape(s) for s in node.body):
+            return None
+        return node
+    return None
+
+
+@functools.lru_cache(maxsize=64)
+def _ifs(filename: str, text: str) -> list[ast.If]:
+    try:
+        tree = ast.parse(text, filename)
+    except (SyntaxError, ValueError):
+        return []
+    # innermost first: an if nested in another's test cannot happen, but in its body it can
+    return sorted((n for n in ast.walk(tree) if isinstance(n, ast.If)), key=lambda n: -(n.lineno * 10**6 + n.col_offset))
+
+
+def _clamping_shape(stmt: ast.stmt) -> bool:
+    """``name = <call or expression>``: one plain name assigned."""
+    return isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
+
+
+def _only_clamps(body: list[ast.stmt], frame) -> bool:
+    """Every statement is ``x = torch.clamp(x, ...)`` / ``x = x.clamp(...)`` (the same name: on the other side
+    it keeps its value) or assigns a value computed without tensors; the bounds are such values. Names are
+    looked up in the frame (a tensor there, or anything not found, is not a constant) or were so assigned above."""
+    constants: set[str] = set()
+
+    def constant(expr: ast.expr) -> bool:
+        for sub in ast.walk(expr):
+            if isinstance(sub, ast.Call):
+                if not (isinstance(sub.func, ast.Attribute) and sub.func.attr in ("finfo", "iinfo")):
+                    return False
+            elif not isinstance(sub, (ast.Name, ast.Attribute, ast.Constant, ast.BinOp, ast.UnaryOp, ast.operator,
+                                      ast.unaryop, ast.expr_context)):
+                return False
+        return all(_plain(chain, frame, constants) for chain in _chains(expr))
+
+    for stmt in body:
+        target, value = stmt.targets[0].id, stmt.value
+        if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr in _CLAMPS:
+            function = isinstance(value.func.value, ast.Name) and value.func.value.id == "torch"
+            clamped = value.args[0] if function and value.args else value.func.value
+            bounds = value.args[1:] if function else value.args
+            if not (isinstance(clamped, ast.Name) and clamped.id == target):
+                return False
+            if not all(constant(b) for b in [*bounds, *(k.value for k in value.keywords)]):
+                return False
+        elif constant(value):
+            constants.add(target)
+        else:
+            return False
+    return True
+
+
+def _chains(expr: ast.expr) -> list[ast.expr]:
+    """The outermost name/attribute chains of ``expr`` (``torch.finfo``, ``hidden_states.dtype``, ``c``)."""
+    found, stack = [], [expr]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.Name, ast.Attribute)) and _is_dotted(node):
+            found.append(node)
+        else:
+            stack.extend(ast.iter_child_nodes(node))
+    return found
+
+
+def _plain(chain: ast.expr, frame, constants: set[str]) -> bool:
+    """A name/attribute chain whose value in the frame is no tensor (or a name assigned a constant above)."""
+    if isinstance(chain, ast.Name) and chain.id in constants:
+        return True
+    try:
+        value = _evaluate(chain, frame)
+    except Exception:  # noqa: BLE001 - not found: not known to be plain
+        return False
+    return not isinstance(value, (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool))

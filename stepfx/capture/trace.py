@@ -56,7 +56,7 @@ from .dynamic import DYNAMIC_KEY
 from .checks import BufferDtypeError, check_mutations, check_operand_dtypes, warn_python_only_reads
 from .host_random import refuse_host_random
 from .tracing_checks import TRACING_CHECKS_KEY, watch_tracing_checks
-from .raising_checks import RaisingCheck, raising_check
+from .raising_checks import RaisingCheck, clamping_branch, in_clamping_body, raising_check
 from .optimizers import check_optimizer, hyperparam_inputs, state_tensors, steps_agree, trace_overrides
 from .source import (innermost_user_frame, innermost_user_line, library_of_traceback, user_frame_from_traceback,
                      user_frame_of_caller)
@@ -327,6 +327,23 @@ class _TraceGuard(compat.dispatch_mode_base()):
         super().__init__()
         self.shared_steps = shared_steps
         self.step_value = None
+        self.clamping: tuple | None = None  # (ClampingBranch, "the body runs" as a traced bool) while in its body
+
+    def _enter_clamping(self, value: torch.Tensor, branch) -> bool | int | float:
+        """An ``if`` whose body only clamps (raising_checks.py): Python enters the body, and each clamp in it
+        is selected by the traced truth value, so the device takes eager's side."""
+        with compat.annotate_nodes({"source": branch.source}):
+            truth = value if value.dtype is torch.bool else torch.ops.aten.ne.Scalar(value, 0)
+            runs = truth if branch.body_when else torch.ops.aten.logical_not.default(truth)
+        self.clamping = (branch, runs)
+        kind = bool if value.dtype is torch.bool else float if value.is_floating_point() else int
+        return kind(branch.body_when)
+
+    def _clamp_selected(self, func, args, kwargs):
+        branch, runs = self.clamping
+        out = self._checked(func, args, kwargs)
+        with compat.annotate_nodes({"source": branch.source}):
+            return torch.ops.aten.where.self(runs, out, args[0])
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -336,6 +353,13 @@ class _TraceGuard(compat.dispatch_mode_base()):
             return self.step_value
         if func is torch.ops.aten._local_scalar_dense.default and (check := raising_check()) is not None:
             return _assert_check(args[0], check)
+        if func is torch.ops.aten._local_scalar_dense.default and (branch := clamping_branch()) is not None:
+            return self._enter_clamping(args[0], branch)
+        if self.clamping is not None:
+            if func in _CLAMP_OPS and in_clamping_body(self.clamping[0]):
+                return self._clamp_selected(func, args, kwargs)
+            if not in_clamping_body(self.clamping[0]):
+                self.clamping = None  # (other ops in the body are bookkeeping: its statements only clamp)
         func = compat.grad_mode_twin(func)  # the graph runs under no_grad: see compat._grad_mode_twins
         source = innermost_user_frame()
         if source is not None:
@@ -359,6 +383,10 @@ class _TraceGuard(compat.dispatch_mode_base()):
                         hint="register the tensor on the module (register_buffer) or return its new value from the step",
                     )
         return func(*args, **kwargs)
+
+
+_CLAMP_OPS = frozenset({torch.ops.aten.clamp.default, torch.ops.aten.clamp.Tensor, torch.ops.aten.clip.default,
+                        torch.ops.aten.clip.Tensor})
 
 
 def _assert_check(value: torch.Tensor, check: RaisingCheck):
