@@ -67,12 +67,18 @@ class RaisingCheck:
     source: str  # the user's line of the check
 
 
+def _user_frame() -> types.FrameType | None:
+    """The innermost frame of the user's (or a library's) code on the running stack."""
+    frame = sys._getframe(2)
+    while frame is not None and not is_user_file(frame.f_code.co_filename):
+        frame = frame.f_back
+    return frame
+
+
 def raising_check() -> RaisingCheck | None:
     """The check the innermost user frame is evaluating, if the tensor being
     converted to a bool decides a branch whose one side only raises."""
-    frame = sys._getframe(1)
-    while frame is not None and not is_user_file(frame.f_code.co_filename):
-        frame = frame.f_back
+    frame = _user_frame()
     if frame is None:
         return None
     found = _raising_side(frame.f_code, frame.f_lasti)
@@ -255,9 +261,7 @@ class ClampingBranch:
 
 def clamping_branch() -> ClampingBranch | None:
     """The branch the innermost user frame is deciding, if its body only clamps (see above)."""
-    frame = sys._getframe(1)
-    while frame is not None and not is_user_file(frame.f_code.co_filename):
-        frame = frame.f_back
+    frame = _user_frame()
     if frame is None:
         return None
     found = _clamping_body(frame.f_code, frame.f_lasti)
@@ -274,9 +278,7 @@ def clamping_branch() -> ClampingBranch | None:
 
 def in_clamping_body(branch: ClampingBranch) -> bool:
     """Whether the op being dispatched comes from ``branch``'s body (its frame, one of its lines)."""
-    frame = sys._getframe(1)
-    while frame is not None and not is_user_file(frame.f_code.co_filename):
-        frame = frame.f_back
+    frame = _user_frame()
     return frame is not None and frame.f_code is branch.code and branch.lines[0] <= frame.f_lineno <= branch.lines[1]
 
 

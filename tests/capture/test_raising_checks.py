@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import stepfx
 from stepfx import CaptureError
 from stepfx.errors import ExecutionError
-from tests.steps import MLP, mlp_batches
+from tests.steps import MLP, ce_step, mlp_batches
 
 THIS_FILE = __file__.rstrip("c")
 
@@ -157,12 +157,7 @@ class OverflowClamped(nn.Module):
         return self.body(torch.tanh(hidden * 1e-38))
 
 
-def clamped_step(model, optimizer, x, y):
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss
+clamped_step = ce_step
 
 
 def test_a_branch_whose_body_only_clamps_is_selected_on_the_device_as_eager_takes_it():
