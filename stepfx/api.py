@@ -17,6 +17,7 @@ import functools
 import gc
 import logging
 import os
+import re
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -1485,8 +1486,6 @@ def parallelize(config: Any = None) -> Callable[[Callable], ParallelStep]:
 
 def _argument_name(path: str) -> str:
     """A step argument's pytree path over ``(args, kwargs)`` (``[0][1]``, ``[1]['n']['k']``) in the user's terms."""
-    import re
-
     m = re.match(r"\[0\]\[(\d+)\](.*)", path)
     if m:
         return f"the step's argument #{int(m.group(1)) + 3} (after the model and optimizer){' at ' + m.group(2) if m.group(2) else ''}"

@@ -100,10 +100,9 @@ def _instructions(code: types.CodeType) -> tuple[tuple[dis.Instruction, ...], di
     return instructions, {ins.offset: i for i, ins in enumerate(instructions)}
 
 
-@functools.lru_cache(maxsize=4096)
-def _raising_side(code: types.CodeType, lasti: int) -> tuple[bool, int] | None:
-    """(the truth value that leads only to a raise, offset of the raise) for
-    the conditional jump at ``lasti``, or None."""
+def _conditional_jump(code: types.CodeType, lasti: int) -> tuple[int, dis.Instruction, bool] | None:
+    """(its index, the instruction, the truth value that takes it) for the conditional jump that consumes the
+    truth value being computed at ``lasti`` (past a ``TO_BOOL``), with an instruction after it; else None."""
     instructions, index = _instructions(code)
     i = index.get(lasti)
     if i is None:
@@ -114,6 +113,18 @@ def _raising_side(code: types.CodeType, lasti: int) -> tuple[bool, int] | None:
     taken = _COND_JUMPS.get(jump.opname)
     if taken is None or i + 1 >= len(instructions):
         return None
+    return i, jump, taken
+
+
+@functools.lru_cache(maxsize=4096)
+def _raising_side(code: types.CodeType, lasti: int) -> tuple[bool, int] | None:
+    """(the truth value that leads only to a raise, offset of the raise) for
+    the conditional jump at ``lasti``, or None."""
+    found = _conditional_jump(code, lasti)
+    if found is None:
+        return None
+    i, jump, taken = found
+    index = _instructions(code)[1]
     on_jump = _raise_path(code, index.get(jump.argval))
     on_fall = _raise_path(code, i + 1)
     if (on_jump is None) == (on_fall is None):
@@ -284,16 +295,13 @@ def in_clamping_body(branch: ClampingBranch) -> bool:
 
 @functools.lru_cache(maxsize=4096)
 def _clamping_body(code: types.CodeType, lasti: int) -> tuple[bool, tuple[int, int], ast.If] | None:
+    found = _conditional_jump(code, lasti)
+    if found is None:
+        return None
+    i, jump, taken = found
+    if jump.positions is None or jump.positions.lineno is None:
+        return None
     instructions, index = _instructions(code)
-    i = index.get(lasti)
-    if i is None:
-        return None
-    if instructions[i].opname == "TO_BOOL" and i + 1 < len(instructions):
-        i += 1
-    jump = instructions[i]
-    taken = _COND_JUMPS.get(jump.opname)
-    if taken is None or i + 1 >= len(instructions) or jump.positions is None or jump.positions.lineno is None:
-        return None
     branch = _if_around(code.co_filename, jump)
     if branch is None:
         return None

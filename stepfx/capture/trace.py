@@ -356,10 +356,10 @@ class _TraceGuard(compat.dispatch_mode_base()):
         if func is torch.ops.aten._local_scalar_dense.default and (branch := clamping_branch()) is not None:
             return self._enter_clamping(args[0], branch)
         if self.clamping is not None:
-            if func in _CLAMP_OPS and in_clamping_body(self.clamping[0]):
-                return self._clamp_selected(func, args, kwargs)
             if not in_clamping_body(self.clamping[0]):
-                self.clamping = None  # (other ops in the body are bookkeeping: its statements only clamp)
+                self.clamping = None
+            elif func in _CLAMP_OPS:  # (other ops in the body are bookkeeping: its statements only clamp)
+                return self._clamp_selected(func, args, kwargs)
         func = compat.grad_mode_twin(func)  # the graph runs under no_grad: see compat._grad_mode_twins
         source = innermost_user_frame()
         if source is not None:
