@@ -628,9 +628,9 @@ def sdpa_with_symbolic_sizes(query, key, value, attn_mask=None, dropout_p=0.0, i
     private op) on empty CUDA tensors of the traced call's sizes, outside
     the trace (``_disable_current_modes``, private), and that kernel's op is
     called on the traced inputs: its meta kernel keeps sizes symbolic.
-    Applies to flash and memory-efficient attention without a mask's
-    broadcast subtleties: no grouped-query expansion, head dims the kernels
-    take unpadded (multiples of 8)."""
+    Applies to flash, cuDNN and memory-efficient attention: no grouped-query
+    expansion, head dims the kernels take unpadded (multiples of 8). A mask
+    is handed over as the composite hands it (``attention_mask_for``)."""
     from torch.nn.attention import SDPBackend
     from torch.utils._python_dispatch import _disable_current_modes
 
@@ -651,12 +651,50 @@ def sdpa_with_symbolic_sizes(query, key, value, attn_mask=None, dropout_p=0.0, i
         return aten._scaled_dot_product_flash_attention.default(query, key, value, dropout_p, is_causal, False,
                                                                 scale=scale)[0]
     if choice == int(SDPBackend.EFFICIENT_ATTENTION):
-        return aten._scaled_dot_product_efficient_attention.default(query, key, value, attn_mask, grad, dropout_p,
+        mask = attention_mask_for("efficient", attn_mask, query, key)
+        return aten._scaled_dot_product_efficient_attention.default(query, key, value, mask, grad, dropout_p,
                                                                     is_causal, scale=scale)[0]
     if choice == int(SDPBackend.CUDNN_ATTENTION):
-        return aten._scaled_dot_product_cudnn_attention.default(query, key, value, attn_mask, grad, dropout_p,
+        mask = attention_mask_for("cudnn", attn_mask, query, key)
+        return aten._scaled_dot_product_cudnn_attention.default(query, key, value, mask, grad, dropout_p,
                                                                 is_causal, False, scale=scale)[0]
     return None
+
+
+# memory-efficient attention reads its bias in rows of a multiple of this many elements
+_EFFICIENT_BIAS_ALIGNMENT = 8
+
+
+def attention_mask_for(kernel: str, attn_mask, query, key):
+    """The mask the SDPA composite hands the ``kernel`` ("cudnn" or
+    "efficient") for the user's ``attn_mask`` (None stays None).
+
+    As torch's composite does on every version stepfx supports: a boolean
+    mask (True: attend) becomes additive in the query's dtype, 0 where
+    True and a large negative where False (-inf; for cuDNN -65504, which
+    its kernel needs instead of -inf); for memory-efficient attention the
+    mask's rows are padded to a multiple of 8 elements and cut back (the
+    kernel's alignment; a view of the padded tensor) and it is expanded to
+    [batch, heads, query length, key length]. The composite pads only a
+    mask that is not aligned already; here it always pads (the same values
+    read, the alignment test being a guard on the symbolic length
+    otherwise). Without this the kernels refuse a boolean mask ("invalid
+    dtype for bias") at the first run."""
+    if attn_mask is None:
+        return None
+    if attn_mask.dtype == torch.bool:
+        masked = -65504.0 if kernel == "cudnn" else float("-inf")
+        zero = torch.scalar_tensor(0.0, dtype=query.dtype, device=attn_mask.device)
+        attn_mask = torch.where(attn_mask.logical_not(), masked, zero)
+    if kernel == "efficient":
+        # rows widened by 1 to 8 elements, written into zeros (the composite's pad; a pad of 1 to 8 would
+        # guard on the pad's size being 1, a size that changes with the length)
+        width = attn_mask.shape[-1]
+        padded = width - width % _EFFICIENT_BIAS_ALIGNMENT + _EFFICIENT_BIAS_ALIGNMENT
+        wide = attn_mask.new_zeros([*attn_mask.shape[:-1], padded])
+        attn_mask = torch.slice_scatter(wide, attn_mask, dim=-1, start=0, end=width)[..., :width]
+        attn_mask = attn_mask.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+    return attn_mask
 
 
 _GROUPED_KV: dict = {}

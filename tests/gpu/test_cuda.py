@@ -376,13 +376,12 @@ def cuda_gpt2_padded_batches():
 def test_padded_lengths_with_attention_masks_on_cuda_equal_eager_with_two_captures(monkeypatch):
     """Hugging Face GPT-2 with DataCollatorWithPadding-style batches (a new
     length every step, an attention mask with padding) on CUDA, fp32, symbolic
-    lengths: as eager (1e-6) with at most two captures. Written 2026-12-06, not
-    run on a GPU yet (bitwise, 2 plans, with the tensors left on the CPU):
-    ``compat.sdpa_with_symbolic_sizes`` hands the mask to the fused kernel as
-    the model made it (a boolean one included), where the composite first
-    converts a boolean mask to an additive one; and on the GPU machine (torch
-    2.11, transformers 5.17) the same step on CPU captured 6 times for 8
-    lengths (a guard ``Eq(length, 14)`` at transformers' SDPA call)."""
+    lengths: as eager (1e-6) with at most two captures. Its first run (H100,
+    torch 2.11, 2026-12-06) failed: ``compat.sdpa_with_symbolic_sizes`` handed
+    the boolean mask to the memory-efficient kernel as the model made it
+    ("invalid dtype for bias"), then a pad of 1-8 elements guarded on its own
+    size and a length of 7 captured a third time. Now bitwise with 2 plans
+    (``results/2026-12-06_gpu_tests_masks_rms_h100.txt``)."""
     from tests.steps import padded_step, parallelized_steps
 
     made = parallelized_steps(monkeypatch)
@@ -390,6 +389,8 @@ def test_padded_lengths_with_attention_masks_on_cuda_equal_eager_with_two_captur
                                     config={**NO_CODEGEN, "stepfx": {"codegen": False, "dynamic": "auto"}},
                                     rtol=1e-6, atol=1e-7)
     print(f"\ncuda padded gpt2: {report}; plans {[p.created_at_call for p in made[0].plans]}")
+    for plan in made[0].plans:
+        print(f"plan of call {plan.created_at_call}: guards {plan.guard.guards if plan.guard else None}")
     assert len(made[0].plans) <= 2
 
 
