@@ -158,3 +158,21 @@ def test_symbolic_lengths():
     assert len(step.plans) == 1 and "read K/V heads unrepeated" in _summary(step)
     report = assert_step_equivalent(hf_step, llama, adamw, batches, exact=True, config=config)
     assert report.bitwise
+
+
+def test_the_mask_is_read_under_each_kernel_s_argument_name():
+    """CPU's flash kernel takes ``attn_mask``, CUDA's cuDNN and memory-efficient kernels ``attn_bias``, CUDA's
+    flash kernel none (found on the H100: a bf16 Llama with padding failed with KeyError 'attn_mask')."""
+    import torch.fx as fx
+
+    from stepfx.passes.cleanup.unrepeat_kv_heads import _mask
+
+    aten = torch.ops.aten
+    g = fx.Graph()
+    q, k, v, m = (g.placeholder(n) for n in "qkvm")
+    cpu = g.call_function(aten._scaled_dot_product_flash_attention_for_cpu.default, (q, k, v, 0.0, True),
+                          {"attn_mask": m})
+    cudnn = g.call_function(aten._scaled_dot_product_cudnn_attention.default, (q, k, v, m, True, 0.0, False, False))
+    efficient = g.call_function(aten._scaled_dot_product_efficient_attention.default, (q, k, v, m, True))
+    flash = g.call_function(aten._scaled_dot_product_flash_attention.default, (q, k, v, 0.0, True))
+    assert [_mask(n) for n in (cpu, cudnn, efficient, flash)] == [m, m, m, None]

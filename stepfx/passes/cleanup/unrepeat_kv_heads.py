@@ -72,6 +72,13 @@ def _arg(node: fx.Node, name: str):
     raise KeyError(name)
 
 
+def _mask(node: fx.Node):
+    """The attention op's mask argument: ``attn_mask`` (CPU's flash kernel), ``attn_bias`` (CUDA's cuDNN and
+    memory-efficient kernels), none (CUDA's flash kernel)."""
+    names = {arg.name for arg in node.target._schema.arguments}
+    return next((_arg(node, name) for name in ("attn_mask", "attn_bias") if name in names), None)
+
+
 def _set_arg(node: fx.Node, name: str, value) -> None:
     for i, arg in enumerate(node.target._schema.arguments):
         if arg.name == name:
@@ -225,7 +232,7 @@ def unrepeat_kv_heads(graph: StepGraph, options: PassOptions) -> PassResult:
         _set_arg(forward, "key", k)
         _set_arg(forward, "value", v)
         rewired += 1
-        if k.meta["val"].dtype in _SIXTEEN_BIT and _arg(forward, "attn_mask") is not None:
+        if k.meta["val"].dtype in _SIXTEEN_BIT and _mask(forward) is not None:
             # with a padding mask eager repeats K/V (transformers' repeat_kv), so it rounds each copy's K/V
             # gradient to 16 bits and then their sum, where the kernel would sum them in fp32 and round once: the
             # backward keeps the repeats, made again just before it. (Without a mask eager passes the heads
