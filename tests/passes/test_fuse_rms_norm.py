@@ -123,3 +123,25 @@ def test_a_norm_whose_values_are_read_elsewhere_is_left_with_the_reason():
     record = next(r for r in s.plan.records if r.name == "fuse_rms_norm")
     assert record.summary.startswith("1 RMSNorm(s)") and "left: the normalized value is read elsewhere" in record.summary
     assert any(n.target is torch.ops.aten.rsqrt.default for n in s.plan.graph.gm.graph.nodes)
+
+
+def test_symbolic_lengths_run_the_kernels_and_equal_eager():
+    """A new length every step (stepfx.dynamic "auto"): the symbolic capture fuses its norms too (it failed with
+    "unhashable type: SymInt" on the GPU, a bf16 Llama with padded batches, 2026-12-06) and equals eager."""
+    from tests.steps import parallelized_steps
+
+    config = {**CODEGEN, "stepfx": {"codegen": True, "dynamic": "auto"}}
+    g = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(3, t, 5, generator=g), torch.randint(0, 3, (3, t), generator=g)) for t in (7, 9, 5, 12)]
+    mp = pytest.MonkeyPatch()
+    try:
+        made = parallelized_steps(mp)
+        report = assert_step_equivalent(step, lambda: Net(13), _sgd, batches, config=config, rtol=1e-5, atol=1e-7,
+                                        resync=True)
+    finally:
+        mp.undo()
+    assert report.steps == 4
+    plans = made[0].plans
+    assert len(plans) == 2 and plans[1].guard is not None
+    record = next(r for r in plans[1].records if r.name == "fuse_rms_norm")
+    assert record.summary.startswith("2 RMSNorm(s) forward and backward on stepfx's kernels"), record.summary

@@ -44,6 +44,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from ... import compat
 from ...graph import StepGraph
 from ...graph.build import clone_step_graph_mapped
 from ...graph.step_graph import META_PHASE, Phase
@@ -83,8 +84,30 @@ def _val(node):
     return node.meta.get("val") if isinstance(node, fx.Node) else None
 
 
-def _static(*nodes) -> bool:
-    return all(isinstance(_val(n), torch.Tensor) and all(isinstance(s, int) for s in _val(n).shape) for n in nodes)
+def _static_width(node) -> bool:
+    """A tensor whose last dimension (the normalized one) is static; the rows may be symbolic (stepfx.dynamic:
+    the kernels take the row count as an argument)."""
+    val = _val(node)
+    return isinstance(val, torch.Tensor) and val.dim() > 0 and not compat.is_symbolic(val.shape[-1])
+
+
+def _shape(node) -> tuple:
+    """``node``'s shape, symbolic sizes as expressions (compared without guarding)."""
+    return tuple(compat.size_expr(d) for d in _val(node).shape)
+
+
+def _is_size(node) -> bool:
+    """A size read (``sym_size``, hoisted under stepfx.dynamic), which ops like ``expand`` take as arguments."""
+    return isinstance(_val(node), (int, torch.SymInt))
+
+
+def _concrete(value):
+    """``value`` with symbolic sizes replaced by their hints (the sizes of the call being traced)."""
+    if isinstance(value, torch.SymInt):
+        return compat.size_hint(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_concrete(v) for v in value)
+    return value
 
 
 def _other(node, one):
@@ -105,8 +128,8 @@ def _forward(r: fx.Node):
     if p.op != "call_function" or p.target is not aten.pow.Tensor_Scalar or p.args[1] != 2:
         return "not a mean of squares"
     x32 = p.args[0]
-    if not _static(x32) or list(mean.args[1]) not in ([-1], [_val(x32).dim() - 1]) or _val(x32).dtype != torch.float32:
-        return "not over the last dim of an fp32 value with static sizes"
+    if not _static_width(x32) or list(mean.args[1]) not in ([-1], [_val(x32).dim() - 1]) or _val(x32).dtype != torch.float32:
+        return "not over the last dim (of a static size) of an fp32 value"
     x = x32.args[0] if _is_cast(x32, torch.float32) else x32
     mul = [u for u in r.users if u.target is aten.mul.Tensor and _other(u, r) is x32 and u.meta.get(META_PHASE) is Phase.FORWARD]
     if len(mul) != 1:
@@ -145,7 +168,7 @@ def _forward(r: fx.Node):
 def _backward(x32, r, h, w, y, forward: list, order: dict):
     """(g, dx, the add of dx's second part or None, dw, backward nodes) or the reason."""
     gh = [u for u in w.users if u is not y and u.target is aten.mul.Tensor and u.meta.get(META_PHASE) is Phase.BACKWARD
-          and tuple(_val(u).shape) == tuple(_val(y).shape)]
+          and _shape(u) == _shape(y)]
     if len(gh) != 1:
         return "the output's gradient is not multiplied by the weight once"
     g = _other(gh[0], w)
@@ -158,7 +181,7 @@ def _backward(x32, r, h, w, y, forward: list, order: dict):
     dw = sums[0]
     if len(dw.users) == 1 and next(iter(dw.users)).target in (aten.view.default, aten._unsafe_view.default, aten.reshape.default):
         dw = next(iter(dw.users))
-    if tuple(_val(dw).shape) != tuple(_val(w).shape):
+    if _shape(dw) != _shape(w):
         return "the weight's gradient is not the weight's shape"
     # the input's gradient: the ops computed from gh (and x32, r) alone, closed over the backward op set
     inside = set(forward) | {gh[0]}
@@ -172,11 +195,11 @@ def _backward(x32, r, h, w, y, forward: list, order: dict):
                 continue
             if node.meta.get(META_PHASE) is not Phase.BACKWARD:
                 continue
-            if all(a in known or a in closure for a in node.all_input_nodes):
+            if all(a in known or a in closure or _is_size(a) for a in node.all_input_nodes):
                 closure.append(node)
                 changed = True
     ends = sorted((n for n in closure if any(u not in closure for u in n.users)), key=order.__getitem__)
-    if not ends or any(tuple(_val(n).shape) != tuple(_val(x32).shape) or n is gh[0] for n in ends):
+    if not ends or any(_shape(n) != _shape(x32) or n is gh[0] for n in ends):
         return "the input's gradient does not leave the norm whole"
     nodes = closure + [gwp[0], sums[0]] + ([dw] if dw is not sums[0] else [])
     if len(ends) == 1:
@@ -195,7 +218,8 @@ def _structure(m: _Match) -> tuple:
     index = {m.x: "x", m.w: "w", m.g: "g"}
     index.update({n: i for i, n in enumerate(m.nodes)})
     ops = tuple((str(n.target), repr(fx.node.map_arg((n.args, n.kwargs), lambda a: index.get(a, a.name)))) for n in m.nodes)
-    return ops, tuple(_val(m.x).shape), str(_val(m.x).dtype), str(_val(m.w).dtype), str(_val(m.g).dtype), m.eps
+    shape = tuple(compat.size_expr(d) for d in _val(m.x).shape)
+    return ops, shape, str(_val(m.x).dtype), str(_val(m.w).dtype), str(_val(m.g).dtype), m.eps
 
 
 def _check(m: _Match) -> str | None:
@@ -208,14 +232,18 @@ def _check(m: _Match) -> str | None:
     if device.type == "cpu" and x_val.numel() > _SAMPLE_LIMIT:
         return f"not checked: {x_val.numel():,} elements are more than the CPU check evaluates"
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(tuple(x_val.shape), generator=gen).to(device=device, dtype=x_val.dtype)
+    x = torch.randn(_concrete(tuple(x_val.shape)), generator=gen).to(device=device, dtype=x_val.dtype)
     w = (1 + 0.1 * torch.randn(tuple(_val(m.w).shape), generator=gen)).to(device=device, dtype=_val(m.w).dtype)
-    g = torch.randn(tuple(_val(m.g).shape), generator=gen).to(device=device, dtype=_val(m.g).dtype)
+    g = torch.randn(_concrete(tuple(_val(m.g).shape)), generator=gen).to(device=device, dtype=_val(m.g).dtype)
     env = {m.x: x, m.w: w, m.g: g}
+
+    def value(a: fx.Node):  # a region's input, or a size read (symbolic lengths): its hint
+        return env[a] if a in env else _concrete(_val(a))
+
     with torch.no_grad():
         for node in m.nodes:
-            args = fx.node.map_arg(node.args, lambda a: env[a])
-            kwargs = fx.node.map_arg(node.kwargs, lambda a: env[a])
+            args = _concrete(fx.node.map_arg(node.args, value))
+            kwargs = _concrete(fx.node.map_arg(node.kwargs, value))
             kwargs = {k: (device if k == "device" else v) for k, v in kwargs.items()}
             env[node] = node.target(*args, **kwargs)
     n = x_val.shape[-1]
@@ -300,7 +328,8 @@ def fuse_rms_norm(graph: StepGraph, options: PassOptions) -> PassResult:
         x, w, grad, y, dx, dw = (copy_of[n] for n in (m.x, m.w, m.g, m.y, m.dx, m.dw))
         n = _val(x).shape[-1]
         x_val = _val(x)
-        stat = torch.empty(tuple(x_val.shape[:-1]) + (1,), dtype=torch.float32, device=x_val.device)
+        with x_val.fake_mode:  # the per-row statistic, its rows symbolic where the input's are
+            stat = torch.empty(tuple(x_val.shape[:-1]) + (1,), dtype=torch.float32, device=x_val.device)
         with g.inserting_before(y):
             norm = make_node(g, graph_ops.rms_norm, (x, [n], w, m.eps), val=(_val(y), stat), like=y, name="rms_norm")
             out = make_node(g, operator.getitem, (norm, 0), val=_val(y), like=y, name="rms_out")
