@@ -84,7 +84,8 @@ def run(kind: str, args) -> dict:
         optimizer = torch.optim.AdamW(model.parameters(), **adamw)
         config = {"bf16": {"enabled": True}, "gradient_clipping": 1.0,
                   "stepfx": {"codegen": kind.startswith("stepfx-codegen"), "dynamic": args.dynamic,
-                             "attention_pad_multiple": args.attention_pad_multiple}}
+                             "attention_pad_multiple": args.attention_pad_multiple,
+                             "disable": [n for n in args.disable.split(",") if n]}}
         step = stepfx.parallelize(config)(stepfx_step)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), fused=device.type == "cuda", **adamw)
@@ -134,7 +135,7 @@ def run(kind: str, args) -> dict:
     mean_seq = sum(seqs[args.warmup:]) / args.steps
     flops_per_token = 6 * model.matmul_params() + 12 * cfg.n_layers * cfg.d_model * mean_seq
     row = {
-        "system": kind, "attention_pad_multiple": args.attention_pad_multiple, "size": args.size, "lengths": f"fixed {seqs[0]}" if fixed else f"uniform [{args.min_seq}, {args.seq}]",
+        "system": kind, "disable": args.disable, "attention_pad_multiple": args.attention_pad_multiple, "size": args.size, "lengths": f"fixed {seqs[0]}" if fixed else f"uniform [{args.min_seq}, {args.seq}]",
         "distinct_lengths": len(set(seqs)), "tokens_per_s": round(tps), "mfu": round(flops_per_token * tps / PEAK_FLOPS, 4),
         "step_ms": times["step_ms"], "first_call_s": warm[0], "warmup_s": warm,
         "peak_alloc_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None,
@@ -172,6 +173,7 @@ def main() -> None:
     ap.add_argument("--dynamic", default="auto", help='stepfx.dynamic for the stepfx systems ("auto", true, false)')
     ap.add_argument("--attention-pad-multiple", default="auto",
                     help='stepfx.attention_pad_multiple ("auto", or a number; 0 = flash attention for symbolic lengths)')
+    ap.add_argument("--disable", default="", help="stepfx passes to turn off (comma-separated), for before/after runs")
     ap.add_argument("--systems", default="stepfx-codegen,eager,compile,stepfx-codegen-fixed")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of the script (tiny sizes)")
     ap.add_argument("--same-process", action="store_true", help="run every system in this process (cuDNN's plan cache is then shared)")
@@ -187,7 +189,8 @@ def main() -> None:
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     meta = {"date": datetime.date.today().isoformat(), "gpu": gpu, "torch": torch.__version__,
             "command": f"python3 benchmarks/dynamic_lengths.py --size {args.size} --systems {args.systems} "
-                       f"--min-seq {args.min_seq} --seq {args.seq} --attention-pad-multiple {args.attention_pad_multiple}"}
+                       f"--min-seq {args.min_seq} --seq {args.seq} --attention-pad-multiple {args.attention_pad_multiple}"
+                       + (f" --disable {args.disable}" if args.disable else "")}
     rows = []
     systems = args.systems.split(",")
     if len(systems) > 1 and not args.same_process:
@@ -200,7 +203,8 @@ def main() -> None:
             cmd = [sys.executable, os.path.abspath(__file__), "--systems", kind, "--size", args.size, "--seq", str(args.seq),
                    "--min-seq", str(args.min_seq), "--batch", str(args.batch), "--warmup", str(args.warmup),
                    "--steps", str(args.steps), "--dynamic", str(args.dynamic).lower(), "--device", args.device,
-                   "--fixed-seq", str(args.fixed_seq), "--attention-pad-multiple", str(args.attention_pad_multiple)]
+                   "--fixed-seq", str(args.fixed_seq), "--attention-pad-multiple", str(args.attention_pad_multiple),
+                   "--disable", args.disable]
             if args.log_compiles:
                 cmd.append("--log-compiles")
             cmd += ["--profile-call", str(args.profile_call)]
