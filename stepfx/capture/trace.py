@@ -475,6 +475,89 @@ def batch_norm_fp32_params(model: torch.nn.Module) -> frozenset[str]:
     return frozenset(names)
 
 
+@contextlib.contextmanager
+def clipping_masters(masters: dict, *, loss_scaled: bool = False):
+    """``torch.nn.utils.clip_grad_norm_`` and ``clip_grad_value_`` clip the
+    fp32 masters' gradients where they are handed the 16-bit copies a
+    mixed-precision step's module computes with (``masters``: id of a copy
+    -> its master), as DeepSpeed clips the fp32 gradients.
+
+    Why: while the module is reparametrized, ``model.parameters()`` yields
+    the copies, which hold no gradient (they are not leaves), so the usual
+    ``clip_grad_norm_(model.parameters(), 1.0)`` after ``backward`` clipped
+    nothing and returned a norm of 0, with no word (found 2026-12-06; the
+    bf16 reference of the tests had the same defect). Other reads of a
+    copy's ``.grad`` are refused at capture (``_grad_of_copies``).
+    ``loss_scaled``: the gradients are loss-scaled while the step runs
+    (fp16), so a clip there would measure the scaled norm: refused, naming
+    the line, for the config's ``gradient_clipping`` (applied unscaled)."""
+    from torch.nn.utils import clip_grad
+
+    if not masters:
+        yield
+        return
+
+    def masters_of(parameters):
+        if loss_scaled:
+            raise CaptureError(
+                "the step clips gradients itself under fp16 loss scaling: while the step runs the gradients are "
+                "multiplied by the loss scale, so the clip would measure the scaled norm",
+                source=user_frame_of_caller(),
+                hint='set "gradient_clipping" in the config instead (stepfx unscales, then clips) and remove the '
+                     "clip_grad_norm_/clip_grad_value_ call from the step",
+            )
+        if isinstance(parameters, torch.Tensor):
+            parameters = [parameters]
+        return [masters.get(id(p), p) for p in parameters]
+
+    real_norm, real_value = clip_grad.clip_grad_norm_, clip_grad.clip_grad_value_
+
+    def clip_norm(parameters, *args, **kwargs):
+        return real_norm(masters_of(parameters), *args, **kwargs)
+
+    def clip_value(parameters, *args, **kwargs):
+        return real_value(masters_of(parameters), *args, **kwargs)
+
+    saved = [(module, name, getattr(module, name)) for module in (torch.nn.utils, clip_grad)
+             for name in ("clip_grad_norm_", "clip_grad_value_")]
+    torch.nn.utils.clip_grad_norm_ = clip_grad.clip_grad_norm_ = clip_norm
+    torch.nn.utils.clip_grad_value_ = clip_grad.clip_grad_value_ = clip_value
+    try:
+        yield
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
+
+
+@contextlib.contextmanager
+def _grad_of_copies(active: bool):
+    """Refuse a step that reads ``.grad`` of the 16-bit copies a
+    mixed-precision module computes with (``model.parameters()`` yields
+    them during the step): they hold no gradient, so a gradient norm or
+    check computed from them would silently read nothing. torch warns on
+    every read of a non-leaf's ``.grad``; that warning, raised in the user's
+    code, becomes the error, naming the line."""
+    import warnings
+
+    if not active:
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=r"The \.grad attribute of a Tensor that is not a leaf Tensor")
+        try:
+            yield
+        except UserWarning as exc:
+            if "not a leaf Tensor" not in str(exc):
+                raise
+            raise CaptureError(
+                "the step reads .grad of the model's parameters, which under bf16/fp16 are 16-bit copies of the "
+                "fp32 masters while the step runs: they hold no gradient",
+                source=user_frame_from_traceback(exc.__traceback__),
+                hint="clip with the config's gradient_clipping or torch.nn.utils.clip_grad_norm_(model.parameters(), "
+                     "...) (both clip the masters' gradients); read gradients from optimizer.param_groups' tensors",
+            ) from None
+
+
 def _make_traced_fn(fn, model, optimizer, inputs: StepInputs, rec: _Recorder, options: CaptureOptions):
     slots = inputs.slots
     buffer_names = [s.name for s in slots if s.role is Role.BUFFER]
@@ -522,9 +605,10 @@ def _make_traced_fn(fn, model, optimizer, inputs: StepInputs, rec: _Recorder, op
         if options.grad_accumulation > 1:
             factor = (factor if factor is not None else 1.0) / options.grad_accumulation
 
+        copies = {id(module_tensors[n]): leaf for n, leaf in leaves.items() if module_tensors[n] is not leaf}
         with compat.reparametrize_module(model, module_tensors), _swapped_optimizer(
             optimizer, inputs.group_params, leaves, hyper, states
-        ):
+        ), clipping_masters(copies, loss_scaled=bool(options.loss_scale)), _grad_of_copies(bool(copies)):
             shared = frozenset(id(v) for (name, key), v in states.items()
                                if key == "step" and name in inputs.shared_step_names) if inputs.shared_step else frozenset()
             with compat.annotate_nodes({"phase": Phase.FORWARD.value}), _phase_hooks(optimizer, leaves, factor), _TraceGuard(
