@@ -145,3 +145,30 @@ def test_symbolic_lengths_run_the_kernels_and_equal_eager():
     assert len(plans) == 2 and plans[1].guard is not None
     record = next(r for r in plans[1].records if r.name == "fuse_rms_norm")
     assert record.summary.startswith("2 RMSNorm(s) forward and backward on stepfx's kernels"), record.summary
+
+
+class HeadNormNet(nn.Module):
+    """A norm over each head's dims, then heads moved before the length (Qwen3's q/k norms before attention): the
+    norm's output gradient comes back through the transpose, not contiguous."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(5, 12)
+        self.norm = RMSNorm(4)
+        self.w = nn.Parameter(torch.randn(4, 4) / 2)
+        self.out = nn.Linear(12, 3)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        h = self.norm(self.inp(x).view(b, t, 3, 4)).transpose(1, 2) @ self.w  # [b, 3, t, 4], contiguous
+        return self.out(h.transpose(1, 2).reshape(b, t, 12))
+
+
+def test_a_norm_whose_output_gradient_is_transposed_runs_the_kernels_and_equals_eager():
+    """Found on Qwen3 with codegen (every CUDA run): the kernel refused the transposed gradient at run #1; the
+    gradient is copied dense before the backward kernel."""
+    s = _fused(CODEGEN, HeadNormNet, _batches((2, 7)))
+    record = next(r for r in s.plan.records if r.name == "fuse_rms_norm")
+    assert record.summary.startswith("1 RMSNorm(s) forward and backward on stepfx's kernels"), record.summary
+    assert any(n.name.startswith("rms_grad_dense") for n in s.plan.graph.gm.graph.nodes)
+    assert_step_equivalent(step, HeadNormNet, _sgd, _batches((2, 7)), config=CODEGEN, rtol=1e-5, atol=1e-7, resync=True)

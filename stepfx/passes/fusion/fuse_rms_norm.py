@@ -96,6 +96,17 @@ def _shape(node) -> tuple:
     return tuple(compat.size_expr(d) for d in _val(node).shape)
 
 
+def _dense(val: torch.Tensor) -> bool:
+    """Contiguous, judged on the sizes' hints (no guard on a symbolic size)."""
+    expected = 1
+    for size, stride in reversed(list(zip(val.shape, val.stride()))):
+        size = compat.size_hint(size)
+        if size != 1 and compat.size_hint(stride) != expected:
+            return False
+        expected *= size
+    return True
+
+
 def _is_size(node) -> bool:
     """A size read (``sym_size``, hoisted under stepfx.dynamic), which ops like ``expand`` take as arguments."""
     return isinstance(_val(node), (int, torch.SymInt))
@@ -338,6 +349,12 @@ def fuse_rms_norm(graph: StepGraph, options: PassOptions) -> PassResult:
         pos = {n: i for i, n in enumerate(g.nodes)}
         first = min((u for v in (dx, dw) for u in v.users), key=pos.__getitem__)
         with g.inserting_before(first):
+            if not _dense(_val(grad)):  # the kernel reads rows densely: a transposed gradient (Qwen3's q/k norms
+                # over the head dim, their gradient coming back through the attention's transpose) is copied
+                with _val(grad).fake_mode:
+                    val = _val(grad).clone(memory_format=torch.contiguous_format)
+                grad = make_node(g, aten.clone.default, (grad,), {"memory_format": torch.contiguous_format}, val=val,
+                                 like=dx, name="rms_grad_dense")
             wdtype = _val(w).dtype if _val(w).dtype != x_val.dtype else None  # Gemma's fp32 (1 + weight)
             back = make_node(g, graph_ops.rms_norm_backward, (grad, x, [n], rstd, w, [True, True], wdtype),
                              val=(_val(dx), _val(dw)), like=dx, name="rms_norm_backward")
