@@ -614,6 +614,34 @@ def linear_with_symbolic_sizes(input, weight, bias=None):
     return out.view(*lead, out.shape[1])
 
 
+def matmul_with_symbolic_sizes(input, other):
+    """``torch.matmul`` of two batched matrices (both at least 3-D, the
+    same batch sizes) with symbolic sizes, as the ops matmul runs for them
+    (the batch folded into one, ``bmm``, the batch unfolded), or None where
+    this does not apply (then the caller runs torch's own).
+
+    Why: measured on the GPU machine (torch 2.11, 2026-12-06), the C++
+    composite reads the sizes as plain ints, and fake tensors answer that by
+    specializing them: Hugging Face's rotary embedding
+    (``inv_freq_expanded @ position_ids_expanded``, [B, D/2, 1] @ [B, 1, L])
+    put a guard ``Eq(length, 83)`` on every Llama-family step, which was then
+    captured again for every new length. Operands with broadcast batch
+    dimensions or fewer dimensions take other paths in the composite (a fold
+    into one ``mm``) and return None here."""
+    if not (isinstance(input, torch.Tensor) and isinstance(other, torch.Tensor)) or input.dim() < 3 or other.dim() < 3:
+        return None
+    if not any(isinstance(s, torch.SymInt) for t in (input, other) for s in t.shape):
+        return None
+    batch = input.shape[:-2]
+    if len(batch) != other.dim() - 2 or any(size_expr(a) != size_expr(b) for a, b in zip(batch, other.shape[:-2])):
+        return None
+    n, m, p = input.shape[-2], input.shape[-1], other.shape[-1]
+    rows = 1
+    for size in batch:
+        rows = rows * size
+    return torch.bmm(input.reshape(rows, n, m), other.reshape(rows, m, p)).view(*batch, n, p)
+
+
 def sdpa_with_symbolic_sizes(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                              enable_gqa=False):
     """``F.scaled_dot_product_attention`` on CUDA tensors with symbolic

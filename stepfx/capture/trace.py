@@ -402,16 +402,19 @@ def _assert_check(value: torch.Tensor, check: RaisingCheck):
 
 @contextlib.contextmanager
 def _symbolic_kernels(active: bool):
-    """With symbolic batch sizes, ``F.scaled_dot_product_attention`` and
-    ``F.linear`` run ``compat.sdpa_with_symbolic_sizes`` and
-    ``compat.linear_with_symbolic_sizes`` (the ops eager would run, without
-    the C++ composites' size reads that specialize every size on torch
-    2.11)."""
+    """With symbolic batch sizes, ``F.scaled_dot_product_attention``,
+    ``F.linear`` and ``torch.matmul`` (``@``) run
+    ``compat.sdpa_with_symbolic_sizes``, ``compat.linear_with_symbolic_sizes``
+    and ``compat.matmul_with_symbolic_sizes`` (the ops eager would run,
+    without the C++ composites' size reads that specialize every size on
+    torch 2.11)."""
     if not active:
         yield
         return
     F = torch.nn.functional
     real_attention, real_linear = F.scaled_dot_product_attention, F.linear
+    real_matmul = torch.matmul
+    methods = {name: (name in torch.Tensor.__dict__, getattr(torch.Tensor, name)) for name in ("matmul", "__matmul__")}
 
     @functools.wraps(real_attention)
     def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
@@ -426,11 +429,27 @@ def _symbolic_kernels(active: bool):
         out = compat.linear_with_symbolic_sizes(input, weight, bias)
         return real_linear(input, weight, bias) if out is None else out
 
+    def matmul_of(real):
+        @functools.wraps(real)
+        def matmul(input, other, **kwargs):
+            out = None if kwargs else compat.matmul_with_symbolic_sizes(input, other)
+            return real(input, other, **kwargs) if out is None else out
+        return matmul
+
     F.scaled_dot_product_attention, F.linear = attention, linear
+    torch.matmul = matmul_of(real_matmul)
+    for name, (_, real) in methods.items():  # Tensor.matmul and the @ operator (TensorBase's, inherited)
+        setattr(torch.Tensor, name, matmul_of(real))
     try:
         yield
     finally:
         F.scaled_dot_product_attention, F.linear = real_attention, real_linear
+        torch.matmul = real_matmul
+        for name, (own, real) in methods.items():
+            if own:
+                setattr(torch.Tensor, name, real)
+            else:
+                delattr(torch.Tensor, name)
 
 
 @contextlib.contextmanager
