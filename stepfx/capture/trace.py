@@ -328,6 +328,27 @@ class _TraceGuard(compat.dispatch_mode_base()):
         self.shared_steps = shared_steps
         self.step_value = None
         self.clamping: tuple | None = None  # (ClampingBranch, "the body runs" as a traced bool) while in its body
+        # draws uniform in [0, 1), and comparisons of them with numbers whose answer no draw can change:
+        # id -> (the tensor, its answer or None for a draw)
+        self.uniform: dict[int, tuple[torch.Tensor, bool | str | None]] = {}  # "random": draws answer differently
+
+    def _known(self, value) -> tuple[torch.Tensor, bool | str | None] | None:
+        entry = self.uniform.get(id(value)) if isinstance(value, torch.Tensor) else None
+        return entry if entry is not None and entry[0] is value else None
+
+    def _decided(self, func, args, out):
+        """Note ``out`` when it is a uniform draw, or a comparison of one with a number that every draw
+        answers alike: transformers 4.x's layerdrop (``if torch.rand([]) < self.layerdrop: continue`` in
+        OPT, BART, Whisper and their kin, with layerdrop 0.0 by default) is then a branch Python takes
+        without a guard on the device's value; the draw stays (it advances the generator as in eager)."""
+        if func in _UNIFORM_DRAWS or (func in _SAME_VALUES and args and (draw := self._known(args[0])) is not None
+                                      and draw[1] is None):
+            self.uniform[id(out)] = (out, None)
+        elif func in _COMPARISONS and len(args) >= 2 and isinstance(args[1], (int, float)) \
+                and (draw := self._known(args[0])) is not None and draw[1] is None:
+            answer = _COMPARISONS[func](float(args[1]))
+            self.uniform[id(out)] = (out, "random" if answer is None else answer)
+        return out
 
     def _enter_clamping(self, value: torch.Tensor, branch) -> bool | int | float:
         """An ``if`` whose body only clamps (raising_checks.py): Python enters the body, and each clamp in it
@@ -351,6 +372,15 @@ class _TraceGuard(compat.dispatch_mode_base()):
             if self.step_value is None:
                 self.step_value = func(*args, **kwargs)
             return self.step_value
+        if func is torch.ops.aten._local_scalar_dense.default and (known := self._known(args[0])) is not None \
+                and known[1] is not None:
+            if known[1] == "random":
+                raise CaptureError(
+                    "the step branches on a random draw (a layer skipped at random: layerdrop), which one captured "
+                    "graph cannot follow", source=user_frame_of_caller(),
+                    hint="set the model's layerdrop to 0 (transformers: model.config.layerdrop = 0; DeepSpeed "
+                         "recipes train with it off), or draw the skip outside the step")
+            return known[1]
         if func is torch.ops.aten._local_scalar_dense.default and (check := raising_check()) is not None:
             return _assert_check(args[0], check)
         if func is torch.ops.aten._local_scalar_dense.default and (branch := clamping_branch()) is not None:
@@ -364,8 +394,8 @@ class _TraceGuard(compat.dispatch_mode_base()):
         source = innermost_user_frame()
         if source is not None:
             with compat.annotate_nodes({"source": source}):
-                return self._checked(func, args, kwargs)
-        return self._checked(func, args, kwargs)
+                return self._decided(func, args, self._checked(func, args, kwargs))
+        return self._decided(func, args, self._checked(func, args, kwargs))
 
     def _checked(self, func, args, kwargs):
         schema = getattr(func, "_schema", None)
@@ -385,6 +415,15 @@ class _TraceGuard(compat.dispatch_mode_base()):
         return func(*args, **kwargs)
 
 
+_UNIFORM_DRAWS = frozenset({torch.ops.aten.rand.default, torch.ops.aten.rand_like.default})
+_SAME_VALUES = frozenset({torch.ops.aten.detach.default, torch.ops.aten.alias.default, torch.ops.aten.clone.default})
+# a comparison of a draw u in [0, 1) with c -> its answer for every u, or None where draws differ
+_COMPARISONS = {
+    torch.ops.aten.lt.Scalar: lambda c: False if c <= 0 else True if c >= 1 else None,
+    torch.ops.aten.le.Scalar: lambda c: False if c < 0 else True if c >= 1 else None,
+    torch.ops.aten.gt.Scalar: lambda c: True if c < 0 else False if c >= 1 else None,
+    torch.ops.aten.ge.Scalar: lambda c: True if c <= 0 else False if c >= 1 else None,
+}
 _CLAMP_OPS = frozenset({torch.ops.aten.clamp.default, torch.ops.aten.clamp.Tensor, torch.ops.aten.clip.default,
                         torch.ops.aten.clip.Tensor})
 
