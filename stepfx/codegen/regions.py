@@ -42,6 +42,9 @@ class Region:
         self._compiled = None
         self._lock = threading.Lock()
         self.failed: str | None = None  # why inductor could not compile it
+        # per output: the dim order (outermost first) to lay it out densely in, where inductor's layout
+        # differs from the ops' own (set at the first call; None: inductor's is the ops')
+        self._orders: list[tuple[int, ...] | None] | None = None
 
     def source(self) -> str:
         return self.gm.code
@@ -56,11 +59,19 @@ class Region:
             with self._lock:
                 if self._compiled is None:
                     return self._first_call(args)
-        return self._compiled(*args)
+        out = self._compiled(*args)
+        return _laid_out(out, self._orders) if self._orders else out
 
     def _first_call(self, args) -> tuple:
         """Compile and run; if inductor cannot, the region runs as the ops it
-        was made of (the same results, eager speed), logged once."""
+        was made of (the same results, eager speed), logged once.
+
+        The step after the region was traced on the layouts its ops give
+        (a later ``view`` may need them); inductor may lay an output out
+        otherwise (found on Bloom, 2026-12-06: a ``cat`` of transposed
+        values came back transposed, and the next view failed at run #1).
+        So the ops run once beside the compiled region, and an output whose
+        layout differs is copied into the ops' layout on every call."""
         compiled = compat.compile_region(self.gm, dynamic=self.dynamic)
         try:
             out = compiled(*args)
@@ -69,8 +80,54 @@ class Region:
             log.warning("stepfx: inductor could not compile %s (%s); it runs as aten ops", self.key, self.failed)
             self._compiled = self.gm
             return self.gm(*args)
+        with torch.no_grad():
+            reference = self.gm(*args)
+        orders = [_dense_order(r) if isinstance(o, torch.Tensor) and _layout(o) != _layout(r) else None
+                  for o, r in zip(out, reference)]
+        del reference
+        if any(order is not None for order in orders):
+            self._orders = orders
+            log.info("stepfx: %s: inductor laid out %d output(s) otherwise than the ops; copied back", self.key,
+                     sum(order is not None for order in orders))
+            out = _laid_out(out, orders)
         self._compiled = compiled
         return out
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    """The strides that matter (dims of size 1 have none)."""
+    return tuple((d, s) for d, (n, s) in enumerate(zip(t.shape, t.stride())) if n != 1)
+
+
+def _dense_order(t: torch.Tensor) -> tuple[int, ...] | None:
+    """``t``'s dims outermost first, where ``t`` is laid out densely in that order; else None (left as
+    inductor made it: such an output, a broadcast say, has no dense layout to restore)."""
+    order = tuple(sorted(range(t.dim()), key=lambda d: (-t.stride(d), d)))
+    return order if _dense_strides(t.shape, order) == _strides_of(t, order) else None
+
+
+def _strides_of(t: torch.Tensor, order) -> tuple:
+    return tuple(t.stride(d) if t.shape[d] != 1 else None for d in order)
+
+
+def _dense_strides(shape, order) -> tuple:
+    out, step = {}, 1
+    for d in reversed(order):
+        out[d] = step
+        step *= shape[d]
+    return tuple(out[d] if shape[d] != 1 else None for d in order)
+
+
+def _laid_out(outputs: tuple, orders) -> tuple:
+    """``outputs``, each with an order copied into the dense layout of that dim order."""
+    fixed = []
+    for out, order in zip(outputs, orders):
+        if order is not None and _strides_of(out, order) != _dense_strides(out.shape, order):
+            dense = torch.empty_permuted(out.shape, order, dtype=out.dtype, device=out.device)
+            dense.copy_(out)
+            out = dense
+        fixed.append(out)
+    return tuple(fixed)
 
 
 REGIONS: dict[str, Region] = {}
