@@ -534,11 +534,12 @@ def batch_norm_fp32_params(model: torch.nn.Module) -> frozenset[str]:
 
 
 @contextlib.contextmanager
-def clipping_masters(masters: dict, *, loss_scaled: bool = False):
-    """``torch.nn.utils.clip_grad_norm_`` and ``clip_grad_value_`` clip the
-    fp32 masters' gradients where they are handed the 16-bit copies a
-    mixed-precision step's module computes with (``masters``: id of a copy
-    -> its master), as DeepSpeed clips the fp32 gradients.
+def gradients_on_masters(masters: dict, *, loss_scaled: bool = False):
+    """``torch.nn.utils.clip_grad_norm_`` and ``clip_grad_value_`` clip, and
+    ``nn.Module.zero_grad`` clears, the fp32 masters' gradients where they
+    are handed the 16-bit copies a mixed-precision step's module computes
+    with (``masters``: id of a copy -> its master), as DeepSpeed clips the
+    fp32 gradients.
 
     Why: while the module is reparametrized, ``model.parameters()`` yields
     the copies, which hold no gradient (they are not leaves), so the usual
@@ -576,10 +577,26 @@ def clipping_masters(masters: dict, *, loss_scaled: bool = False):
     def clip_value(parameters, *args, **kwargs):
         return real_value(masters_of(parameters), *args, **kwargs)
 
+    def zero_grad(module, set_to_none: bool = True):  # as torch's, on the masters
+        for p in module.parameters():
+            p = masters.get(id(p), p)
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                if p.grad.grad_fn is not None:
+                    p.grad.detach_()
+                else:
+                    p.grad.requires_grad_(False)
+                p.grad.zero_()
+
     saved = [(module, name, getattr(module, name)) for module in (torch.nn.utils, clip_grad)
-             for name in ("clip_grad_norm_", "clip_grad_value_")]
+             for name in ("clip_grad_norm_", "clip_grad_value_")] + [(torch.nn.Module, "zero_grad",
+                                                                     torch.nn.Module.zero_grad)]
     torch.nn.utils.clip_grad_norm_ = clip_grad.clip_grad_norm_ = clip_norm
     torch.nn.utils.clip_grad_value_ = clip_grad.clip_grad_value_ = clip_value
+    torch.nn.Module.zero_grad = zero_grad
     try:
         yield
     finally:
@@ -666,7 +683,7 @@ def _make_traced_fn(fn, model, optimizer, inputs: StepInputs, rec: _Recorder, op
         copies = {id(module_tensors[n]): leaf for n, leaf in leaves.items() if module_tensors[n] is not leaf}
         with compat.reparametrize_module(model, module_tensors), _swapped_optimizer(
             optimizer, inputs.group_params, leaves, hyper, states
-        ), clipping_masters(copies, loss_scaled=bool(options.loss_scale)), _grad_of_copies(bool(copies)):
+        ), gradients_on_masters(copies, loss_scaled=bool(options.loss_scale)), _grad_of_copies(bool(copies)):
             shared = frozenset(id(v) for (name, key), v in states.items()
                                if key == "step" and name in inputs.shared_step_names) if inputs.shared_step else frozenset()
             with compat.annotate_nodes({"phase": Phase.FORWARD.value}), _phase_hooks(optimizer, leaves, factor), _TraceGuard(

@@ -168,13 +168,13 @@ def mixed_precision_reference(step_fn: Callable, dtype: torch.dtype, *, cast_inp
             args, kwargs = pytree.tree_map(
                 lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x, (args, kwargs)
             )
-        from stepfx.capture.trace import batch_norm_fp32_params, clipping_masters
+        from stepfx.capture.trace import batch_norm_fp32_params, gradients_on_masters
 
         fp32 = batch_norm_fp32_params(model)  # as stepfx keeps them: torch's mixed-type batch norm
         casts = {n: (p.to(dtype) if p.is_floating_point() and n not in fp32 else p) for n, p in model.named_parameters()}
         casts.update({n: b.to(dtype) for n, b in model.named_buffers() if n in buffers})
         masters = {id(casts[n]): p for n, p in model.named_parameters()}
-        with compat.reparametrize_module(model, casts), clipping_masters(masters):
+        with compat.reparametrize_module(model, casts), gradients_on_masters(masters):
             return step_fn(model, optimizer, *args, **kwargs)
 
     reference.__name__ = f"{getattr(step_fn, '__name__', 'step')}_{str(dtype).replace('torch.', '')}_reference"

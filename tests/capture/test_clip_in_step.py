@@ -109,3 +109,20 @@ def test_fp32_steps_clip_as_before():
     report = assert_step_equivalent(norm_clipped_step, tiny_gpt, adamw, token_batches(2),
                                     config={"gradient_clipping": 0}, exact=True)
     assert report.bitwise
+
+
+def zeroing_step(model, optimizer, idx):
+    model.zero_grad(set_to_none=False)  # torch's and transformers' loops clear through the module
+    loss = lm_loss(model(idx[:, :-1]), idx[:, 1:])
+    loss.backward()
+    optimizer.step()
+    model.zero_grad()
+    return loss
+
+
+def test_the_module_s_zero_grad_clears_the_masters_gradients():
+    """``model.zero_grad()`` reads every parameter's ``.grad``: on the copies it would be refused (or, before,
+    clear nothing); it clears the masters' gradients, as in eager."""
+    report = assert_step_equivalent(zeroing_step, tiny_gpt, adamw, token_batches(3), config=BF16, exact=True,
+                                    reference_fn=mixed_precision_reference(zeroing_step, torch.bfloat16))
+    assert report.steps == 3
