@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import stepfx
 from stepfx.errors import CaptureError
 from stepfx.testing.equivalence import assert_step_equivalent
-from tests.steps import token_batches
+from tests.steps import lm_step as step, token_batches
 
 
 class LayerDropNet(nn.Module):
@@ -40,15 +40,6 @@ class LayerDropNet(nn.Module):
                     continue
             h = h + F.dropout(torch.tanh(layer(h)), p=0.1, training=self.training)
         return self.head(h)
-
-
-def step(model, optimizer, ids):
-    logits = model(ids[:, :-1])
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss
 
 
 def _sgd(model):

@@ -12,12 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from stepfx import compat
 from stepfx.testing.equivalence import assert_step_equivalent
-from tests.steps import parallelized_steps
+from tests.steps import lm_step, parallelized_steps
 
 
 @pytest.mark.parametrize("shapes", [((3, 8, 1), (3, 1, 11)), ((2, 4, 11, 8), (2, 4, 8, 11)), ((2, 3, 5), (2, 5, 7))])
@@ -75,15 +74,6 @@ class Rotary(nn.Module):
         return self.out(h)
 
 
-def rotary_step(model, optimizer, ids):
-    logits = model(ids[:, :-1])
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss
-
-
 def test_a_rotary_step_with_new_lengths_is_bitwise_eager_with_two_captures(monkeypatch):
     made = parallelized_steps(monkeypatch)
     g = torch.Generator().manual_seed(0)
@@ -91,7 +81,7 @@ def test_a_rotary_step_with_new_lengths_is_bitwise_eager_with_two_captures(monke
     used = []
     real = compat.matmul_with_symbolic_sizes
     monkeypatch.setattr(compat, "matmul_with_symbolic_sizes", lambda a, b: used.append(real(a, b)) or used[-1])
-    assert_step_equivalent(rotary_step, Rotary, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), batches,
+    assert_step_equivalent(lm_step, Rotary, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), batches,
                            exact=True, config={"gradient_clipping": 0, "stepfx": {"dynamic": "auto"}})
     assert len(made[0].plans) == 2 and made[0].plans[1].guard is not None
     assert sum(u is not None for u in used) == 3  # the rotary product, the scores, the weighted values

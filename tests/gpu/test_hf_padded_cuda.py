@@ -26,7 +26,7 @@ import torch
 
 import stepfx
 from stepfx.testing.equivalence import mixed_precision_reference
-from tests.steps import padded_batch
+from tests.steps import padded_batch, padded_step as plain_step
 
 transformers = pytest.importorskip("transformers")
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -65,14 +65,6 @@ def clipped_step(model, optimizer, batch):
     out = model(**batch)
     out.loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    optimizer.step()
-    optimizer.zero_grad()
-    return out.loss
-
-
-def plain_step(model, optimizer, batch):
-    out = model(**batch)
-    out.loss.backward()
     optimizer.step()
     optimizer.zero_grad()
     return out.loss
