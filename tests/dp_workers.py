@@ -472,3 +472,24 @@ def delayed_update_run(steps: int) -> dict:
     step = stepfx.parallelize(config)(lm_step)
     losses = [step(model, opt, b).item() for (b,) in dp_batches(world, steps=steps)[rank]]
     return {"losses": losses, "params": step.model_state_dict()}
+
+
+def own_clip_run(stage: int, own: bool, steps: int = 3) -> dict:
+    """bf16 SGD steps of the tiny GPT on 2 ranks at ZeRO ``stage``, clipped to 0.5 by the step's own
+    ``clip_grad_norm_(model.parameters(), 0.5)`` (``own``) or by ``gradient_clipping``: the parameters after
+    (whole, ``model_state_dict``) and the norms the own clip returned."""
+    from tests.capture.test_clip_in_step import norm_clipped_step
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = tiny_gpt()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    cfg = {"bf16": {"enabled": True}, "gradient_clipping": 0 if own else 0.5,
+           "zero_optimization": {"stage": stage, "reduce_bucket_size": 500}}
+    step = stepfx.parallelize(cfg)(norm_clipped_step if own else lm_step)
+    norms = []
+    for (batch,) in token_batches(steps, seed=7 + 1000 * rank):
+        out = step(model, opt, batch)
+        if own:
+            norms.append(float(out[1]))
+    return {"params": {k: v.clone() for k, v in step.model_state_dict().items()}, "norms": norms}

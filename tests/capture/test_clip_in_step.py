@@ -126,3 +126,18 @@ def test_the_module_s_zero_grad_clears_the_masters_gradients():
     report = assert_step_equivalent(zeroing_step, tiny_gpt, adamw, token_batches(3), config=BF16, exact=True,
                                     reference_fn=mixed_precision_reference(zeroing_step, torch.bfloat16))
     assert report.steps == 3
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_a_step_s_own_clip_on_two_ranks_clips_the_averaged_gradients(rank_pool, stage):
+    """On two ranks (stages 0-1 keep whole averaged gradients; stage 2+ refuses a clip in the step) the own clip
+    sees the averaged masters' gradients: the parameters equal those of the config's gradient_clipping (the same
+    norm of the same gradients, its terms summed in another order: within 1e-6), and both ranks report the same
+    norm, above the clip."""
+    from tests import dp_workers as W
+
+    own, config = (rank_pool(2).run(W.own_clip_run, stage, flag) for flag in (True, False))
+    assert own[0]["norms"] == own[1]["norms"] and min(own[0]["norms"]) > 0.5
+    for key, want in config[0]["params"].items():
+        got = own[0]["params"][key]
+        assert float((got - want).norm()) <= 1e-6 * float(want.norm()), key
