@@ -330,9 +330,9 @@ class _TraceGuard(compat.dispatch_mode_base()):
         self.clamping: tuple | None = None  # (ClampingBranch, "the body runs" as a traced bool) while in its body
         # draws uniform in [0, 1), and comparisons of them with numbers whose answer no draw can change:
         # id -> (the tensor, its answer or None for a draw)
-        self.uniform: dict[int, tuple[torch.Tensor, bool | str | None]] = {}  # "random": draws answer differently
+        self.uniform: dict[int, tuple[torch.Tensor, object]] = {}  # _UNDECIDED: draws answer differently
 
-    def _known(self, value) -> tuple[torch.Tensor, bool | str | None] | None:
+    def _known(self, value) -> tuple[torch.Tensor, object] | None:
         entry = self.uniform.get(id(value)) if isinstance(value, torch.Tensor) else None
         return entry if entry is not None and entry[0] is value else None
 
@@ -347,7 +347,7 @@ class _TraceGuard(compat.dispatch_mode_base()):
         elif func in _COMPARISONS and len(args) >= 2 and isinstance(args[1], (int, float)) \
                 and (draw := self._known(args[0])) is not None and draw[1] is None:
             answer = _COMPARISONS[func](float(args[1]))
-            self.uniform[id(out)] = (out, "random" if answer is None else answer)
+            self.uniform[id(out)] = (out, _UNDECIDED if answer is None else answer)
         return out
 
     def _enter_clamping(self, value: torch.Tensor, branch) -> bool | int | float:
@@ -374,7 +374,7 @@ class _TraceGuard(compat.dispatch_mode_base()):
             return self.step_value
         if func is torch.ops.aten._local_scalar_dense.default and (known := self._known(args[0])) is not None \
                 and known[1] is not None:
-            if known[1] == "random":
+            if known[1] is _UNDECIDED:
                 raise CaptureError(
                     "the step branches on a random draw (a layer skipped at random: layerdrop), which one captured "
                     "graph cannot follow", source=user_frame_of_caller(),
@@ -415,6 +415,7 @@ class _TraceGuard(compat.dispatch_mode_base()):
         return func(*args, **kwargs)
 
 
+_UNDECIDED = object()  # a comparison of a draw whose answer depends on the draw
 _UNIFORM_DRAWS = frozenset({torch.ops.aten.rand.default, torch.ops.aten.rand_like.default})
 _SAME_VALUES = frozenset({torch.ops.aten.detach.default, torch.ops.aten.alias.default, torch.ops.aten.clone.default})
 # a comparison of a draw u in [0, 1) with c -> its answer for every u, or None where draws differ

@@ -57,6 +57,7 @@ from ...graph.build import clone_step_graph_mapped
 from ...graph.step_graph import META_PHASE, Phase
 from ...graph.ops import RESHAPE_OPS
 from ..manager import PassOptions, PassResult
+from .fold_causal_masks import attention_ops
 
 __all__ = ["unrepeat_kv_heads", "GQA_OPS_KEY"]
 
@@ -73,10 +74,11 @@ def _arg(node: fx.Node, name: str):
 
 
 def _mask(node: fx.Node):
-    """The attention op's mask argument: ``attn_mask`` (CPU's flash kernel), ``attn_bias`` (CUDA's cuDNN and
-    memory-efficient kernels), none (CUDA's flash kernel)."""
-    names = {arg.name for arg in node.target._schema.arguments}
-    return next((_arg(node, name) for name in ("attn_mask", "attn_bias") if name in names), None)
+    """The attention op's mask argument, under the name ``fold_causal_masks.attention_ops`` records for the op
+    (``attn_mask`` for CPU's flash kernel, ``attn_bias`` for CUDA's cuDNN and memory-efficient kernels); None for
+    an op that takes none (CUDA's flash kernel)."""
+    entry = attention_ops().get(node.target)
+    return _arg(node, entry[0]) if entry is not None else None
 
 
 def _set_arg(node: fx.Node, name: str, value) -> None:

@@ -229,8 +229,7 @@ def _structure(m: _Match) -> tuple:
     index = {m.x: "x", m.w: "w", m.g: "g"}
     index.update({n: i for i, n in enumerate(m.nodes)})
     ops = tuple((str(n.target), repr(fx.node.map_arg((n.args, n.kwargs), lambda a: index.get(a, a.name)))) for n in m.nodes)
-    shape = tuple(compat.size_expr(d) for d in _val(m.x).shape)
-    return ops, shape, str(_val(m.x).dtype), str(_val(m.w).dtype), str(_val(m.g).dtype), m.eps
+    return ops, _shape(m.x), str(_val(m.x).dtype), str(_val(m.w).dtype), str(_val(m.g).dtype), m.eps
 
 
 def _check(m: _Match) -> str | None:
