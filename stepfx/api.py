@@ -185,6 +185,7 @@ class ParallelStep:
             raise TypeError(
                 f"{self.__name__}: the first argument must be the nn.Module being trained, got {type(model).__name__}"
             )
+        model = compat.uncompiled_module(model)  # torch.compile(model): stepfx compiles the whole step itself
         if self._dp is None:
             self.config = _resolve_precision(_resolve_model_sizes(self.config, model))
             self.config, clip_note = fill_auto_clipping(self.config)

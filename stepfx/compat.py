@@ -113,8 +113,33 @@ def trace_step_function(fn: Callable[..., Any], fake_args: tuple, decompositions
     traced as the given Python functions instead."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    with fx_traceback.preserve_node_meta():
+    with fx_traceback.preserve_node_meta(), compiled_code_runs_eagerly():
         return make_fx(fn, decomposition_table=decompositions, tracing_mode="fake")(*fake_args)
+
+
+def compiled_code_runs_eagerly() -> contextlib.AbstractContextManager:
+    """Code the user compiled with ``torch.compile`` (a compiled model held
+    in a closure, a compiled loss function, a library's compiled kernel
+    wrapper) runs as its Python while stepfx traces the step: make_fx cannot
+    trace through a dynamo frame, and stepfx compiles the whole step itself.
+    Dynamo's private ``error_on_nested_fx_trace`` (off: a compiled function
+    under FX tracing runs its Python)."""
+    import torch._dynamo
+
+    if not hasattr(torch._dynamo.config, "error_on_nested_fx_trace"):
+        return contextlib.nullcontext()
+    return torch._dynamo.config.patch(error_on_nested_fx_trace=False)
+
+
+def uncompiled_module(module: torch.nn.Module) -> torch.nn.Module:
+    """The module ``torch.compile(module)`` wrapped (its parameters, without
+    the wrapper's ``_orig_mod.`` name prefix), or ``module`` itself.
+    ``OptimizedModule`` lives in the private ``torch._dynamo.eval_frame``."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    while isinstance(module, OptimizedModule):
+        module = module._orig_mod
+    return module
 
 
 def functionalize_graph_module(gm: fx.GraphModule, fake_args: tuple) -> fx.GraphModule:
