@@ -480,22 +480,36 @@ class ParallelStep:
         return {} if broken else dims
 
     def _warn_changed_constants(self, old: tuple, new: tuple) -> None:
-        """A Python number among the step's arguments that changed is why this call captures again: say so once
-        per argument (a step counter or a count passed as an int captures at every call, the plans cache
-        holding the last few)."""
+        """A Python value among the step's arguments that changed is why this call captures again: say so once
+        per argument (a step counter or a count passed as an int, an example's id or text carried in the batch
+        captures at every call, the plans cache holding the last few). The elements of one list or tuple are
+        named once, as that argument."""
         before = dict(old)
         for label, value in new:
-            if not label.startswith("argument ") or label in self._warned_constants or label not in before:
+            if not label.startswith("argument ") or label not in before or before[label] == value:
                 continue
             was = before[label]
-            numbers = all(isinstance(v, tuple) and len(v) == 2 and v[0] in (int, float) for v in (was, value))
-            if numbers and was != value:
-                self._warned_constants.add(label)
-                warnings.warn(
-                    f"stepfx: {self.__name__}: {_argument_name(label[len('argument '):])} is a Python number ({was[1]!r}, now "
-                    f"{value[1]!r}); the captured step holds it as a constant, so each new value captures the step "
-                    f"again (the last {self.config.stepfx.cache_size} plans are kept). Pass it as a tensor "
-                    "(torch.tensor(value)) for one capture.", CaptureWarning, stacklevel=4)
+            if not all(isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], type) for v in (was, value)):
+                continue  # a tensor's description: its size changed (symbolic sizes deal with that)
+            path = label[len("argument "):]
+            head = re.match(r"\[0\]\[\d+\]|\[1\]\['[^']+'\]", path)
+            cut = head.end() if head else 0  # an argument itself, then the list indices inside it
+            where = path[:cut] + re.sub(r"(\[\d+\])+$", "", path[cut:])
+            if where in self._warned_constants:
+                continue
+            self._warned_constants.add(where)
+            numbers = all(v[0] in (int, float) for v in (was, value))
+            if numbers:
+                what, fix = "a Python number", "Pass it as a tensor (torch.tensor(value)) for one capture."
+            else:
+                what = f"a Python {value[0].__name__}" if value[0] is was[0] else "a Python value"
+                fix = ("stepfx cannot tell whether the step reads it: if it does not, leave it out of what the step "
+                       "receives (keep it beside the batch); if it does, pass it as a tensor or a value that repeats.")
+            shown = [v[1] if isinstance(v[1], (int, float)) else _short(v[1]) for v in (was, value)]
+            warnings.warn(
+                f"stepfx: {self.__name__}: {_argument_name(where)} is {what} ({shown[0]!r}, now {shown[1]!r}); the "
+                f"captured step holds it as a constant, so each new value captures the step again (the last "
+                f"{self.config.stepfx.cache_size} plans are kept). {fix}", CaptureWarning, stacklevel=4)
 
     def _compile(self, key, model, optimizer, args, kwargs, options: CaptureOptions, *, structure: tuple | None = None,
                  dynamic_dims: dict | None = None) -> Plan:
@@ -1483,6 +1497,15 @@ def parallelize(config: Any = None) -> Callable[[Callable], ParallelStep]:
         return ParallelStep(fn, cfg, dump_dir=dump_dir)
 
     return wrap
+
+
+def _short(value: Any, limit: int = 40) -> Any:
+    """A constant as a warning shows it: long strings (an example's text) cut."""
+    if isinstance(value, str) and len(value) > limit:
+        return value[:limit] + "..."
+    if isinstance(value, bytes) and len(value) > limit:
+        return value[:limit] + b"..."
+    return value
 
 
 def _argument_name(path: str) -> str:

@@ -261,3 +261,33 @@ def test_a_python_number_that_changes_between_calls_is_named_once_as_the_reason_
             tensor_step(model, opt, x, y, torch.tensor(1.0 + i))
     assert len(tensor_step.plans) == 1
     assert not [w for w in seen if issubclass(w.category, stepfx.errors.CaptureWarning)]
+
+
+def _dict_batch_step(model, optimizer, batch):
+    loss = torch.nn.functional.cross_entropy(model(batch["x"]), batch["y"])
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def test_text_carried_in_the_batch_is_named_once_as_the_reason_to_capture_again():
+    """A batch dict that carries each example's id or text (kept for logging) captures the step at every call:
+    each such field is named once, a list of strings as one argument, long texts cut."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = stepfx.parallelize({"gradient_clipping": 0})(_dict_batch_step)
+    (x, y), = mlp_batches(1)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for i in range(3):
+            step(model, opt, {"x": x, "y": y, "ids": [f"ex{i}a", f"ex{i}b"], "text": f"example {i} " + "word " * 20})
+    messages = [str(w.message) for w in seen if issubclass(w.category, stepfx.errors.CaptureWarning)]
+    assert len(step.plans) == 3
+    assert len(messages) == 2, messages
+    assert "argument #3 (after the model and optimizer) at ['ids'] is a Python str ('ex0a', now 'ex1a')" in messages[0]
+    assert "at ['text'] is a Python str ('example 0 word word word word word word ...'" in messages[1]
+    assert all("leave it out of what the step receives" in m for m in messages)
