@@ -30,7 +30,7 @@ import torch.utils._pytree as pytree
 from . import compat
 from .capture import CaptureOptions, capture_step, collect_inputs
 from .capture.dynamic import BatchShapeGuard, changed_dims
-from .capture.trace import batch_slot_name
+from .capture.trace import UNREAD_ARGUMENTS_KEY, batch_slot_name
 from .codegen import available as codegen_available
 from .capture.fingerprint import describe_change, fingerprint
 from .capture.initial_state import create_initial_state, drop_state, stepped_params
@@ -162,6 +162,10 @@ class ParallelStep:
         self._moved_state: dict = {}  # parameter -> optimizer state moved to the rank's held map at this call (restored if it fails)
         self._varying: dict[str, frozenset[int]] = {}  # batch dims whose sizes differed between ranks at the first call
         self._warned_constants: set[str] = set()  # arguments named by _warn_changed_constants
+        # paths of constant batch leaves (an example's id or text) that no capture saw the step fetch: left out
+        # of the fingerprint, so a new value runs the plan already made (capture/batch_reads.py)
+        self._unread: frozenset[str] = frozenset()
+        self._calls_captured = 0  # captures that said what they fetched (the first one sets _unread)
         self._pending_save: Any = None  # an asynchronous checkpoint save under way (checkpoint.PendingSave)
         self._save_group: Any = None  # the process group asynchronous saves run their collectives on
         self._monitor: Monitor | None = None  # logs and DeepSpeed's monitor blocks (stepfx/monitor), from the first call
@@ -225,7 +229,8 @@ class ParallelStep:
         options = self._capture_options()
         fresh = self._create_optimizer_state(model, optimizer)  # before the fingerprint: it includes the state
         try:
-            key = fingerprint(model, optimizer, args, kwargs, held=self._store.held) + (("capture options", options),)
+            key = fingerprint(model, optimizer, args, kwargs, held=self._store.held, unread=self._unread) + (
+                ("capture options", options),)
             batch = [x for x in pytree.tree_leaves((tuple(args), dict(kwargs))) if isinstance(x, torch.Tensor)]
             guarded = batch
             if self._dp.pp_size > 1:  # a pipeline's plan is captured (and guarded) on one micro-batch
@@ -233,8 +238,8 @@ class ParallelStep:
                 guarded = [x[: x.shape[0] // micro] if x.dim() > 0 and x.shape[0] % micro == 0 else x for x in batch]
             plan = self._plans.get(key)
             if plan is None:
-                structure = fingerprint(model, optimizer, args, kwargs, held=self._store.held, batch_shapes=False) + (
-                    ("capture options", options),)
+                structure = fingerprint(model, optimizer, args, kwargs, held=self._store.held, batch_shapes=False,
+                                        unread=self._unread) + (("capture options", options),)
                 plan = self._fitting_dynamic_plan(structure, guarded)
                 if plan is None:
                     dims = self._dynamic_dims(structure, args, kwargs)
@@ -309,10 +314,11 @@ class ParallelStep:
         under their fingerprint, and (a variant with symbolic batch sizes)
         for every size its guard admits under their structure."""
         held = self._store.held
-        self._plans[fingerprint(model, optimizer, args, kwargs, held=held) + (("capture options", options),)] = plan
+        self._plans[fingerprint(model, optimizer, args, kwargs, held=held, unread=self._unread) + (
+            ("capture options", options),)] = plan
         if plan.guard is not None:
-            plan.structure = fingerprint(model, optimizer, args, kwargs, held=held, batch_shapes=False) + (
-                ("capture options", options),)
+            plan.structure = fingerprint(model, optimizer, args, kwargs, held=held, batch_shapes=False,
+                                         unread=self._unread) + (("capture options", options),)
 
     def _config_optimizer(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None):
         """The optimizer the step runs: the user's, or the one the config's
@@ -503,8 +509,9 @@ class ParallelStep:
                 what, fix = "a Python number", "Pass it as a tensor (torch.tensor(value)) for one capture."
             else:
                 what = f"a Python {value[0].__name__}" if value[0] is was[0] else "a Python value"
-                fix = ("stepfx cannot tell whether the step reads it: if it does not, leave it out of what the step "
-                       "receives (keep it beside the batch); if it does, pass it as a tensor or a value that repeats.")
+                fix = ("The step reads it (an argument itself, or an entry it fetched from a dict while traced); "
+                       "values the step never fetches from a batch dict do not capture again. Pass it as a tensor, "
+                       "or leave it out of what the step receives.")
             shown = [v[1] if isinstance(v[1], (int, float)) else _short(v[1]) for v in (was, value)]
             warnings.warn(
                 f"stepfx: {self.__name__}: {_argument_name(where)} is {what} ({shown[0]!r}, now {shown[1]!r}); the "
@@ -529,6 +536,16 @@ class ParallelStep:
         try:
             plan = self._build_plan(key, model, optimizer, args, kwargs, options, dynamic_dims=dynamic_dims,
                                     structure=structure)
+            if (unread := plan.graph.signature.extra.get(UNREAD_ARGUMENTS_KEY)) is not None:
+                # what no capture fetched so far leaves the fingerprint: this plan serves calls that differ there
+                self._unread = unread if not self._calls_captured else self._unread & unread
+                self._calls_captured += 1
+                held = self._store.held
+                plan.key = key = fingerprint(model, optimizer, args, kwargs, held=held, unread=self._unread) + (
+                    ("capture options", options),)
+                if structure is not None:
+                    structure = fingerprint(model, optimizer, args, kwargs, held=held, batch_shapes=False,
+                                            unread=self._unread) + (("capture options", options),)
             plan.structure, plan.dynamic_dims = structure, dict(dynamic_dims or {})
             plan.batch_shapes = _batch_shapes(args, kwargs)
             if plan.guard is not None:  # serves every size its guard admits, not just this call's

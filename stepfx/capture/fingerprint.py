@@ -33,13 +33,15 @@ def _const_key(x: Any):
 
 
 def fingerprint(model: torch.nn.Module, optimizer, args: tuple, kwargs: dict, held: Mapping | None = None,
-                *, batch_shapes: bool = True) -> tuple:
+                *, batch_shapes: bool = True, unread: frozenset[str] = frozenset()) -> tuple:
     """``held``: state a rank keeps for the user's objects (see
     ``collect_inputs``): its keys are part of the fingerprint, and its step
     counters count as the optimizer's. ``batch_shapes=False`` leaves the
     argument tensors' sizes out (their number of dimensions stays): what a
     step captured with symbolic batch sizes must match, its guard checking
-    the sizes."""
+    the sizes. ``unread``: paths (``pytree.keystr``) of constant argument
+    leaves that the step was seen not to fetch (``capture/batch_reads.py``):
+    their values are left out."""
     held = held or {}
     items: list[tuple[str, Any]] = [("model", id(model)), ("optimizer", id(optimizer))]
     for name, p in model.named_parameters():
@@ -70,11 +72,12 @@ def fingerprint(model: torch.nn.Module, optimizer, args: tuple, kwargs: dict, he
     leaves, spec = pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))
     items.append(("argument structure", spec))
     for path, leaf in leaves:
-        label = "argument " + pytree.keystr(path)
+        where = pytree.keystr(path)
+        label = "argument " + where
         if isinstance(leaf, torch.Tensor):
             items.append((label, _tensor_key(leaf) if batch_shapes else (leaf.dim(),) + _tensor_key(leaf)[1:]))
         else:
-            items.append((label, _const_key(leaf)))
+            items.append((label, ("not read by the step",) if where in unread else _const_key(leaf)))
     items.append(("state held by stepfx", tuple(sorted((str(r), n, k) for r, n, k in held))))
     items.append(("grad mode", torch.is_grad_enabled()))
     items.append(("autocast", _autocast_state()))

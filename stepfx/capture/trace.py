@@ -52,6 +52,7 @@ from ..graph.signature import hyperparam_tensor
 from ..graph.update_rule import UPDATE_RULES_KEY, update_rule_of
 from ..graph.build import bind_placeholders, flatten_codegen, label_params
 from .decompositions import SYMBOLIC_DECOMPOSITIONS
+from .batch_reads import BatchReads
 from .dynamic import DYNAMIC_KEY
 from .checks import BufferDtypeError, check_mutations, check_operand_dtypes, warn_python_only_reads
 from .host_random import refuse_host_random
@@ -634,7 +635,8 @@ def _grad_of_copies(active: bool):
             ) from None
 
 
-def _make_traced_fn(fn, model, optimizer, inputs: StepInputs, rec: _Recorder, options: CaptureOptions):
+def _make_traced_fn(fn, model, optimizer, inputs: StepInputs, rec: _Recorder, options: CaptureOptions,
+                    reads: BatchReads | None = None):
     slots = inputs.slots
     buffer_names = [s.name for s in slots if s.role is Role.BUFFER]
     param_req = {name: p.requires_grad for name, p in model.named_parameters()}
@@ -659,6 +661,8 @@ def _make_traced_fn(fn, model, optimizer, inputs: StepInputs, rec: _Recorder, op
         batch_iter = iter(batch_values)
         leaves_in = [next(batch_iter) if isinstance(x, torch.Tensor) else x for x in inputs.batch_leaves]
         args, kwargs = pytree.tree_unflatten(leaves_in, inputs.batch_spec)
+        if reads is not None:  # which entries of the batch dicts the step fetches (batch_reads.py)
+            args, kwargs = reads.watch(args, kwargs)
         module_tensors = dict(leaves)
         if options.compute_dtype is not None:
             # the module computes with low-precision copies of the fp32 masters; batch norms with fp32 running
@@ -778,7 +782,8 @@ def capture_step(
     if inputs is None:
         inputs = collect_inputs(model, optimizer, args, kwargs, options=options)
     rec = _Recorder()
-    traced = _make_traced_fn(fn, model, optimizer, inputs, rec, options)
+    reads = BatchReads()
+    traced = _make_traced_fn(fn, model, optimizer, inputs, rec, options, reads)
     fake_mode = compat.make_fake_mode()
     dynamic_dims = {k: v for k, v in (dynamic_dims or {}).items() if v}
     if dynamic_dims:
@@ -850,6 +855,9 @@ def capture_step(
     )
     if dynamic_dims:
         signature.extra[DYNAMIC_KEY] = dict(dynamic_dims)
+    constants = [pytree.keystr(path) for path, leaf in pytree.tree_flatten_with_path(
+        pytree.tree_unflatten(inputs.batch_leaves, inputs.batch_spec))[0] if not isinstance(leaf, torch.Tensor)]
+    signature.extra[UNREAD_ARGUMENTS_KEY] = reads.unread(constants)
     if tracing_checks:
         signature.extra[TRACING_CHECKS_KEY] = tuple(tracing_checks)
     if inputs.shared_step:
@@ -888,6 +896,7 @@ def capture_step(
     return graph
 
 
+UNREAD_ARGUMENTS_KEY = "unread_arguments"  # signature.extra: paths of constant batch leaves the step never fetched
 BUFFERS_CAST_KEY = "buffers_cast"  # signature.extra: the floating buffers read in the compute dtype
 FP32_PARAMS_KEY = "fp32_params"  # signature.extra: parameters read as fp32 under bf16/fp16 (batch norms)
 _BUFFERS_HINT = ("stepfx already reads the buffer in the compute dtype and the operands still differ: cast the "
