@@ -189,8 +189,9 @@ class ParallelStep:
             raise TypeError(
                 f"{self.__name__}: the first argument must be the nn.Module being trained, got {type(model).__name__}"
             )
-        model = compat.uncompiled_module(model)  # torch.compile(model): stepfx compiles the whole step itself
+        model = compat.unwrapped_module(model)  # torch.compile, DDP: stepfx compiles and reduces the step itself
         if self._dp is None:
+            compat.refuse_fsdp_sharded(model)
             self.config = _resolve_precision(_resolve_model_sizes(self.config, model))
             self.config, clip_note = fill_auto_clipping(self.config)
             notes = implicit_defaults(self.config) + ([clip_note] if clip_note else []) + unapplied_settings(self.config)

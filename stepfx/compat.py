@@ -131,15 +131,36 @@ def compiled_code_runs_eagerly() -> contextlib.AbstractContextManager:
     return torch._dynamo.config.patch(error_on_nested_fx_trace=False)
 
 
-def uncompiled_module(module: torch.nn.Module) -> torch.nn.Module:
-    """The module ``torch.compile(module)`` wrapped (its parameters, without
-    the wrapper's ``_orig_mod.`` name prefix), or ``module`` itself.
-    ``OptimizedModule`` lives in the private ``torch._dynamo.eval_frame``."""
+def unwrapped_module(module: torch.nn.Module) -> torch.nn.Module:
+    """The model inside the wrappers a training script may already apply:
+    ``torch.compile`` (stepfx compiles the whole step) and
+    ``DistributedDataParallel``/``DataParallel`` (stepfx reduces the
+    gradients itself; DDP's forward would also broadcast buffers and sample
+    its logging with ``random``). Their parameters keep their own names,
+    without ``_orig_mod.``/``module.``. ``OptimizedModule`` lives in the
+    private ``torch._dynamo.eval_frame``."""
     from torch._dynamo.eval_frame import OptimizedModule
 
-    while isinstance(module, OptimizedModule):
-        module = module._orig_mod
-    return module
+    while True:
+        if isinstance(module, OptimizedModule):
+            module = module._orig_mod
+        elif isinstance(module, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+            module = module.module
+        else:
+            return module
+
+
+def refuse_fsdp_sharded(module: torch.nn.Module) -> None:
+    """A model FSDP already sharded is refused: its parameters are flat
+    shards or DTensors, not the model's (FSDP1's FullyShardedDataParallel,
+    FSDP2's ``fully_shard`` classes named FSDP<class>)."""
+    fsdp = [type(m).__name__ for m in module.modules()
+            if type(m).__name__ == "FullyShardedDataParallel" or type(m).__name__.startswith("FSDP")]
+    if fsdp:
+        raise TypeError(
+            f"the model holds {fsdp[0]} modules: FSDP already sharded its parameters, and stepfx shards the model "
+            "itself (zero_optimization.stage 3 is FSDP's full sharding); pass the model before "
+            "fully_shard/FullyShardedDataParallel")
 
 
 def functionalize_graph_module(gm: fx.GraphModule, fake_args: tuple) -> fx.GraphModule:

@@ -493,3 +493,46 @@ def own_clip_run(stage: int, own: bool, steps: int = 3) -> dict:
         if own:
             norms.append(float(out[1]))
     return {"params": {k: v.clone() for k, v in step.model_state_dict().items()}, "norms": norms}
+
+
+def wrapped_model_run(wrap: str, stage: int) -> dict:
+    """AdamW steps of an MLP with a batch norm on 2 ranks at ZeRO ``stage``, the model passed as is (``wrap``
+    "none"), wrapped in DistributedDataParallel ("ddp"), or DDP over torch.compile ("ddp-compiled"): the losses and
+    the whole parameters and buffers after (``model_state_dict``)."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    passed = model
+    if wrap == "ddp-compiled":
+        passed = torch.nn.parallel.DistributedDataParallel(torch.compile(model, backend="eager"))
+    elif wrap == "ddp":
+        passed = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(passed.parameters(), lr=1e-2)
+    step = stepfx.parallelize({"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0,
+                               "zero_optimization": {"stage": stage}})(mse_step)
+    g = torch.Generator().manual_seed(rank)
+    losses = [float(step(passed, opt, torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)).detach())
+              for _ in range(3)]
+    return {"losses": losses, "state": {k: v.clone() for k, v in step.model_state_dict().items()}}
+
+
+def mse_step(model, optimizer, x, y):
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def fsdp_sharded_refusal() -> str:
+    """The message stepfx gives a model FSDP2's fully_shard already sharded."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    fully_shard(model)
+    step = stepfx.parallelize({"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0})(mse_step)
+    try:
+        step(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(4, 8), torch.randn(4, 4))
+    except TypeError as exc:
+        return str(exc)
+    return "no error"
