@@ -32,6 +32,7 @@ from .capture import CaptureOptions, capture_step, collect_inputs
 from .capture.dynamic import BatchShapeGuard, changed_dims
 from .capture.trace import UNREAD_ARGUMENTS_KEY, batch_slot_name
 from .codegen import available as codegen_available
+from .capture.batch_reads import NOT_READ
 from .capture.fingerprint import describe_change, fingerprint
 from .capture.initial_state import create_initial_state, drop_state, stepped_params
 from .passes.data_parallel.plan_zero_layout import stays_whole
@@ -498,6 +499,8 @@ class ParallelStep:
             was = before[label]
             if not all(isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], type) for v in (was, value)):
                 continue  # a tensor's description: its size changed (symbolic sizes deal with that)
+            if NOT_READ in (was[1], value[1]):
+                continue  # an entry the step does not read (capture/batch_reads.py): not why it captures
             path = label[len("argument "):]
             head = re.match(r"\[0\]\[\d+\]|\[1\]\['[^']+'\]", path)
             cut = head.end() if head else 0  # an argument itself, then the list indices inside it

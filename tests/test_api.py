@@ -307,6 +307,21 @@ def test_what_the_step_never_fetches_from_a_batch_dict_does_not_capture_again():
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
 
 
+def test_a_list_of_ids_as_long_as_a_varying_batch_does_not_capture_again():
+    """Batches of 3 to 6 examples, each with its list of ids: the list's length is structure, and it is left out
+    with its values, so the symbolic capture serves every size (2 captures: the first call's, then symbolic)."""
+    torch.manual_seed(0)
+    model = MLP()
+    reference = copy.deepcopy(model)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
+    step = stepfx.parallelize({"gradient_clipping": 0})(_dict_batch_step)
+    batches = [{"x": x[:n], "y": y[:n], "ids": [f"ex{i}.{j}" for j in range(n)]}
+               for i, ((x, y), n) in enumerate(zip(mlp_batches(5), [3, 4, 6, 5, 3]))]
+    losses, messages = _calls_warnings(step, model, opt, batches)
+    assert len(step.plans) == 2 and not messages
+    assert [float(v) for v in losses] == [float(_dict_batch_step(reference, ref_opt, b)) for b in batches]
+
+
 def test_text_the_step_reads_is_named_once_as_the_reason_to_capture_again():
     """A string the step fetches may steer the graph: each new value captures again, named once per field
     (long texts cut), and the branch it takes is the one eager takes."""

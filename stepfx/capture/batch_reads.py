@@ -9,8 +9,10 @@ the arguments are handed to the step, while it is traced, as
 entries the code fetched (``d[k]``, ``get``, ``items``, ``values``,
 ``pop``, ``**d``, a copy, a comparison, ``repr``, pickling, torch's
 pytree). A value under an entry never fetched cannot have changed the
-graph: ``fingerprint`` leaves it out, and a call that differs only there
-runs the plan already made.
+graph: ``fingerprint`` keys the entry as a marker (its value and its
+structure: a list of ids as long as the batch), and a call that differs
+only there runs the plan already made. Entries holding tensors are kept:
+their tensors are the graph's inputs, in order.
 
 Only ``dict`` instances are watched (exactly ``dict``, as torch's pytree
 flattens them); the step's own arguments, and the elements of lists and
@@ -21,11 +23,12 @@ because ``__iter__`` is overridden here).
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any
 
+import torch
 import torch.utils._pytree as pytree
 
-__all__ = ["BatchReads", "WatchedDict"]
+__all__ = ["BatchReads", "WatchedDict", "without_unread", "NOT_READ"]
 
 
 class BatchReads:
@@ -33,7 +36,7 @@ class BatchReads:
     of the watched dicts, and those the traced step fetched."""
 
     def __init__(self) -> None:
-        self.entries: set[str] = set()
+        self.entries: dict[str, bool] = {}  # entry path -> whether tensors lie below it
         self.fetched: set[str] = set()
 
     def watch(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -46,19 +49,47 @@ class BatchReads:
         if type(x) is dict:
             items = {}
             for k, v in x.items():
-                self.entries.add(f"{path}[{k!r}]")
+                self.entries[f"{path}[{k!r}]"] = any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(v))
                 items[k] = self._wrap(v, f"{path}[{k!r}]")
             return WatchedDict(items, _reads=self, _path=path)
         if type(x) in (list, tuple):
             return type(x)(self._wrap(v, f"{path}[{i}]") for i, v in enumerate(x))
         return x
 
-    def unread(self, leaf_paths: Iterable[str]) -> frozenset[str]:
-        """The leaf paths below an entry the step never fetched."""
-        missed = self.entries - self.fetched
-        if not missed:
-            return frozenset()
-        return frozenset(p for p in leaf_paths if any(p == e or p.startswith(e + "[") for e in missed))
+    def unread(self) -> frozenset[str]:
+        """The entries the step never fetched that hold no tensor (a
+        tensor is a graph input: its place among them must stay), the
+        outermost of them."""
+        missed = [e for e, tensors in self.entries.items() if e not in self.fetched and not tensors]
+        return frozenset(e for e in missed if not any(e.startswith(o + "[") for o in missed))
+
+
+def without_unread(args: tuple, kwargs: dict, unread: frozenset[str]) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` with the values of the ``unread`` entries (paths
+    as :meth:`BatchReads.watch` spells them) replaced by a marker, where
+    they hold no tensor now either: what ``fingerprint`` keys a call on."""
+    if not unread:
+        return args, kwargs
+
+    def mask(x: Any, path: str) -> Any:
+        if type(x) is dict:
+            out = {}
+            for k, v in x.items():
+                entry = f"{path}[{k!r}]"
+                if entry in unread and not any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(v)):
+                    out[k] = NOT_READ
+                else:
+                    out[k] = mask(v, entry)
+            return out
+        if type(x) in (list, tuple):
+            return type(x)(mask(v, f"{path}[{i}]") for i, v in enumerate(x))
+        return x
+
+    return (tuple(mask(a, f"[0][{i}]") for i, a in enumerate(args)),
+            {k: mask(v, f"[1][{k!r}]") for k, v in kwargs.items()})
+
+
+NOT_READ = "<not read by the step>"  # what an unread entry's value is keyed as (structure included)
 
 
 class WatchedDict(dict):

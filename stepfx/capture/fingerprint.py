@@ -15,6 +15,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..graph import Role
+from .batch_reads import without_unread
 from .optimizers import group_hyperparam_key, step_counters, steps_agree
 
 __all__ = ["fingerprint", "describe_change"]
@@ -39,9 +40,9 @@ def fingerprint(model: torch.nn.Module, optimizer, args: tuple, kwargs: dict, he
     counters count as the optimizer's. ``batch_shapes=False`` leaves the
     argument tensors' sizes out (their number of dimensions stays): what a
     step captured with symbolic batch sizes must match, its guard checking
-    the sizes. ``unread``: paths (``pytree.keystr``) of constant argument
-    leaves that the step was seen not to fetch (``capture/batch_reads.py``):
-    their values are left out."""
+    the sizes. ``unread``: batch dict entries (``pytree.keystr`` paths)
+    holding no tensor that the step was seen not to fetch
+    (``capture/batch_reads.py``): their values and structure are left out."""
     held = held or {}
     items: list[tuple[str, Any]] = [("model", id(model)), ("optimizer", id(optimizer))]
     for name, p in model.named_parameters():
@@ -69,15 +70,14 @@ def fingerprint(model: torch.nn.Module, optimizer, args: tuple, kwargs: dict, he
                             tuple((k, _tensor_key(v)) for k, v in sorted(state.items()) if isinstance(v, torch.Tensor)),
                         )
                     )
-    leaves, spec = pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))
+    leaves, spec = pytree.tree_flatten_with_path(without_unread(tuple(args), dict(kwargs), unread))
     items.append(("argument structure", spec))
     for path, leaf in leaves:
-        where = pytree.keystr(path)
-        label = "argument " + where
+        label = "argument " + pytree.keystr(path)
         if isinstance(leaf, torch.Tensor):
             items.append((label, _tensor_key(leaf) if batch_shapes else (leaf.dim(),) + _tensor_key(leaf)[1:]))
         else:
-            items.append((label, ("not read by the step",) if where in unread else _const_key(leaf)))
+            items.append((label, _const_key(leaf)))
     items.append(("state held by stepfx", tuple(sorted((str(r), n, k) for r, n, k in held))))
     items.append(("grad mode", torch.is_grad_enabled()))
     items.append(("autocast", _autocast_state()))

@@ -855,9 +855,7 @@ def capture_step(
     )
     if dynamic_dims:
         signature.extra[DYNAMIC_KEY] = dict(dynamic_dims)
-    constants = [pytree.keystr(path) for path, leaf in pytree.tree_flatten_with_path(
-        pytree.tree_unflatten(inputs.batch_leaves, inputs.batch_spec))[0] if not isinstance(leaf, torch.Tensor)]
-    signature.extra[UNREAD_ARGUMENTS_KEY] = reads.unread(constants)
+    signature.extra[UNREAD_ARGUMENTS_KEY] = reads.unread()
     if tracing_checks:
         signature.extra[TRACING_CHECKS_KEY] = tuple(tracing_checks)
     if inputs.shared_step:
@@ -896,7 +894,7 @@ def capture_step(
     return graph
 
 
-UNREAD_ARGUMENTS_KEY = "unread_arguments"  # signature.extra: paths of constant batch leaves the step never fetched
+UNREAD_ARGUMENTS_KEY = "unread_arguments"  # signature.extra: batch dict entries (no tensors) the step never fetched
 BUFFERS_CAST_KEY = "buffers_cast"  # signature.extra: the floating buffers read in the compute dtype
 FP32_PARAMS_KEY = "fp32_params"  # signature.extra: parameters read as fp32 under bf16/fp16 (batch norms)
 _BUFFERS_HINT = ("stepfx already reads the buffer in the compute dtype and the operands still differ: cast the "

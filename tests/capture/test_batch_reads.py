@@ -10,49 +10,47 @@ import pytest
 import torch
 import torch.utils._pytree as pytree
 
-from stepfx.capture.batch_reads import BatchReads, WatchedDict
+from stepfx.capture.batch_reads import NOT_READ, BatchReads, WatchedDict, without_unread
 
 
 def _batch():
     return {"input_ids": torch.zeros(2, 3), "id": ["a", "b"], "meta": {"text": "t", "n": 1}}
 
 
-def _leaf_paths(args, kwargs):
-    return [pytree.keystr(p) for p, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]
-            if not isinstance(leaf, torch.Tensor)]
-
-
 def _unread_after(read):
     reads = BatchReads()
     args, kwargs = reads.watch((_batch(), 3), {"flag": "x", "cfg": {"k": "v"}})
     read(args[0])
-    unread = reads.unread(_leaf_paths((_batch(), 3), {"flag": "x", "cfg": {"k": "v"}}))
+    unread = reads.unread()
     assert "[1]['cfg']['k']" in unread  # inside a keyword argument's dict, never fetched
     return unread - {"[1]['cfg']['k']"}
 
 
-ALL_OF_THE_BATCH = {"[0][0]['id'][0]", "[0][0]['id'][1]", "[0][0]['meta']['text']", "[0][0]['meta']['n']"}
+ALL = {"[0][0]['id']", "[0][0]['meta']"}  # the outermost entries without tensors; input_ids holds one
+NESTED = {"[0][0]['meta']['text']", "[0][0]['meta']['n']"}
 
 
-def test_paths_follow_pytree_and_arguments_themselves_count_as_read():
-    # nothing fetched: the batch dict's constants and the keyword dict's entry are unread; 3 and "x" are arguments
-    assert _unread_after(lambda b: None) == ALL_OF_THE_BATCH
+def test_unread_entries_are_the_outermost_without_tensors_and_arguments_count_as_read():
+    assert _unread_after(lambda b: None) == ALL
 
 
-def test_fetching_an_entry_reads_what_is_below_it_only():
-    assert _unread_after(lambda b: b["input_ids"]) == ALL_OF_THE_BATCH
-    assert _unread_after(lambda b: b["id"]) == {"[0][0]['meta']['text']", "[0][0]['meta']['n']"}
-    assert _unread_after(lambda b: b["meta"]) == ALL_OF_THE_BATCH - {"[0][0]['meta']"}  # a dict: its entries not yet
-    assert _unread_after(lambda b: b["meta"]["n"]) == ALL_OF_THE_BATCH - {"[0][0]['meta']['n']"}
-    assert _unread_after(lambda b: b.get("id")) == {"[0][0]['meta']['text']", "[0][0]['meta']['n']"}
-    assert _unread_after(lambda b: "id" in b and len(b) and list(b)) == ALL_OF_THE_BATCH  # keys are structure
+def test_fetching_an_entry_reads_it_and_leaves_what_is_below_it_to_its_own_fetches():
+    assert _unread_after(lambda b: b["input_ids"]) == ALL
+    assert _unread_after(lambda b: b["id"]) == {"[0][0]['meta']"}
+    assert _unread_after(lambda b: b["meta"]) == {"[0][0]['id']"} | NESTED  # a dict: its entries not yet
+    assert _unread_after(lambda b: b["meta"]["n"]) == {"[0][0]['id']", "[0][0]['meta']['text']"}
+    assert _unread_after(lambda b: b.get("id")) == {"[0][0]['meta']"}
+    assert _unread_after(lambda b: "id" in b and len(b) and list(b)) == ALL  # keys are structure
+
+
+def test_entries_holding_tensors_are_never_unread():
+    reads = BatchReads()
+    reads.watch(({"pair": [torch.zeros(1), "tag"], "tag": "t"},), {})
+    assert reads.unread() == {"[0][0]['tag']"}
 
 
 def _star(**kw):
     return kw
-
-
-NESTED = {"[0][0]['meta']['text']", "[0][0]['meta']['n']"}
 
 
 @pytest.mark.parametrize("read, unread", [
@@ -75,6 +73,15 @@ NESTED = {"[0][0]['meta']['text']", "[0][0]['meta']['n']"}
         "tree_map", "tree_leaves", "pop", "setdefault-get"])
 def test_every_way_of_reading_the_values_counts(read, unread):
     assert _unread_after(read) == unread
+
+
+def test_the_fingerprint_keys_an_unread_entry_as_a_marker_unless_it_now_holds_tensors():
+    unread = frozenset({"[0][0]['id']"})
+    a, _ = without_unread(({"x": torch.zeros(1), "id": ["a", "b", "c"]},), {}, unread)
+    b, _ = without_unread(({"x": torch.zeros(1), "id": ["d"]},), {}, unread)
+    assert a[0]["id"] == b[0]["id"] == NOT_READ  # values and length alike
+    c, _ = without_unread(({"x": torch.zeros(1), "id": [torch.zeros(1)]},), {}, unread)
+    assert isinstance(c[0]["id"][0], torch.Tensor)
 
 
 def test_a_rebuilt_batch_behaves_as_a_dict_and_records_nothing():
