@@ -17,7 +17,7 @@ from .graph.accounting import HOST_ADAM_RATE, Sizes, communication, estimate_mem
 from .graph.layout import LAYOUT_KEY
 from .graph.tp_layout import TP_PLAN_KEY
 from .capture.tracing_checks import TRACING_CHECKS_KEY
-from .capture.trace import BUFFERS_CAST_KEY, FP32_PARAMS_KEY
+from .capture.trace import BUFFERS_CAST_KEY, FP32_PARAMS_KEY, UNREAD_ARGUMENTS_KEY
 from .passes.fusion.fuse_optimizer_update import FUSION_REPORT_KEY
 
 __all__ = ["explain_plan", "format_bytes"]
@@ -203,6 +203,23 @@ def _dynamic_section(plan, values: dict) -> list[str]:
     return lines
 
 
+def _unread_section(plan) -> list[str]:
+    """Batch dict entries the step never fetched (capture/batch_reads.py): their values are no part of the plan."""
+    unread = plan.graph.signature.extra.get(UNREAD_ARGUMENTS_KEY)
+    if not unread:
+        return []
+    return ["batch entries the step never reads (no tensors; a new value or length runs this plan): "
+            + ", ".join(_argument_path(e) for e in sorted(unread)), ""]
+
+
+def _argument_path(entry: str) -> str:
+    """``[0][0]['id']`` as the user spells it: ``args[0]['id']`` (after the model and optimizer)."""
+    if entry.startswith("[0]["):
+        index, _, rest = entry[len("[0]["):].partition("]")
+        return f"args[{index}]{rest}"
+    return f"kwargs{entry[len('[1]'):]}" if entry.startswith("[1]") else entry
+
+
 def _tracing_checks_section(plan) -> list[str]:
     """Where the model's library took its tracing path (capture/tracing_checks.py)."""
     checks = plan.graph.signature.extra.get(TRACING_CHECKS_KEY, ())
@@ -299,6 +316,7 @@ def explain_plan(step, plan) -> str:
     lines.append("")
 
     lines.extend(_dynamic_section(plan, values))
+    lines.extend(_unread_section(plan))
     lines.extend(_tracing_checks_section(plan))
     lines.extend(_tensor_parallel_section(graph))
     lines.extend(_pipeline_section(plan))

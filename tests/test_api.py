@@ -305,6 +305,8 @@ def test_what_the_step_never_fetches_from_a_batch_dict_does_not_capture_again():
     assert len(step.plans) == 1 and not messages
     assert [float(v) for v in losses] == [float(_dict_batch_step(reference, ref_opt, b)) for b in batches]
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
+    assert "batch entries the step never reads (no tensors; a new value or length runs this plan): " \
+           "args[0]['ids'], args[0]['meta']" in step.explain()
 
 
 def test_a_list_of_ids_as_long_as_a_varying_batch_does_not_capture_again():
