@@ -39,20 +39,19 @@ def _loss(logits, ids):
 compiled_loss = torch.compile(_loss, backend="eager")
 
 
-def step(model, optimizer, ids):
-    loss = _loss(model(ids), ids)
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss
+def _step_with(loss_fn):
+    def step(model, optimizer, ids):
+        loss = loss_fn(model(ids), ids)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    return step
 
 
-def step_with_compiled_loss(model, optimizer, ids):
-    loss = compiled_loss(model(ids), ids)
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss
+step = _step_with(_loss)
+step_with_compiled_loss = _step_with(compiled_loss)
 
 
 def _train(fn, model, ref_fn=step):
