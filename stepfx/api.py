@@ -33,6 +33,7 @@ from .capture.dynamic import BatchShapeGuard, changed_dims
 from .capture.trace import UNREAD_ARGUMENTS_KEY, batch_slot_name
 from .codegen import available as codegen_available
 from .capture.batch_reads import NOT_READ
+from .capture.batch_types import open_batch_containers
 from .capture.fingerprint import describe_change, fingerprint
 from .capture.initial_state import create_initial_state, drop_state, stepped_params
 from .passes.data_parallel.plan_zero_layout import stays_whole
@@ -163,10 +164,10 @@ class ParallelStep:
         self._moved_state: dict = {}  # parameter -> optimizer state moved to the rank's held map at this call (restored if it fails)
         self._varying: dict[str, frozenset[int]] = {}  # batch dims whose sizes differed between ranks at the first call
         self._warned_constants: set[str] = set()  # arguments named by _warn_changed_constants
-        # paths of constant batch leaves (an example's id or text) that no capture saw the step fetch: left out
-        # of the fingerprint, so a new value runs the plan already made (capture/batch_reads.py)
+        # batch dict entries without tensors (an example's id or text) that no capture saw the step fetch: left
+        # out of the fingerprint, so a new value or length runs the plan already made (capture/batch_reads.py)
         self._unread: frozenset[str] = frozenset()
-        self._calls_captured = 0  # captures that said what they fetched (the first one sets _unread)
+        self._reads_reported = 0  # captures that said what they fetched (the first one sets _unread)
         self._pending_save: Any = None  # an asynchronous checkpoint save under way (checkpoint.PendingSave)
         self._save_group: Any = None  # the process group asynchronous saves run their collectives on
         self._monitor: Monitor | None = None  # logs and DeepSpeed's monitor blocks (stepfx/monitor), from the first call
@@ -191,6 +192,7 @@ class ParallelStep:
                 f"{self.__name__}: the first argument must be the nn.Module being trained, got {type(model).__name__}"
             )
         model = compat.unwrapped_module(model)  # torch.compile, DDP: stepfx compiles and reduces the step itself
+        open_batch_containers(args, kwargs)  # BatchEncoding, dataclass batches: their tensors are the step's inputs
         if self._dp is None:
             compat.refuse_fsdp_sharded(model)
             self.config = _resolve_precision(_resolve_model_sizes(self.config, model))
@@ -542,8 +544,8 @@ class ParallelStep:
                                     structure=structure)
             if (unread := plan.graph.signature.extra.get(UNREAD_ARGUMENTS_KEY)) is not None:
                 # what no capture fetched so far leaves the fingerprint: this plan serves calls that differ there
-                self._unread = unread if not self._calls_captured else self._unread & unread
-                self._calls_captured += 1
+                self._unread = unread if not self._reads_reported else self._unread & unread
+                self._reads_reported += 1
                 held = self._store.held
                 plan.key = key = fingerprint(model, optimizer, args, kwargs, held=held, unread=self._unread) + (
                     ("capture options", options),)
