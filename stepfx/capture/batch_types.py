@@ -13,6 +13,9 @@ as a new user):
   ``BatchFeature`` (image and audio processors);
 - dataclass instances (a training loop's own ``Batch`` type).
 
+Only containers that hold tensors are opened: one without any (a settings
+dataclass passed to the step) stays a constant leaf, as before.
+
 :func:`open_batch_containers` registers each such type it finds among
 the arguments with torch's pytree, once and for the whole process (torch's
 pytree then opens them everywhere, as it opens dicts): the children are the dict's
@@ -28,6 +31,7 @@ import collections
 import dataclasses
 from typing import Any
 
+import torch
 import torch.utils._pytree as pytree
 
 __all__ = ["open_batch_containers"]
@@ -47,12 +51,28 @@ def open_batch_containers(args: tuple, kwargs: dict) -> None:
             stack.extend(x)
         elif kind is dict:
             stack.extend(x.values())
-        elif isinstance(x, collections.UserDict):
+        elif isinstance(x, collections.UserDict) and _holds_tensors(x):
             _open(kind, _user_dict_node(kind, x))
             stack.extend(x.data.values())
-        elif dataclasses.is_dataclass(x) and not isinstance(x, type):
+        elif dataclasses.is_dataclass(x) and not isinstance(x, type) and _holds_tensors(x):
             _open(kind, _dataclass_node(kind))
             stack.extend(getattr(x, f.name) for f in dataclasses.fields(x))
+
+
+def _holds_tensors(x: Any) -> bool:
+    """Whether tensors lie inside ``x`` (a container without any, a
+    settings dataclass say, stays one constant leaf as before)."""
+    if isinstance(x, torch.Tensor):
+        return True
+    if isinstance(x, (list, tuple)):
+        return any(_holds_tensors(v) for v in x)
+    if isinstance(x, dict):
+        return any(_holds_tensors(v) for v in x.values())
+    if isinstance(x, collections.UserDict):
+        return any(_holds_tensors(v) for v in x.data.values())
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return any(_holds_tensors(getattr(x, f.name)) for f in dataclasses.fields(x))
+    return False
 
 
 def _open(kind: type, node: tuple | None) -> None:

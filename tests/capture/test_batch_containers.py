@@ -87,3 +87,30 @@ def test_a_dataclass_batch_trains_bitwise_eager():
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
     assert len(step.plans) == 1
     assert any(slot.name == "args[0].x" for slot in step.plan.graph.signature.inputs)
+
+
+@dataclasses.dataclass
+class Settings:
+    scale: float
+
+    def __post_init__(self):
+        self.doubled = 2 * self.scale  # not a field: a rebuilt instance would lack it
+
+
+def settings_step(model, optimizer, x, y, settings: Settings):
+    loss = F.cross_entropy(model(x), y) * settings.doubled
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def test_a_dataclass_without_tensors_stays_one_constant():
+    torch.manual_seed(0)
+    model = MLP()
+    reference = copy.deepcopy(model)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
+    step = stepfx.parallelize({"gradient_clipping": 0})(settings_step)
+    for x, y in mlp_batches(2):
+        assert torch.equal(step(model, opt, x, y, Settings(0.5)), settings_step(reference, ref_opt, x, y, Settings(0.5)))
+    assert Settings not in torch.utils._pytree.SUPPORTED_NODES
