@@ -15,6 +15,7 @@ import collections
 import dataclasses
 import functools
 import gc
+import inspect
 import logging
 import os
 import re
@@ -48,6 +49,7 @@ from .graph.accounting import estimate_memory
 from .optimizer_builder import build_optimizer
 from . import plan_cache
 from .progress import Progress
+from .runtime.emptied import hold_emptied
 from .passes import PIPELINE, PassManager, PassOptions, PassRecord, dump_records
 from .passes.cleanup.choose_attention_kernels import FLASH_CHECK_KEY
 from .passes.cleanup.unrepeat_kv_heads import GQA_OPS_KEY
@@ -136,6 +138,59 @@ class Plan:
         return self.records[0].graph
 
 
+_NOT_GIVEN: Any = object()  # __call__'s model/optimizer left out (a step called as train_step(batch))
+
+
+def _is_optimizer(obj: Any) -> bool:
+    """A torch optimizer, or an object that steps one as its own (a wrapper
+    with ``step``, ``zero_grad`` and ``param_groups``)."""
+    return isinstance(obj, torch.optim.Optimizer) or all(
+        hasattr(obj, name) for name in ("step", "zero_grad", "param_groups", "state"))
+
+
+def _named_free_objects(fn: Callable) -> list[tuple[str, Any]]:
+    """(name, value) of what ``fn`` reads from its enclosing scopes: its
+    closure cells, then the module globals its code names."""
+    fn = inspect.unwrap(fn)
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return []
+    found = []
+    for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
+        try:
+            found.append((name, cell.cell_contents))
+        except ValueError:  # an empty cell
+            continue
+    module_globals = getattr(fn, "__globals__", {})
+    found += [(name, module_globals[name]) for name in code.co_names if name in module_globals]
+    return found
+
+
+def _call_shape_error(step_name: str, fn: Callable, model: Any, optimizer: Any) -> str:
+    """Why a call does not have a step's shape, ``step(model, optimizer,
+    *batch)``, and what to write instead (a step defined as a closure over
+    its model and optimizer is the usual cause: name them)."""
+    shown = lambda obj: "nothing" if obj is _NOT_GIVEN else type(obj).__name__
+    if not isinstance(model, torch.nn.Module):
+        what = f"the first argument must be the nn.Module being trained, got {shown(model)}"
+    else:
+        what = f"the second argument must be the optimizer (or None), got {shown(optimizer)}"
+    free = _named_free_objects(fn)
+    modules = [name for name, value in free if isinstance(value, torch.nn.Module)]
+    optimizers = [name for name, value in free if isinstance(value, torch.optim.Optimizer)]
+    if modules or optimizers:
+        reads = " and ".join(part for part in (
+            f"model {', '.join(repr(n) for n in modules)}" if modules else "",
+            f"optimizer {', '.join(repr(n) for n in optimizers)}" if optimizers else "") if part)
+        hint = (f"; {step_name} reads {reads} from its enclosing scope: take them as its first two parameters, "
+                f"def {step_name}(model, optimizer, ...), and call {step_name}({modules[0] if modules else 'model'}, "
+                f"{optimizers[0] if optimizers else 'None'}, ...)")
+    else:
+        hint = f"; define it as def {step_name}(model, optimizer, ...) and call {step_name}(model, optimizer, ...)"
+    return (f"{step_name}: a stepfx step is called as {step_name}(model, optimizer, *batch) (optimizer None where "
+            f"the config's optimizer block builds it): {what}{hint}")
+
+
 class ParallelStep:
     """A compiled training step; call it like the function it wraps."""
 
@@ -181,16 +236,15 @@ class ParallelStep:
         self._stage_owner: dict[str, int] | None = None  # pipeline: each parameter's stage, from the first capture
         self._progress = Progress(self.__name__, False)  # progress lines (rank 0, stepfx.progress), from the first call
         self._profile: Any = None  # step.profile(steps=N): the runs it measures (stepfx/report)
+        self._param_sizes: dict[str, torch.Size] | None = None  # the model's parameter sizes at the first call
         # the planner's first round when it chose the ZeRO stage: (its summary, its choice)
         self._first_round: tuple[str, Any] | None = None
 
     # -- calling --------------------------------------------------------------
-    def __call__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *args, **kwargs) -> Any:
+    def __call__(self, model: Any = _NOT_GIVEN, optimizer: Any = _NOT_GIVEN, *args, **kwargs) -> Any:
         started = time.perf_counter()
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(
-                f"{self.__name__}: the first argument must be the nn.Module being trained, got {type(model).__name__}"
-            )
+        if not isinstance(model, torch.nn.Module) or not (optimizer is None or _is_optimizer(optimizer)):
+            raise TypeError(_call_shape_error(self.__name__, self.fn, model, optimizer))
         model = compat.unwrapped_module(model)  # torch.compile, DDP: stepfx compiles and reduces the step itself
         open_batch_containers(args, kwargs)  # BatchEncoding, dataclass batches: their tensors are the step's inputs
         if self._dp is None:
@@ -208,6 +262,8 @@ class ParallelStep:
                 )
             self._store.drop_carried()
         self._calls += 1
+        if self._param_sizes is None:  # the whole sizes, for the message a call of the emptied module gets
+            self._param_sizes = {name: p.shape for name, p in model.named_parameters(remove_duplicate=False)}
         if self._dp is None:
             device_type = _device_type(list(model.parameters()) + list(model.buffers()))
             self.config = _resolve_cuda_graphs(_resolve_codegen(self.config, device_type), device_type)
@@ -275,6 +331,8 @@ class ParallelStep:
             self._moved_state.clear()
             raise
         self._moved_state.clear()
+        if any(p.numel() == 0 for p in model.parameters()):  # ZeRO-3: the module is empty between steps
+            hold_emptied(model, self.__name__, self._param_sizes)
         if first:
             plan.first_call_seconds = time.perf_counter() - started
             self._progress("first call done in %.1f s", plan.first_call_seconds)

@@ -151,6 +151,30 @@ def test_explain_before_any_call_is_a_clear_error():
         step.explain()
 
 
+def test_a_step_called_without_its_model_and_optimizer_says_how_to_call_it():
+    """A step written as a closure over its model and optimizer (as with
+    torch.compile) and called with the batch only: the error names the call's
+    shape and the objects the step reads from its scope, before anything runs."""
+    model, opt = _setup()
+
+    @stepfx.parallelize()
+    def train_step(x, y):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    x, y = next(iter(mlp_batches(1)))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(TypeError, match=r"called as train_step\(model, optimizer, \*batch\).*first argument must be "
+                                        r"the nn.Module being trained, got Tensor; train_step reads model 'model' and "
+                                        r"optimizer 'opt' from its enclosing scope.*train_step\(model, opt, \.\.\.\)"):
+        train_step(x, y)
+    with pytest.raises(TypeError, match="second argument must be the optimizer \\(or None\\), got Tensor"):
+        stepfx.parallelize()(ce_step)(model, x, y)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
 def test_dump_writes_every_pass(tmp_path):
     model, opt = _setup()
     step = stepfx.parallelize()(ce_step)

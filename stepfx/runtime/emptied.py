@@ -1,0 +1,56 @@
+"""A module whose parameters ZeRO-3 holds as pieces says so when it is used.
+
+Between steps under ZeRO-3 the user's module keeps empty parameters (the
+rank's pieces live in the step's store), so calling it outside the step —
+an evaluation loop, ``model.generate()``, a second decorated step over the
+same model — used to fail deep inside aten ("'weight' must be 2-D").
+A forward pre-hook on the module now raises first, naming the step that
+holds the parameters and what to call (``step.sync_model()``) instead.
+
+The hook reads only the parameters' sizes. While the step that holds them
+traces the module again (a new shape), the module is reparametrized with
+whole-sized tensors, so the hook lets it through; a *different* step's
+capture sees the empty ones and is refused with this message as its cause.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+__all__ = ["EmptiedModuleError", "hold_emptied"]
+
+
+class EmptiedModuleError(RuntimeError):
+    """The module was called while a step holds its parameters as ZeRO-3 pieces."""
+
+
+# module -> (the step's name, parameter name -> whole size) for the modules a step has emptied
+_HELD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_HOOKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def hold_emptied(module: torch.nn.Module, step_name: str, sizes: dict[str, torch.Size]) -> None:
+    """Note that ``step_name`` holds ``module``'s parameters (their whole
+    ``sizes``) and hook the module, once, to refuse calls while any of them
+    is empty in it."""
+    _HELD[module] = (step_name, {name: size for name, size in sizes.items() if size.numel() > 0})
+    if module not in _HOOKED:
+        _HOOKED[module] = module.register_forward_pre_hook(_refuse_emptied)
+
+
+def _refuse_emptied(module: torch.nn.Module, args) -> None:
+    held = _HELD.get(module)
+    if held is None:
+        return
+    step_name, sizes = held
+    params = dict(module.named_parameters(remove_duplicate=False))
+    empty = [name for name in sizes if name in params and params[name].numel() == 0]
+    if not empty:
+        return
+    raise EmptiedModuleError(
+        f"{type(module).__name__}'s parameters are held as ZeRO-3 pieces by the stepfx step {step_name!r} between steps "
+        f"({len(empty)} of {len(sizes)} are empty in the module, e.g. {empty[0]} of size {tuple(sizes[empty[0]])}), "
+        f"so the module cannot run outside it: call {step_name}.sync_model() on every rank to put whole parameters "
+        f"back (for evaluation or generation; the next step shards them again), or read them with "
+        f"{step_name}.model_state_dict()")
