@@ -1,0 +1,74 @@
+"""A learning-rate scheduler stepped inside the step would run once, at
+capture, and the schedule would never move on (silently: the losses part
+from eager's at the third step). Capture refuses it with the user's line;
+stepped outside the step, the same scheduler trains bitwise as eager."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import stepfx
+from stepfx.errors import CaptureError
+
+CONFIG = {"gradient_clipping": 0, "stepfx": {"cache_dir": False, "progress": False}}
+
+
+def _setup():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    return model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: 1.0 / (1 + i))
+
+
+def _loss(model, x):
+    return model(x).square().mean()
+
+
+def _batches():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(3, 4, generator=g) for _ in range(4)]
+
+
+@pytest.mark.parametrize("kind", ["lambda", "plateau"])
+def test_a_scheduler_stepped_inside_the_step_is_refused_with_the_line(kind):
+    model, optimizer, scheduler = _setup()
+    if kind == "plateau":
+        scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=0)
+
+    def train_step(model, optimizer, x):
+        loss = _loss(model, x)
+        loss.backward()
+        optimizer.step()
+        scheduler.step(loss) if kind == "plateau" else scheduler.step()
+        optimizer.zero_grad()
+        return loss
+
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    epoch = scheduler.last_epoch
+    name = "ReduceLROnPlateau" if kind == "plateau" else "LambdaLR"
+    with pytest.raises(CaptureError, match=rf"calls {name}\.step\(\)[\s\S]*test_scheduler_steps\.py:\d+ in train_step: "
+                                           r"scheduler\.step[\s\S]*after the step returns"):
+        stepfx.parallelize(CONFIG)(train_step)(model, optimizer, _batches()[0])
+    assert scheduler.last_epoch == epoch and optimizer.param_groups[0]["lr"] == 0.1
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_the_scheduler_stepped_outside_the_step_trains_as_eager():
+    def train_step(model, optimizer, x):
+        loss = _loss(model, x)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    runs = []
+    for compiled in (False, True):
+        model, optimizer, scheduler = _setup()
+        step = stepfx.parallelize(CONFIG)(train_step) if compiled else train_step
+        losses = []
+        for x in _batches():
+            losses.append(step(model, optimizer, x).item())
+            scheduler.step()
+        runs.append((losses, [p.detach().clone() for p in model.parameters()]))
+    assert runs[0][0] == runs[1][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
