@@ -289,11 +289,12 @@ def _swapped_optimizer(optimizer, group_params, leaves, hyper, states):
         return
     saved_groups = [dict(group) for group in optimizer.param_groups]
     saved_state = optimizer.state
+    user_groups = list(optimizer.param_groups)
     new_state: dict = collections.defaultdict(dict)
     for (name, key), value in states.items():
         new_state[leaves[name]][key] = value
     try:
-        for g, group in enumerate(optimizer.param_groups):
+        for g, group in enumerate(user_groups):
             group["params"] = [leaves[n] for n in group_params[g]]
             with compat.annotate_nodes({"phase": Phase.OPTIMIZER.value}):
                 if "lr" in hyper[g]:  # (none in a micro-step without update)
@@ -301,13 +302,55 @@ def _swapped_optimizer(optimizer, group_params, leaves, hyper, states):
                 if "beta1" in hyper[g]:
                     group["betas"] = (hyper[g]["beta1"].item(), hyper[g]["beta2"].item())
             group.update(trace_overrides(group))
+            _watch_group(optimizer, g, group)
         optimizer.state = new_state
         yield
+        for g, group in enumerate(optimizer.param_groups):
+            if isinstance(group, _WatchedGroup) and group.lr_set_at is not _NOT_SET:
+                raise CaptureError(
+                    f"the step sets the learning rate of the optimizer's param group {g} in Python, which inside a "
+                    "captured step runs once, at capture: the value it set would be kept for every later call (or, "
+                    "where it comes from an argument, the step captured again at each new value)",
+                    source=group.lr_set_at,
+                    hint="set param_groups[...]['lr'] before calling the step (stepfx reads the learning rate at every "
+                         "call), or step a torch lr scheduler after the step, or use the config's scheduler block",
+                )
     finally:
+        optimizer.param_groups[:len(user_groups)] = user_groups
         for group, saved in zip(optimizer.param_groups, saved_groups):
             group.clear()
             group.update(saved)
         optimizer.state = saved_state
+
+
+_NOT_SET = object()
+
+
+def _watch_group(optimizer, g: int, group: dict) -> None:
+    """Put a :class:`_WatchedGroup` in place of param group ``g`` where the
+    optimizer's ``param_groups`` is a list that keeps it (a wrapper whose
+    property builds a new list each time is left unwatched)."""
+    try:
+        optimizer.param_groups[g] = watched = _WatchedGroup(group)
+    except TypeError:
+        return
+    if optimizer.param_groups[g] is not watched:
+        return
+
+
+class _WatchedGroup(dict):
+    """An optimizer param group during the trace: the same entries, noting
+    where the step assigns ``lr`` (a Python learning-rate schedule written
+    in the step would run once, at capture)."""
+
+    def __init__(self, group: dict):
+        super().__init__(group)
+        self.lr_set_at: Any = _NOT_SET
+
+    def __setitem__(self, key, value):
+        if key == "lr" and self.lr_set_at is _NOT_SET:
+            self.lr_set_at = innermost_user_frame()
+        super().__setitem__(key, value)
 
 
 class _TraceGuard(compat.dispatch_mode_base()):

@@ -72,3 +72,60 @@ def test_the_scheduler_stepped_outside_the_step_trains_as_eager():
         runs.append((losses, [p.detach().clone() for p in model.parameters()]))
     assert runs[0][0] == runs[1][0]
     assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+
+
+_STEP = 0  # a loop counter the step reads from its module, as a hand-written schedule does
+
+
+def _lr(i):
+    return 0.1 / (1 + i)
+
+
+@pytest.mark.parametrize("source", ["global", "argument"])
+def test_a_learning_rate_set_in_the_step_is_refused_with_the_line(source):
+    """``for g in opt.param_groups: g['lr'] = get_lr(it)`` inside the step: from
+    a global the first value was kept for every call (silently: losses part
+    from eager's at the third step); from an argument the step was captured
+    again at every value."""
+    def train_step(model, optimizer, x, i=None):
+        for group in optimizer.param_groups:
+            group["lr"] = _lr(_STEP if i is None else i)
+        loss = _loss(model, x)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    model, optimizer, _ = _setup()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    args = (3,) if source == "argument" else ()
+    with pytest.raises(CaptureError, match=r"sets the learning rate of the optimizer's param group 0 in Python[\s\S]*"
+                                           r"test_scheduler_steps\.py:\d+ in train_step: group\[\"lr\"\] = _lr[\s\S]*"
+                                           r"before calling the step"):
+        stepfx.parallelize(CONFIG)(train_step)(model, optimizer, _batches()[0], *args)
+    assert optimizer.param_groups[0]["lr"] == 0.1
+    assert type(optimizer.param_groups[0]) is dict
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_a_learning_rate_set_before_each_call_trains_as_eager():
+    def train_step(model, optimizer, x):
+        loss = _loss(model, x)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    runs = []
+    for compiled in (False, True):
+        model, optimizer, _ = _setup()
+        step = stepfx.parallelize(CONFIG)(train_step) if compiled else train_step
+        losses = []
+        for i, x in enumerate(_batches()):
+            for group in optimizer.param_groups:
+                group["lr"] = _lr(i)
+            losses.append(step(model, optimizer, x).item())
+        runs.append((losses, [p.detach().clone() for p in model.parameters()]))
+    assert runs[0][0] == runs[1][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+    assert len(step.plans) == 1
