@@ -53,26 +53,34 @@ def test_a_scheduler_stepped_inside_the_step_is_refused_with_the_line(kind):
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
-def test_the_scheduler_stepped_outside_the_step_trains_as_eager():
-    def train_step(model, optimizer, x):
-        loss = _loss(model, x)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        return loss
+def _plain_step(model, optimizer, x):
+    loss = _loss(model, x)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
 
+
+@pytest.mark.parametrize("schedule", ["scheduler", "lr"])
+def test_a_schedule_run_outside_the_step_trains_as_eager_with_one_plan(schedule):
+    """A scheduler stepped after each call, or the lr set before each call:
+    the lr is an input of the captured step, read at every call."""
     runs = []
     for compiled in (False, True):
         model, optimizer, scheduler = _setup()
-        step = stepfx.parallelize(CONFIG)(train_step) if compiled else train_step
+        step = stepfx.parallelize(CONFIG)(_plain_step) if compiled else _plain_step
         losses = []
-        for x in _batches():
+        for i, x in enumerate(_batches()):
+            if schedule == "lr":
+                for group in optimizer.param_groups:
+                    group["lr"] = _lr(i)
             losses.append(step(model, optimizer, x).item())
-            scheduler.step()
+            if schedule == "scheduler":
+                scheduler.step()
         runs.append((losses, [p.detach().clone() for p in model.parameters()]))
     assert runs[0][0] == runs[1][0]
     assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
-
+    assert len(step.plans) == 1
 
 _STEP = 0  # a loop counter the step reads from its module, as a hand-written schedule does
 
@@ -106,26 +114,3 @@ def test_a_learning_rate_set_in_the_step_is_refused_with_the_line(source):
     assert optimizer.param_groups[0]["lr"] == 0.1
     assert type(optimizer.param_groups[0]) is dict
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
-
-
-def test_a_learning_rate_set_before_each_call_trains_as_eager():
-    def train_step(model, optimizer, x):
-        loss = _loss(model, x)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        return loss
-
-    runs = []
-    for compiled in (False, True):
-        model, optimizer, _ = _setup()
-        step = stepfx.parallelize(CONFIG)(train_step) if compiled else train_step
-        losses = []
-        for i, x in enumerate(_batches()):
-            for group in optimizer.param_groups:
-                group["lr"] = _lr(i)
-            losses.append(step(model, optimizer, x).item())
-        runs.append((losses, [p.detach().clone() for p in model.parameters()]))
-    assert runs[0][0] == runs[1][0]
-    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
-    assert len(step.plans) == 1
