@@ -56,7 +56,7 @@ from .batch_reads import BatchReads
 from .dynamic import DYNAMIC_KEY
 from .checks import BufferDtypeError, check_mutations, check_operand_dtypes, warn_python_only_reads
 from .host_random import refuse_host_random
-from .scheduler_steps import refuse_scheduler_steps
+from .host_objects import refuse_host_objects
 from .tracing_checks import TRACING_CHECKS_KEY, watch_tracing_checks
 from .raising_checks import RaisingCheck, clamping_branch, in_clamping_body, raising_check
 from .optimizers import check_optimizer, hyperparam_inputs, state_tensors, steps_agree, trace_overrides
@@ -839,8 +839,8 @@ def capture_step(
     )
 
     # host random draws would be baked in as constants, a scheduler stepped inside would run once: both refused
-    # (host_random.py, scheduler_steps.py)
-    with _CAPTURE_LOCK, _preserved_rng(), refuse_host_random(), refuse_scheduler_steps(), \
+    # (host_random.py, host_objects.py; so is a GradScaler, whose skipping the host decides)
+    with _CAPTURE_LOCK, _preserved_rng(), refuse_host_random(), refuse_host_objects(), \
             watch_tracing_checks() as tracing_checks:
         try:
             gm = compat.trace_step_function(traced, fake_args, SYMBOLIC_DECOMPOSITIONS if dynamic_dims else None)

@@ -1,7 +1,10 @@
-"""A learning-rate scheduler stepped inside the step would run once, at
-capture, and the schedule would never move on (silently: the losses part
-from eager's at the third step). Capture refuses it with the user's line;
-stepped outside the step, the same scheduler trains bitwise as eager."""
+"""Host-side training objects driven inside the step, whose Python would
+run once, at capture: a learning-rate scheduler's step() and an lr assigned
+to a param group (the schedule would never move on; silently, the losses part
+from eager's at the third step), and an enabled GradScaler (the host decides
+whether to skip the update). Capture refuses each with the user's line and
+the way that works; a scheduler stepped or an lr set outside the step, and
+a disabled GradScaler, train bitwise as eager."""
 from __future__ import annotations
 
 import pytest
@@ -46,7 +49,7 @@ def test_a_scheduler_stepped_inside_the_step_is_refused_with_the_line(kind):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     epoch = scheduler.last_epoch
     name = "ReduceLROnPlateau" if kind == "plateau" else "LambdaLR"
-    with pytest.raises(CaptureError, match=rf"calls {name}\.step\(\)[\s\S]*test_scheduler_steps\.py:\d+ in train_step: "
+    with pytest.raises(CaptureError, match=rf"calls {name}\.step\(\)[\s\S]*test_host_objects\.py:\d+ in train_step: "
                                            r"scheduler\.step[\s\S]*after the step returns"):
         stepfx.parallelize(CONFIG)(train_step)(model, optimizer, _batches()[0])
     assert scheduler.last_epoch == epoch and optimizer.param_groups[0]["lr"] == 0.1
@@ -108,9 +111,40 @@ def test_a_learning_rate_set_in_the_step_is_refused_with_the_line(source):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     args = (3,) if source == "argument" else ()
     with pytest.raises(CaptureError, match=r"sets the learning rate of the optimizer's param group 0 in Python[\s\S]*"
-                                           r"test_scheduler_steps\.py:\d+ in train_step: group\[\"lr\"\] = _lr[\s\S]*"
+                                           r"test_host_objects\.py:\d+ in train_step: group\[\"lr\"\] = _lr[\s\S]*"
                                            r"before calling the step"):
         stepfx.parallelize(CONFIG)(train_step)(model, optimizer, _batches()[0], *args)
     assert optimizer.param_groups[0]["lr"] == 0.1
     assert type(optimizer.param_groups[0]) is dict
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_a_grad_scaler_is_refused_with_the_fp16_block_as_the_way_and_a_disabled_one_passes(enabled):
+    """An AMP loop's GradScaler decides on the host whether to skip the update;
+    stepfx's fp16 block scales in the graph. A disabled scaler (nanoGPT builds
+    one under bf16) scales nothing: the step trains as eager."""
+    def train_step(model, optimizer, x, scaler):
+        loss = _loss(model, x)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        return loss
+
+    runs = []
+    for compiled in (False, True):
+        model, optimizer, _ = _setup()
+        scaler = torch.amp.GradScaler("cpu", enabled=enabled)
+        step = stepfx.parallelize(CONFIG)(train_step) if compiled else train_step
+        if compiled and enabled:
+            before = {k: v.clone() for k, v in model.state_dict().items()}
+            with pytest.raises(CaptureError, match=r"uses torch\.amp\.grad_scaler\.GradScaler[\s\S]*test_host_objects\.py:"
+                                                   r"\d+ in train_step: scaler\.scale\(loss\)[\s\S]*\"fp16\": "):
+                step(model, optimizer, _batches()[0], scaler)
+            assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+            return
+        losses = [step(model, optimizer, x, scaler).item() for x in _batches()]
+        runs.append((losses, [p.detach().clone() for p in model.parameters()]))
+    assert runs[0][0] == runs[1][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
