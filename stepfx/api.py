@@ -49,7 +49,7 @@ from .graph.accounting import estimate_memory
 from .optimizer_builder import build_optimizer
 from . import plan_cache
 from .progress import Progress
-from .runtime.emptied import hold_emptied
+from .runtime.emptied import hold_emptied, reading_emptied
 from .passes import PIPELINE, PassManager, PassOptions, PassRecord, dump_records
 from .passes.cleanup.choose_attention_kernels import FLASH_CHECK_KEY
 from .passes.cleanup.unrepeat_kv_heads import GQA_OPS_KEY
@@ -1033,7 +1033,9 @@ class ParallelStep:
         gathered = self._gather_params()
         names = {id(p): n for n, p in self._model.named_parameters()}
         state = {}
-        for key, value in self._model.state_dict(keep_vars=True).items():
+        with reading_emptied():
+            entries = self._model.state_dict(keep_vars=True)
+        for key, value in entries.items():
             name = names.get(id(value))
             state[key] = (gathered[name] if name in gathered else value).detach()
         if rank0_only and self._dp is not None and self._dp.rank != 0:

@@ -55,6 +55,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from ..graph import Role, Storage, TensorSpec
 from ..graph.tp_layout import TP_PLAN_KEY, TensorSplit
+from ..runtime.emptied import reading_emptied
 from .layout import Chunk, ChunkLoadPlanner, ChunkSavePlanner, chunks_of
 from .storage import SafeReader, read_index
 
@@ -190,7 +191,9 @@ def _holdings(step: "ParallelStep", model: torch.nn.Module, optimizer, *, rank: 
             continue  # another pipeline stage's: up to date (and written) there only
         out.append(_Holding(f"model/{name}", tuple(p.shape), p.detach(), None, ("param", name)))
     params = {id(p) for p in model.parameters()}
-    for key, b in model.state_dict(keep_vars=True).items():
+    with reading_emptied():  # its buffers; an emptied module's parameters come from the pieces
+        entries = model.state_dict(keep_vars=True)
+    for key, b in entries.items():
         if id(b) not in params and isinstance(b, torch.Tensor):
             out.append(_Holding(f"model/{key}", tuple(b.shape), b.detach(), None, ("buffer", key)))
     if optimizer is not None:
@@ -502,7 +505,9 @@ def _whole_shapes(step: "ParallelStep", model: torch.nn.Module) -> dict[str, Ten
     for name, p in model.named_parameters():
         spec = held.get((Role.PARAM, name, None))
         out[name] = spec if isinstance(spec, TensorSpec) and p.numel() == 0 else p
-    for key, b in model.state_dict(keep_vars=True).items():
+    with reading_emptied():  # its buffers; an emptied module's parameters come from the pieces
+        entries = model.state_dict(keep_vars=True)
+    for key, b in entries.items():
         if id(b) not in params and isinstance(b, torch.Tensor):
             out[key] = b
     return out

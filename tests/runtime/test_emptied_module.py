@@ -2,7 +2,8 @@
 live in the step's store). Using it outside the step — evaluation,
 generation, a second decorated step over the same model — is refused with
 a message naming the step and ``sync_model()``, not aten's "'weight' must
-be 2-D"; after ``sync_model()`` both a plain evaluation and a forward-only
+be 2-D", and so is ``module.state_dict()`` (it would save empty tensors);
+after ``sync_model()`` both a plain evaluation and a forward-only
 decorated step run, and training goes on as if neither had happened."""
 from __future__ import annotations
 
@@ -49,6 +50,9 @@ def test_calling_the_emptied_module_names_the_step_and_sync_model():
     with pytest.raises(EmptiedModuleError, match=r"ZeRO-3 pieces by the stepfx step '_train'.*0\.weight of size "
                                                  r"\(8, 4\).*_train\.sync_model\(\)"):
         model(torch.randn(2, 4))
+    with pytest.raises(EmptiedModuleError, match=r"state_dict\(\) would hold empty tensors.*_train\.save_checkpoint"):
+        model.state_dict()  # torch.save(model.state_dict()) would write empty tensors
+    assert [v.shape for v in train_step.model_state_dict().values()] == [(8, 4), (8,), (1, 8), (1,)]
     eval_step = stepfx.parallelize(CONFIG)(_evaluate)  # a second step over the emptied module: refused at capture
     with pytest.raises(CaptureError, match=r"EmptiedModuleError[\s\S]*_train\.sync_model\(\)"):
         eval_step(model, None, torch.randn(2, 4))
