@@ -15,7 +15,6 @@ import collections
 import dataclasses
 import functools
 import gc
-import inspect
 import logging
 import os
 import re
@@ -36,6 +35,7 @@ from .codegen import available as codegen_available
 from .capture.batch_reads import NOT_READ
 from .capture.batch_types import open_batch_containers
 from .capture.fingerprint import describe_change, fingerprint
+from .capture.source import named_free_objects
 from .capture.initial_state import create_initial_state, drop_state, stepped_params
 from .passes.data_parallel.plan_zero_layout import stays_whole
 from .config.auto import at_stage
@@ -148,24 +148,6 @@ def _is_optimizer(obj: Any) -> bool:
         hasattr(obj, name) for name in ("step", "zero_grad", "param_groups", "state"))
 
 
-def _named_free_objects(fn: Callable) -> list[tuple[str, Any]]:
-    """(name, value) of what ``fn`` reads from its enclosing scopes: its
-    closure cells, then the module globals its code names."""
-    fn = inspect.unwrap(fn)
-    code = getattr(fn, "__code__", None)
-    if code is None:
-        return []
-    found = []
-    for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
-        try:
-            found.append((name, cell.cell_contents))
-        except ValueError:  # an empty cell
-            continue
-    module_globals = getattr(fn, "__globals__", {})
-    found += [(name, module_globals[name]) for name in code.co_names if name in module_globals]
-    return found
-
-
 def _call_shape_error(step_name: str, fn: Callable, model: Any, optimizer: Any) -> str:
     """Why a call does not have a step's shape, ``step(model, optimizer,
     *batch)``, and what to write instead (a step defined as a closure over
@@ -175,7 +157,7 @@ def _call_shape_error(step_name: str, fn: Callable, model: Any, optimizer: Any) 
         what = f"the first argument must be the nn.Module being trained, got {shown(model)}"
     else:
         what = f"the second argument must be the optimizer (or None), got {shown(optimizer)}"
-    free = _named_free_objects(fn)
+    free = named_free_objects(fn)
     modules = [name for name, value in free if isinstance(value, torch.nn.Module)]
     optimizers = [name for name, value in free if isinstance(value, torch.optim.Optimizer)]
     if modules or optimizers:

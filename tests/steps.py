@@ -15,6 +15,15 @@ def ce_step(model, optimizer, x, y):
     return loss
 
 
+def square_step(model, optimizer, x):
+    """The mean square of the model's output, one update: the smallest whole step."""
+    loss = model(x).square().mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
 def image_step(model, optimizer, pixel_values, labels):
     """A Hugging Face image classifier's step (pixel_values, labels)."""
     out = model(pixel_values=pixel_values, labels=labels)

@@ -7,6 +7,7 @@ a Hugging Face ``modeling_*.py`` (that is the code the user runs).
 from __future__ import annotations
 
 import functools
+import inspect
 import linecache
 import os
 import re
@@ -116,3 +117,37 @@ def innermost_user_frame() -> str | None:
             return format_frame(code.co_filename, frame.f_lineno, code.co_name, line or None)
         frame = frame.f_back
     return None
+
+
+def named_free_objects(fn) -> list[tuple[str, object]]:
+    """(name, value) of what ``fn`` reads from its enclosing scopes: its
+    closure cells, then the module globals its code names."""
+    fn = inspect.unwrap(fn)
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return []
+    found = []
+    for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
+        try:
+            found.append((name, cell.cell_contents))
+        except ValueError:  # an empty cell
+            continue
+    module_globals = getattr(fn, "__globals__", {})
+    found += [(name, module_globals[name]) for name in code.co_names if name in module_globals]
+    return found
+
+
+def other_module_tensors(fn, args: tuple, kwargs: dict, model) -> dict[int, str]:
+    """id -> where it lives, for the parameters and buffers of modules the
+    step reaches besides the one it trains (an EMA copy, a teacher): those
+    passed as its arguments and those it reads from its scope."""
+    modules = [(f"its argument #{i + 3}", a) for i, a in enumerate(args) if isinstance(a, torch.nn.Module)]
+    modules += [(f"its argument {k}=", v) for k, v in kwargs.items() if isinstance(v, torch.nn.Module)]
+    modules += [(f"{name!r} from its scope", v) for name, v in named_free_objects(fn) if isinstance(v, torch.nn.Module)]
+    own = {id(t) for t in list(model.parameters()) + list(model.buffers())}
+    found: dict[int, str] = {}
+    for where, module in modules:
+        for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+            if id(t) not in own:
+                found.setdefault(id(t), f"{name} of {type(module).__name__} ({where})")
+    return found

@@ -60,8 +60,8 @@ from .host_objects import refuse_host_objects
 from .tracing_checks import TRACING_CHECKS_KEY, watch_tracing_checks
 from .raising_checks import RaisingCheck, clamping_branch, in_clamping_body, raising_check
 from .optimizers import check_optimizer, hyperparam_inputs, state_tensors, steps_agree, trace_overrides
-from .source import (innermost_user_frame, innermost_user_line, library_of_traceback, user_frame_from_traceback,
-                     user_frame_of_caller)
+from .source import (innermost_user_frame, innermost_user_line, library_of_traceback, other_module_tensors,
+                     user_frame_from_traceback, user_frame_of_caller)
 
 __all__ = ["StepInputs", "collect_inputs", "capture_step"]
 
@@ -368,9 +368,10 @@ class _TraceGuard(compat.dispatch_mode_base()):
       its twin that turns grad mode on (``compat.grad_mode_twin``).
     """
 
-    def __init__(self, shared_steps: frozenset[int] = frozenset()):
+    def __init__(self, shared_steps: frozenset[int] = frozenset(), others: Mapping[int, str] | None = None):
         super().__init__()
         self.shared_steps = shared_steps
+        self.others = others or {}  # id -> where: tensors of modules other than the trained one (EMA, teacher)
         self.step_value = None
         self.clamping: tuple | None = None  # (ClampingBranch, "the body runs" as a traced bool) while in its body
         # draws uniform in [0, 1), and comparisons of them with numbers whose answer no draw can change:
@@ -449,6 +450,16 @@ class _TraceGuard(compat.dispatch_mode_base()):
                 if arg.alias_info is None or not arg.alias_info.is_write:
                     continue
                 value = args[i] if i < len(args) else kwargs.get(arg.name)
+                if isinstance(value, torch.Tensor) and not compat.is_fake(value) and id(value) in self.others:
+                    raise CaptureError(
+                        f"the step writes in place ({func}) into {self.others[id(value)]}: stepfx captures the state "
+                        "of the model it trains (its parameters and buffers) and of its optimizer; another module's "
+                        "tensors are constants of the captured step, so the write would not happen at later calls",
+                        source=user_frame_of_caller(),
+                        hint="keep what the step updates (EMA weights, running statistics) as buffers of the trained "
+                             "model (model.register_buffer(...)) and update those in the step, or update the other "
+                             "module after the step returns (under ZeRO-3 after step.sync_model())",
+                    )
                 if isinstance(value, torch.Tensor) and not compat.is_fake(value):
                     raise CaptureError(
                         f"the step writes in place ({func}) into a tensor that is not a parameter, buffer, "
@@ -730,13 +741,14 @@ def _make_traced_fn(fn, model, optimizer, inputs: StepInputs, rec: _Recorder, op
             factor = (factor if factor is not None else 1.0) / options.grad_accumulation
 
         copies = {id(module_tensors[n]): leaf for n, leaf in leaves.items() if module_tensors[n] is not leaf}
+        others = other_module_tensors(fn, args, kwargs, model)  # (named if the step writes into them)
         with compat.reparametrize_module(model, module_tensors), _swapped_optimizer(
             optimizer, inputs.group_params, leaves, hyper, states
         ), gradients_on_masters(copies, loss_scaled=bool(options.loss_scale)), _grad_of_copies(bool(copies)):
             shared = frozenset(id(v) for (name, key), v in states.items()
                                if key == "step" and name in inputs.shared_step_names) if inputs.shared_step else frozenset()
             with compat.annotate_nodes({"phase": Phase.FORWARD.value}), _phase_hooks(optimizer, leaves, factor), _TraceGuard(
-                shared
+                shared, others
             ), _no_ops(model, optimizer, options), _symbolic_kernels(symbolic):
                 result = fn(model, optimizer, *args, **kwargs)
             if options.grad_accumulation > 1 and not options.accumulate_only:

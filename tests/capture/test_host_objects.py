@@ -12,6 +12,7 @@ import torch
 
 import stepfx
 from stepfx.errors import CaptureError
+from tests.steps import square_step
 
 CONFIG = {"gradient_clipping": 0, "stepfx": {"cache_dir": False, "progress": False}}
 
@@ -56,14 +57,6 @@ def test_a_scheduler_stepped_inside_the_step_is_refused_with_the_line(kind):
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
-def _plain_step(model, optimizer, x):
-    loss = _loss(model, x)
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss
-
-
 @pytest.mark.parametrize("schedule", ["scheduler", "lr"])
 def test_a_schedule_run_outside_the_step_trains_as_eager_with_one_plan(schedule):
     """A scheduler stepped after each call, or the lr set before each call:
@@ -71,7 +64,7 @@ def test_a_schedule_run_outside_the_step_trains_as_eager_with_one_plan(schedule)
     runs = []
     for compiled in (False, True):
         model, optimizer, scheduler = _setup()
-        step = stepfx.parallelize(CONFIG)(_plain_step) if compiled else _plain_step
+        step = stepfx.parallelize(CONFIG)(square_step) if compiled else square_step
         losses = []
         for i, x in enumerate(_batches()):
             if schedule == "lr":

@@ -13,6 +13,7 @@ import torch
 import stepfx
 from stepfx.errors import CaptureError
 from stepfx.runtime.emptied import EmptiedModuleError
+from tests.steps import square_step
 
 CONFIG = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}, "gradient_clipping": 0,
           "stepfx": {"cache_dir": False, "progress": False}}
@@ -24,11 +25,7 @@ def _model():
 
 
 def _train(model, optimizer, x):
-    loss = model(x).square().mean()
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss
+    return square_step(model, optimizer, x)
 
 
 def _evaluate(model, optimizer, x):
