@@ -104,7 +104,9 @@ def test_bf16_zero3_activation_checkpointing_config_is_the_mixed_precision_refer
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("make_model", MODELS[:4], ids=[m.__name__ for m in MODELS[:4]])
+# Bloom (ALiBi through baddbmm) and Falcon (parallel attention and MLP): the offload path on two unlike layouts;
+# GPT-J and Phi (also in the bf16 test above) left out for the suite's time (18 s)
+@pytest.mark.parametrize("make_model", MODELS[:2], ids=[m.__name__ for m in MODELS[:2]])
 def test_fp32_offloaded_optimizer_and_parameters_config_is_the_reference(rank_pool, make_model):
     config = json.loads((CONFIGS / "14_alpaca_default_offload_opt_param.json").read_text())
     config["bf16"] = {"enabled": False}
