@@ -35,6 +35,7 @@ from .codegen import available as codegen_available
 from .capture.batch_reads import NOT_READ
 from .capture.batch_types import open_batch_containers
 from .capture.fingerprint import describe_change, fingerprint
+from .capture.optimizers import unwrapped_optimizer
 from .capture.source import named_free_objects
 from .capture.initial_state import create_initial_state, drop_state, stepped_params
 from .passes.data_parallel.plan_zero_layout import stays_whole
@@ -228,6 +229,7 @@ class ParallelStep:
         if not isinstance(model, torch.nn.Module) or not (optimizer is None or _is_optimizer(optimizer)):
             raise TypeError(_call_shape_error(self.__name__, self.fn, model, optimizer))
         model = compat.unwrapped_module(model)  # torch.compile, DDP: stepfx compiles and reduces the step itself
+        optimizer = unwrapped_optimizer(optimizer)  # accelerate's AcceleratedOptimizer: stepfx runs the update itself
         open_batch_containers(args, kwargs)  # BatchEncoding, dataclass batches: their tensors are the step's inputs
         if self._dp is None:
             compat.refuse_fsdp_sharded(model)

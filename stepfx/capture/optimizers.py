@@ -63,6 +63,19 @@ class TraceOverrides:
     entries: dict[str, Any]
 
 
+def unwrapped_optimizer(optimizer):
+    """The torch optimizer inside a wrapper that delegates to one through
+    ``.optimizer`` (accelerate's ``AcceleratedOptimizer`` after
+    ``accelerator.prepare``, itself an ``Optimizer`` subclass): stepfx captures, shards and runs the update
+    itself, as it does for a model wrapped in DDP."""
+    for _ in range(4):  # (wrappers of wrappers)
+        inner = getattr(optimizer, "optimizer", None)
+        if isinstance(optimizer, SUPPORTED_OPTIMIZERS) or not isinstance(inner, torch.optim.Optimizer):
+            return optimizer
+        optimizer = inner
+    return optimizer
+
+
 def check_optimizer(optimizer: torch.optim.Optimizer | None) -> None:
     if optimizer is None:
         return
