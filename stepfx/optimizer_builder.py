@@ -1,9 +1,9 @@
 """``build_optimizer``: the torch optimizer for the ``optimizer`` block, as DeepSpeed's engine would build it.
 
 Reference: DeepSpeed v0.19.5 (commit edaa722), ``engine._configure_basic_optimizer``
-and ``deepspeed/ops/adam/fused_adam.py``. stepfx captures torch's SGD, Adam
-and AdamW, so it supports the types for which DeepSpeed builds one of those,
-or an optimizer with the same math:
+and ``deepspeed/ops/adam/fused_adam.py``. stepfx captures torch's SGD, Adam,
+AdamW, RMSprop, Adagrad, Adamax and Adadelta, so it supports the types for
+which DeepSpeed builds one of those, or an optimizer with the same math:
 
 - "Adam" / "AdamW" (any case): DeepSpeed pops ``torch_adam`` (default false)
   and ``adam_w_mode`` (default true). The update uses decoupled weight decay
@@ -17,7 +17,13 @@ or an optimizer with the same math:
   ``torch_adam: true``, DeepSpeed builds torch's class from the params as
   given, and so does stepfx.
 - "SGD": ``torch.optim.SGD(params, **params)``, the same call DeepSpeed makes.
-- Every other type (OneBitAdam, ZeroOneAdam, Lamb, Adagrad, Lion, ...) raises
+- "Adagrad" (any case): DeepSpeed builds ``torch.optim.Adagrad(params,
+  **params)`` (its CPU Adagrad only under ZeRO-Offload, whose host update
+  stepfx implements for Adam alone and refuses for others), and so does stepfx.
+- "RMSprop", "Adamax", "Adadelta" (torch's spelling): DeepSpeed builds any
+  other type as ``getattr(torch.optim, type)(params, **params)``; stepfx does
+  for the torch optimizers it captures.
+- Every other type (OneBitAdam, ZeroOneAdam, Lamb, Lion, NAdam, ...) raises
   ConfigError at ``optimizer.type``.
 
 Before any of this, DeepSpeed rejects ``max_grad_norm`` in params for every
@@ -40,7 +46,9 @@ from stepfx.config.errors import bad_value, join, unknown_key
 
 __all__ = ["SUPPORTED_TYPES", "build_optimizer"]
 
-SUPPORTED_TYPES = ("Adam", "AdamW", "SGD")
+SUPPORTED_TYPES = ("Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "Adamax", "Adadelta")
+_TORCH_TYPES = {"SGD": torch.optim.SGD, "adagrad": torch.optim.Adagrad, "RMSprop": torch.optim.RMSprop,
+                "Adamax": torch.optim.Adamax, "Adadelta": torch.optim.Adadelta}  # config.name -> the class built
 _PATH = "optimizer.params"
 # FusedAdam's arguments (besides adam_w_mode, which DeepSpeed sets) and their defaults, which stepfx applies.
 _FUSED_ADAM_DEFAULTS = MappingProxyType({"lr": 1e-3, "bias_correction": True, "betas": (0.9, 0.999), "eps": 1e-8,
@@ -63,18 +71,19 @@ def build_optimizer(config: OptimizerConfig, params: Iterable[Any]) -> torch.opt
                           "(https://www.deepspeed.ai/docs/config-json/#gradient-clipping)",
                           value=given["max_grad_norm"], expected="no max_grad_norm in optimizer.params",
                           suggestion="gradient_clipping")
-    if config.name not in ("adam", "adamw", "SGD"):
+    if config.name not in ("adam", "adamw", *_TORCH_TYPES):
         raise ConfigError("optimizer.type", f"got {config.type!r}; stepfx builds only {', '.join(SUPPORTED_TYPES)} "
-                          "(DeepSpeed's Adam/AdamW, any case, and torch's SGD); DeepSpeed's other optimizers and "
-                          "the other torch.optim classes are not supported", value=config.type,
-                          expected=f"one of {SUPPORTED_TYPES}")
+                          "(DeepSpeed's Adam/AdamW and Adagrad, any case, and torch's SGD, RMSprop, Adamax and "
+                          "Adadelta); DeepSpeed's other optimizers and the other torch.optim classes are not "
+                          "supported", value=config.type, expected=f"one of {SUPPORTED_TYPES}")
     for name, value in given.items():
         if value is AUTO:
             source = _AUTO_SOURCES.get(name, "the matching argument")
             raise ConfigError(join(_PATH, name), f"is still 'auto'; fill it with stepfx.config.resolve_auto(config, "
                               f"{source}...) first", value=AUTO, expected="a value")
-    if config.name == "SGD":
-        return _torch_optimizer(torch.optim.SGD, "SGD", params, given)
+    if config.name in _TORCH_TYPES:
+        cls = _TORCH_TYPES[config.name]
+        return _torch_optimizer(cls, cls.__name__, params, given)
     return _adam(config.name, params, given)
 
 

@@ -246,6 +246,10 @@ class OptimizerFactory:
             "sgd_plain": lambda: torch.optim.SGD(ps, lr=0.05),
             "adam": lambda: torch.optim.Adam(ps, lr=1e-2, amsgrad=True),
             "adamw": lambda: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+            "rmsprop": lambda: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.9, centered=True),
+            "adagrad": lambda: torch.optim.Adagrad(ps, lr=0.1, lr_decay=0.01),
+            "adamax": lambda: torch.optim.Adamax(ps, lr=1e-2, weight_decay=0.01),
+            "adadelta": lambda: torch.optim.Adadelta(ps, lr=1.0, weight_decay=0.01),
         }[self.kind]()
 
 

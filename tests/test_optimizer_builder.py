@@ -104,8 +104,26 @@ def test_adam_update_matches_the_reference(type_, extra, decoupled):
 
 # --- errors ---------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("type_", ["OneBitAdam", "ZeroOneAdam", "Lamb", "OneBitLamb", "Adagrad", "Lion", "MuAdam",
-                                   "Muon", "RMSprop", "NAdam"])
+@pytest.mark.parametrize("type_, kw, cls", [
+    ("Adagrad", {"lr": 0.1, "lr_decay": 0.01}, torch.optim.Adagrad),  # DeepSpeed's name, any case
+    ("adagrad", {"lr": 0.1}, torch.optim.Adagrad),
+    ("RMSprop", {"lr": 0.01, "momentum": 0.9, "centered": True}, torch.optim.RMSprop),  # torch's, as spelled
+    ("Adamax", {"lr": 0.002, "betas": [0.9, 0.99]}, torch.optim.Adamax),
+    ("Adadelta", {"lr": 1.0, "rho": 0.95}, torch.optim.Adadelta),
+])
+def test_other_torch_optimizers_are_built_as_deepspeed_builds_them(type_, kw, cls):
+    """DeepSpeed builds "adagrad" as torch's Adagrad (its CPU Adagrad only under offload) and any other type as
+    getattr(torch.optim, type)(params, **params): the classes stepfx captures are built the same way."""
+    opt = build(type_, **kw)
+    assert type(opt) is cls and group(opt)["foreach"] is False
+    assert all(group(opt)[k] == (tuple(v) if isinstance(v, list) else v) for k, v in kw.items())
+    with pytest.raises(ConfigError) as info:
+        build(type_, lr=0.1, momentun=0.9)
+    assert info.value.path == "optimizer.params.momentun"
+
+
+@pytest.mark.parametrize("type_", ["OneBitAdam", "ZeroOneAdam", "Lamb", "OneBitLamb", "Lion", "MuAdam",
+                                   "Muon", "NAdam", "RAdam", "ASGD"])
 def test_unsupported_types_name_optimizer_type(type_):
     with pytest.raises(ConfigError) as info:
         build(type_, lr=0.01)

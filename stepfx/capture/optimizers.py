@@ -30,6 +30,10 @@ SUPPORTED_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD,
     torch.optim.Adam,
     torch.optim.AdamW,
+    torch.optim.RMSprop,
+    torch.optim.Adagrad,
+    torch.optim.Adamax,
+    torch.optim.Adadelta,
 )
 
 # Per-group hyperparameters passed to the graph as inputs every call (so

@@ -31,7 +31,7 @@ from tests.steps import ce_step
     classes=st.integers(2, 5),
     stage=st.sampled_from([0, 1, 2, 3]),
     bucket=st.sampled_from([1, 7, 40, 10_000]),
-    optimizer=st.sampled_from(["sgd", "sgd_plain", "adam", "adamw"]),
+    optimizer=st.sampled_from(["sgd", "sgd_plain", "adam", "adamw", "rmsprop", "adagrad", "adamax", "adadelta"]),
     steps=st.integers(2, 3),
     seed=st.integers(0, 1000),
     frozen=st.sets(st.integers(0, 7), max_size=3),

@@ -119,7 +119,10 @@ def offload_optimizer(graph: StepGraph, options: PassOptions) -> PassResult:
         if rule is not None and rule.kind == "adam" and name not in with_state:
             continue  # its piece on this rank is empty: nothing to update here
         why = unsupported_rule(rule)
-        if rule is not None and rule.kind == "adam" and rule.amsgrad:
+        if rule is None:
+            why = ("the host update implements Adam and AdamW (torch's fused CPU kernels); this parameter's optimizer "
+                   "is none of them (RMSprop, Adagrad, Adamax and Adadelta update on the device only)")
+        elif rule.kind == "adam" and rule.amsgrad:
             why = "amsgrad is not implemented by the host update (nor by DeepSpeed's CPU Adam)"
         elif why is None and rule.kind != "adam":
             why = (f"the host update implements Adam and AdamW (torch's fused CPU kernels); this parameter's "
