@@ -26,6 +26,12 @@ scaler for it. Its ``scale``, ``unscale_``, ``step`` and ``update`` are
 wrapped as the schedulers' ``step``; a disabled scaler
 (``GradScaler(enabled=False)``, as nanoGPT builds it under bf16) passes
 through: it scales nothing and its ``step`` is the optimizer's.
+
+A second torch optimizer stepped in the step (a GAN's discriminator
+optimizer beside the generator's) holds the module's real parameters, while
+the trace computes gradients for their traced stand-ins: its step would
+update nothing (an optimizer with no state yet), or fail on a real tensor.
+A global optimizer step pre-hook refuses any optimizer but the step's own.
 """
 from __future__ import annotations
 
@@ -34,6 +40,7 @@ import threading
 from typing import Iterator
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..errors import CaptureError
 from .source import innermost_user_frame
@@ -71,12 +78,28 @@ def _scaler_refusal(scaler) -> tuple[str, str]:
             "skip the update (scaler.step reads found_inf): a captured step cannot follow that", _SCALER_HINT)
 
 
+def _other_optimizer_refusal(other, ours) -> tuple[str, str]:
+    params = [p for group in other.param_groups for p in group["params"]]
+    return (f"the step steps a second optimizer ({type(other).__name__} over {len(params)} parameter(s)) besides "
+            f"the one it was given ({type(ours).__name__ if ours is not None else 'None'}): stepfx captures and runs "
+            "the update of the step's own optimizer; another one holds the module's real parameters, which the "
+            "captured step does not update (it would not update them, or fail)",
+            "put every parameter group in the one optimizer the step is given (torch.optim.Adam([{'params': ...}, "
+            "{'params': ...}])), or write one decorated step per optimizer (a GAN's generator and discriminator "
+            "steps, at ZeRO stages 0-2)")
+
+
 @contextlib.contextmanager
-def refuse_host_objects() -> Iterator[None]:
-    """Around a trace: a scheduler stepped or a GradScaler used by the traced
-    code raises :class:`CaptureError` naming the line (see the module
-    docstring)."""
+def refuse_host_objects(optimizer=None) -> Iterator[None]:
+    """Around a trace: a scheduler stepped, a GradScaler used or an optimizer
+    other than the step's (``optimizer``) stepped by the traced code raises
+    :class:`CaptureError` naming the line (see the module docstring)."""
     thread = threading.get_ident()
+
+    def other_optimizer(stepped, args, kwargs):
+        if threading.get_ident() == thread and stepped is not optimizer:
+            message, hint = _other_optimizer_refusal(stepped, optimizer)
+            raise CaptureError(message, source=innermost_user_frame(), hint=hint)
     schedulers = _with_subclasses(torch.optim.lr_scheduler.LRScheduler,
                                   getattr(torch.optim.lr_scheduler, "ReduceLROnPlateau", None))
     scalers = _with_subclasses(getattr(getattr(torch, "amp", None), "GradScaler", None))
@@ -94,10 +117,14 @@ def refuse_host_objects() -> Iterator[None]:
         refusing.__wrapped__ = method
         return refusing
 
+    hook = None
     try:
         for cls, name, method, refusal in patched:
             setattr(cls, name, wrap(method, refusal))
+        hook = register_optimizer_step_pre_hook(other_optimizer)
         yield
     finally:
+        if hook is not None:
+            hook.remove()
         for cls, name, method, _ in reversed(patched):
             setattr(cls, name, method)

@@ -852,7 +852,7 @@ def capture_step(
 
     # host random draws would be baked in as constants, a scheduler stepped inside would run once: both refused
     # (host_random.py, host_objects.py; so is a GradScaler, whose skipping the host decides)
-    with _CAPTURE_LOCK, _preserved_rng(), refuse_host_random(), refuse_host_objects(), \
+    with _CAPTURE_LOCK, _preserved_rng(), refuse_host_random(), refuse_host_objects(optimizer), \
             watch_tracing_checks() as tracing_checks:
         try:
             gm = compat.trace_step_function(traced, fake_args, SYMBOLIC_DECOMPOSITIONS if dynamic_dims else None)

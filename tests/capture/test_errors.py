@@ -57,7 +57,7 @@ def test_tensor_dependent_control_flow_inside_the_model():
     assert "if h.sum() > 0" in err.source and "in forward" in err.source
 
 
-@pytest.mark.parametrize("make", [lambda ps: torch.optim.RMSprop(ps), lambda ps: torch.optim.Adagrad(ps)], ids=["rmsprop", "adagrad"])
+@pytest.mark.parametrize("make", [lambda ps: torch.optim.NAdam(ps), lambda ps: torch.optim.RAdam(ps)], ids=["nadam", "radam"])
 def test_unsupported_optimizer(make):
     model = MLP((8, 16, 4))
     msg, err = _run(ce_step, model=model, optimizer=make(model.parameters()))

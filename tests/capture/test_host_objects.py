@@ -141,3 +141,54 @@ def test_a_grad_scaler_is_refused_with_the_fp16_block_as_the_way_and_a_disabled_
         runs.append((losses, [p.detach().clone() for p in model.parameters()]))
     assert runs[0][0] == runs[1][0]
     assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+
+
+def _gan():
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"g": torch.nn.Linear(4, 4), "d": torch.nn.Linear(4, 1)})
+    return (model, torch.optim.Adam(model["g"].parameters(), lr=1e-2),
+            torch.optim.Adam(model["d"].parameters(), lr=1e-2))
+
+
+def _d_step(model, opt_d, x):
+    d_loss = model["d"](x).square().mean() - model["d"](model["g"](x).detach()).mean()
+    d_loss.backward()
+    opt_d.step()
+    opt_d.zero_grad()
+    return d_loss
+
+
+def _g_step(model, opt_g, x):
+    g_loss = model["d"](model["g"](x)).mean()
+    g_loss.backward()
+    opt_g.step()
+    opt_g.zero_grad()
+    for p in model["d"].parameters():
+        p.grad = None
+    return g_loss
+
+
+def test_a_second_optimizer_stepped_in_the_step_is_refused_and_one_step_per_optimizer_trains_as_eager():
+    """A GAN step with the discriminator's optimizer beside the generator's:
+    the second one holds the real parameters, so its update did nothing
+    (silently) or failed at capture on a real tensor. Refused with the line;
+    the advised shape, one decorated step per optimizer, is bitwise eager."""
+    def both(model, opt_g, x, opt_d):
+        d_loss = _d_step(model, opt_d, x)
+        return d_loss, _g_step(model, opt_g, x)
+
+    model, opt_g, opt_d = _gan()
+    with pytest.raises(CaptureError, match=r"steps a second optimizer \(Adam over 2 parameter\(s\)\)[\s\S]*"
+                                           r"test_host_objects\.py:\d+ in _d_step: opt_d\.step\(\)[\s\S]*one decorated step "
+                                           r"per optimizer"):
+        stepfx.parallelize(CONFIG)(both)(model, opt_g, _batches()[0], opt_d)
+    assert not opt_d.state and not opt_g.state
+    runs = []
+    for compiled in (False, True):
+        model, opt_g, opt_d = _gan()
+        d_step, g_step = (stepfx.parallelize(CONFIG)(_d_step), stepfx.parallelize(CONFIG)(_g_step)) if compiled \
+            else (_d_step, _g_step)
+        losses = [(d_step(model, opt_d, x).item(), g_step(model, opt_g, x).item()) for x in _batches()]
+        runs.append((losses, [p.detach().clone() for p in model.parameters()]))
+    assert runs[0][0] == runs[1][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
