@@ -422,7 +422,8 @@ class ParallelStep:
             # state the optimizer already has (a loaded checkpoint, a resumed optimizer): the rank
             # holds that of sharded buckets from the first capture on, as it will after the first run,
             # so the second call sees the same state and does not capture again
-            for p in [p for p in list(optimizer.state) if optimizer.state[p] and rank_holds(p)]:
+            # (a frozen parameter's state, which Adagrad makes at construction, is read by no step: it stays)
+            for p in [p for p in list(optimizer.state) if optimizer.state[p] and rank_holds(p) and p.requires_grad]:
                 moved = optimizer.state.pop(p)
                 self._moved_state[p] = moved
                 for_rank[p] = {k: v for k, v in moved.items() if isinstance(v, torch.Tensor)}

@@ -146,8 +146,10 @@ class ModuleBinding:
         self._grads_cleared = [params[s.name] for s in signature.inputs if s.role is Role.GRAD and s.name not in grads_out]
         layout = signature.extra.get(LAYOUT_KEY)
         sharded = [(b, p) for b, p in layout.params() if b.sharding is not Sharding.NONE] if layout else []
-        # the rank keeps all optimizer state of these; under ZeRO-3 their values too
-        self._state_owned = [params[p.name] for b, p in sharded if b.shards_state]
+        # the rank keeps all optimizer state of these (the state the step reads: a frozen parameter's, which
+        # Adagrad makes at construction, stays in the user's optimizer); under ZeRO-3 their values too
+        read_state = {s.name for s in signature.inputs if s.role is Role.OPTIMIZER_STATE}
+        self._state_owned = [params[p.name] for b, p in sharded if b.shards_state and p.name in read_state]
         self._params_owned = [params[p.name] for b, p in sharded if b.sharding is Sharding.PARAMETERS]
         self._whole_scalars = {(s.role, s.name, s.key): s.ident for s in (*signature.inputs, *signature.outputs)
                                if s.storage is Storage.RANK and s.piece is None and s.split is None

@@ -43,6 +43,9 @@ from tests.steps import ce_step
 @example(widths=[5, 3], d_in=3, classes=3, stage=3, bucket=7, optimizer="adamw", steps=2, seed=1, frozen={1},
          budget=1.0, offload=0.5, across=True, host_activations=True)  # offload, partial, with a frozen parameter
 # and pieces empty on a rank, the update finishing in the next step, every activation saved and on the host: always
+@example(widths=[7], d_in=3, classes=2, stage=3, bucket=10_000, optimizer="adagrad", steps=3, seed=0, frozen={2},
+         budget=0.0, offload=0.5, across=True, host_activations=False)  # Adagrad's state of a frozen parameter, made
+# at construction: stages 1-3 dropped it from the optimizer (found by this test)
 def test_generated_zero_runs_equal_the_reference(rank_pool, widths, d_in, classes, stage, bucket, optimizer, steps, seed, frozen,
                                                  budget, offload, across, host_activations):
     sizes = (d_in, *widths, classes)

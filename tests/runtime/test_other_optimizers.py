@@ -70,3 +70,21 @@ def test_offloading_their_update_is_refused_naming_the_key():
     config = {"gradient_clipping": 0, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
     with pytest.raises(ConfigError, match=r"offload_optimizer.*implements Adam and AdamW.*RMSprop"):
         stepfx.parallelize(config)(square_step)(model, rmsprop(model), torch.randn(3, 4))
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_frozen_parameters_state_made_at_construction_is_kept(stage):
+    """Adagrad makes its state for every parameter when built, a frozen one's
+    too: ZeRO 1-3 moved it to the rank, which no step reads, and dropped it
+    (found by the ZeRO property test). It stays in the user's optimizer."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 7), torch.nn.ReLU(), torch.nn.Linear(7, 2))
+    model[2].weight.requires_grad_(False)
+    optimizer = torch.optim.Adagrad(model.parameters(), lr=0.1, initial_accumulator_value=0.5)
+    zero = {"stage": stage, "stage3_param_persistence_threshold": 0}
+    step = stepfx.parallelize({"gradient_clipping": 0, "zero_optimization": zero})(square_step)
+    for _ in range(2):
+        step(model, optimizer, torch.randn(4, 3))
+    kept = optimizer.state[model[2].weight]
+    assert float(kept["step"]) == 0 and torch.equal(kept["sum"], torch.full((2, 7), 0.5))
+    assert set(step.optimizer_state()) == {"0.weight", "0.bias", "2.weight", "2.bias"}
