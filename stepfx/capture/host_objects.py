@@ -100,6 +100,7 @@ def refuse_host_objects(optimizer=None) -> Iterator[None]:
         if threading.get_ident() == thread and stepped is not optimizer:
             message, hint = _other_optimizer_refusal(stepped, optimizer)
             raise CaptureError(message, source=innermost_user_frame(), hint=hint)
+
     schedulers = _with_subclasses(torch.optim.lr_scheduler.LRScheduler,
                                   getattr(torch.optim.lr_scheduler, "ReduceLROnPlateau", None))
     scalers = _with_subclasses(getattr(getattr(torch, "amp", None), "GradScaler", None))
