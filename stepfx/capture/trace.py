@@ -897,6 +897,15 @@ def capture_step(
                     source=user_frame_from_traceback(exc.__traceback__),
                     hint="register it on the module (register_buffer) or pass it to the step as an argument",
                 ) from exc
+            if isinstance(exc, TypeError) and "unsupported format string passed to" in str(exc):
+                raise CaptureError(
+                    "the step formats a tensor's value as text (print or logging with a format spec): Python code in "
+                    "the step runs once, while it is captured, when no values exist yet",
+                    source=user_frame_from_traceback(exc.__traceback__),
+                    hint="return the value from the step and format it after the call (loss = step(...); "
+                         "print(f'{loss.item():.4f}')), or log at the config's steps_per_print",
+                    detail=str(exc).strip().splitlines()[0],
+                ) from exc
             raise CaptureError(
                 f"the step raised {type(exc).__name__} while being traced",
                 source=user_frame_from_traceback(exc.__traceback__),

@@ -64,6 +64,23 @@ def test_unsupported_optimizer(make):
     assert "unsupported optimizer" in msg and "torch.optim.SGD" in msg
 
 
+@pytest.mark.parametrize("value", ["item", "tensor"])
+def test_a_value_formatted_as_text_in_the_step_names_the_line_and_the_way(value):
+    """print(f"{loss.item():.4f}") in the step: Python's TypeError from a
+    traced value's __format__ became 'the step raised TypeError'; now it says
+    what happened (the step's Python runs once, at capture) and what to do."""
+    def step(model, optimizer, x, y):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        print(f"loss {loss.item() if value == 'item' else loss:.4f}")
+        return loss
+
+    msg, err = _run(step)
+    assert "formats a tensor's value as text" in msg and "format it after the call" in msg
+    assert 'print(f"loss' in err.source
+
+
 def test_write_into_a_global_tensor():
     counter = torch.zeros(())
 
