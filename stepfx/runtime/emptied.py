@@ -1,4 +1,5 @@
-"""A module whose parameters ZeRO-3 holds as pieces says so when it is used.
+"""A module whose parameters ZeRO-3 holds as pieces (or other pipeline
+stages hold) says so when it is used.
 
 Between steps under ZeRO-3 the user's module keeps empty parameters (the
 rank's pieces live in the step's store), so calling it outside the step —
@@ -75,7 +76,8 @@ def _refuse_emptied(module: torch.nn.Module, args, what: str = "the module canno
     if not empty:
         return
     raise EmptiedModuleError(
-        f"{type(module).__name__}'s parameters are held as ZeRO-3 pieces by the stepfx step {step_name!r} between steps "
+        f"{type(module).__name__}'s parameters are held by the stepfx step {step_name!r} between steps, as ZeRO-3 "
+        f"pieces or on the pipeline stages that own them "
         f"({len(empty)} of {len(sizes)} are empty in the module, e.g. {empty[0]} of size {tuple(sizes[empty[0]])}), "
         f"so {what}: call {step_name}.sync_model() on every rank to put whole parameters back (for evaluation, "
         f"generation or saving; the next step shards them again), or read them with {step_name}.model_state_dict(), "
