@@ -247,7 +247,8 @@ class ParallelStep:
             self._store.drop_carried()
         self._calls += 1
         if self._param_sizes is None:  # the whole sizes, for the message a call of the emptied module gets
-            self._param_sizes = {name: p.shape for name, p in model.named_parameters(remove_duplicate=False)}
+            self._param_sizes = {name: p.shape for name, p in model.named_parameters(remove_duplicate=False)
+                                 if p.numel() > 0}
         if self._dp is None:
             device_type = _device_type(list(model.parameters()) + list(model.buffers()))
             self.config = _resolve_cuda_graphs(_resolve_codegen(self.config, device_type), device_type)

@@ -42,36 +42,47 @@ _OPENED: set[type] = set()
 def open_batch_containers(args: tuple, kwargs: dict) -> None:
     """Register with torch's pytree the UserDict and dataclass types found
     among ``args`` and ``kwargs`` (inside dicts, lists, tuples and each
-    other)."""
+    other). Called at every step: a type already opened is not searched for
+    tensors again."""
     stack: list[Any] = [list(args), list(kwargs.values())]
     while stack:
         x = stack.pop()
+        children = _children(x)
+        if children is None:
+            continue
         kind = type(x)
-        if kind in (list, tuple) or isinstance(x, tuple):
-            stack.extend(x)
-        elif kind is dict:
-            stack.extend(x.values())
-        elif isinstance(x, collections.UserDict) and _holds_tensors(x):
-            _open(kind, _user_dict_node(kind, x))
-            stack.extend(x.data.values())
-        elif dataclasses.is_dataclass(x) and not isinstance(x, type) and _holds_tensors(x):
-            _open(kind, _dataclass_node(kind))
-            stack.extend(getattr(x, f.name) for f in dataclasses.fields(x))
+        if kind not in _OPENED and _is_container(x) and _holds_tensors(x):
+            _open(kind, _user_dict_node(kind, x) if isinstance(x, collections.UserDict) else _dataclass_node(kind))
+        stack.extend(children)
+
+
+def _is_container(x: Any) -> bool:
+    """A UserDict or a dataclass instance: what this module opens."""
+    return isinstance(x, collections.UserDict) or (dataclasses.is_dataclass(x) and not isinstance(x, type))
+
+
+def _children(x: Any) -> list | None:
+    """What ``x`` holds, if it is a list, tuple, dict, UserDict or dataclass instance; else None."""
+    if isinstance(x, (list, tuple)):
+        return list(x)
+    if isinstance(x, dict):
+        return list(x.values())
+    if isinstance(x, collections.UserDict):
+        return list(x.data.values())
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return [getattr(x, f.name) for f in dataclasses.fields(x)]
+    return None
 
 
 def _holds_tensors(x: Any) -> bool:
     """Whether tensors lie inside ``x`` (a container without any, a
     settings dataclass say, stays one constant leaf as before)."""
-    if isinstance(x, torch.Tensor):
-        return True
-    if isinstance(x, (list, tuple)):
-        return any(_holds_tensors(v) for v in x)
-    if isinstance(x, dict):
-        return any(_holds_tensors(v) for v in x.values())
-    if isinstance(x, collections.UserDict):
-        return any(_holds_tensors(v) for v in x.data.values())
-    if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        return any(_holds_tensors(getattr(x, f.name)) for f in dataclasses.fields(x))
+    stack = [x]
+    while stack:
+        y = stack.pop()
+        if isinstance(y, torch.Tensor):
+            return True
+        stack.extend(_children(y) or ())
     return False
 
 

@@ -52,10 +52,10 @@ def reading_emptied() -> Iterator[None]:
 
 
 def hold_emptied(module: torch.nn.Module, step_name: str, sizes: dict[str, torch.Size]) -> None:
-    """Note that ``step_name`` holds ``module``'s parameters (their whole
-    ``sizes``) and hook the module, once, to refuse calls while any of them
-    is empty in it."""
-    _HELD[module] = (step_name, {name: size for name, size in sizes.items() if size.numel() > 0})
+    """Note that ``step_name`` holds ``module``'s parameters (``sizes``: the
+    whole sizes of those that are not empty) and hook the module, once, to
+    refuse calls while any of them is empty in it."""
+    _HELD[module] = (step_name, sizes)  # (the caller's dict, kept: this runs after every step)
     if module not in _HOOKED:
         _HOOKED[module] = (module.register_forward_pre_hook(_refuse_emptied),
                            module.register_state_dict_pre_hook(_refuse_emptied_state_dict))

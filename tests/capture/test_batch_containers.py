@@ -75,11 +75,16 @@ def dataclass_step(model, optimizer, batch: Batch):
     return loss
 
 
-def test_a_dataclass_batch_trains_bitwise_eager():
+def _model_and_reference():
+    """An MLP and an SGD over it, and the same again as eager's reference."""
     torch.manual_seed(0)
     model = MLP()
     reference = copy.deepcopy(model)
-    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1), reference, torch.optim.SGD(reference.parameters(), lr=0.1)
+
+
+def test_a_dataclass_batch_trains_bitwise_eager():
+    model, opt, reference, ref_opt = _model_and_reference()
     step = stepfx.parallelize({"gradient_clipping": 0})(dataclass_step)
     batches = [Batch(x, y, 0.5) for x, y in mlp_batches(3)]
     for batch in batches:
@@ -106,10 +111,7 @@ def settings_step(model, optimizer, x, y, settings: Settings):
 
 
 def test_a_dataclass_without_tensors_stays_one_constant():
-    torch.manual_seed(0)
-    model = MLP()
-    reference = copy.deepcopy(model)
-    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
+    model, opt, reference, ref_opt = _model_and_reference()
     step = stepfx.parallelize({"gradient_clipping": 0})(settings_step)
     for x, y in mlp_batches(2):
         assert torch.equal(step(model, opt, x, y, Settings(0.5)), settings_step(reference, ref_opt, x, y, Settings(0.5)))
