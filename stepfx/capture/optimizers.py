@@ -188,7 +188,9 @@ def steps_agree(steps) -> bool:
 
 
 def step_counters(optimizer: torch.optim.Optimizer | None) -> list:
-    """Every parameter's ``state["step"]`` the optimizer itself holds."""
+    """Every trained parameter's ``state["step"]`` the optimizer itself
+    holds (a frozen one's never advances: see ``collect_inputs``)."""
     if optimizer is None:
         return []
-    return [st["step"] for group in optimizer.param_groups for p in group["params"] if (st := optimizer.state.get(p)) and "step" in st]
+    return [st["step"] for group in optimizer.param_groups for p in group["params"]
+            if p.requires_grad and (st := optimizer.state.get(p)) and "step" in st]

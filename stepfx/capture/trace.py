@@ -200,7 +200,11 @@ def collect_inputs(
         if isinstance(leaf, torch.Tensor):
             slots.append(Slot(Role.BATCH, batch_slot_name(path)))
             values.append(leaf)
-    steps = [(slot.name, v) for slot, v in zip(slots, values) if slot.role is Role.OPTIMIZER_STATE and slot.key == "step"]
+    # a frozen parameter's counter (state made before it was frozen, or at construction: Adagrad) never advances
+    # and no update reads it: it neither decides nor stands for the shared count
+    frozen = {name for name, p in named_params if not p.requires_grad}
+    steps = [(slot.name, v) for slot, v in zip(slots, values)
+             if slot.role is Role.OPTIMIZER_STATE and slot.key == "step" and slot.name not in frozen]
     shared = steps_agree([v for _, v in steps])
     held_here = frozenset(name for name, v in steps if not isinstance(v, TensorSpec))
     return StepInputs(slots, values, param_names, group_params, batch_spec, batch_leaves, shared, held_here)

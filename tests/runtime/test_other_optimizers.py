@@ -88,3 +88,19 @@ def test_a_frozen_parameters_state_made_at_construction_is_kept(stage):
     kept = optimizer.state[model[2].weight]
     assert float(kept["step"]) == 0 and torch.equal(kept["sum"], torch.full((2, 7), 0.5))
     assert set(step.optimizer_state()) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_frozen_parameters_counter_neither_decides_nor_stands_for_the_shared_one(rank_pool, stage):
+    """The frozen parameter's Adagrad counter stays at 0 while the others
+    count steps. It counted among those that must agree for one shared read:
+    after the first step the rank that also held a trained counter saw them
+    differ and captured the step again, the other did not, and the two hung
+    in different collectives (found by the ZeRO property test). lr_decay
+    makes the shared count part of the arithmetic."""
+    zero = {"stage": stage, "reduce_bucket_size": 1, "stage3_param_persistence_threshold": 0}
+    report = assert_data_parallel_equivalent(rank_pool(2), ce_step, W.MLPFactory((5, 12, 5), [1]), adagrad,
+                                             W.mlp_rank_batches(2, 3, 5, 5, 50),
+                                             config={"zero_optimization": zero, "gradient_clipping": 0}, exact=True)
+    assert report.bitwise and report.steps == 3

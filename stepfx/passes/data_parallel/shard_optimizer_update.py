@@ -47,7 +47,7 @@ from ...errors import CaptureError, PassError
 from ...graph import (META_GRAD_OF, META_GRAD_PIECE, META_PARAM, META_PHASE, META_SOURCE, SHARED_STEP_KEY, Phase, Role, Slot,
                      StepGraph, Storage, output_node)
 from ...graph.build import bind_placeholders, clone_step_graph
-from ...graph.layout import LAYOUT_KEY, Bucket, BucketParam, Sharding
+from ...graph.layout import FROZEN_KEY, LAYOUT_KEY, Bucket, BucketParam, Sharding
 from ...graph.ops import has_side_effect
 from ..manager import PassOptions, PassResult
 from .collectives import all_gather, all_reduce_avg, communication_dtype, fake_like, flat_slice, make_node, pack_flat, reduce_scatter_avg, unpack_view
@@ -124,8 +124,9 @@ def shard_optimizer_update(graph: StepGraph, options: PassOptions) -> PassResult
     # inputs: drop what this rank no longer reads, keep placeholder order = slot order
     # one counter read for all (SHARED_STEP_KEY): a counter of a parameter
     # wholly on other ranks stands in for the others; one this rank holds
-    # (they are equal) takes its place
-    held_steps = [placeholders[s.ident] for s in new_inputs if s.ident not in drop_inputs
+    # (they are equal) takes its place, never a frozen parameter's (it stays at its count)
+    frozen = sig.extra.get(FROZEN_KEY, frozenset())
+    held_steps = [placeholders[s.ident] for s in new_inputs if s.ident not in drop_inputs and s.name not in frozen
                   and s.role is Role.OPTIMIZER_STATE and s.key == "step" and s.ident in placeholders]
     for ident in drop_inputs:
         ph = placeholders[ident]
