@@ -70,7 +70,8 @@ from .runtime import (
     gather_tensor_parallel,
     preflight,
 )
-from .runtime.distributed import RankMismatchError, check_pipeline_batches, check_tensor_parallel_batches, rank_varying_dims
+from .runtime.distributed import (RankMismatchError, any_rank, captures_at_call, check_pipeline_batches,
+                                  check_tensor_parallel_batches, rank_varying_dims)
 from .runtime.carried import PieceCopy
 from .schedules import build_scheduler
 
@@ -128,6 +129,7 @@ class Plan:
     cache_seconds: float = 0.0  # loading it from the cache, or writing it there
     first_call_seconds: float | None = None  # the call that made this plan, start to return
     planned_choice: Any = None  # the memory planner's choice (passes/memory/planner.Tried)
+    collectives: list | None = None  # its pre-flight fingerprint (what a rank capturing alone is compared with)
 
     @property
     def graph(self) -> StepGraph:
@@ -282,20 +284,24 @@ class ParallelStep:
                 micro = _micro_batches(self.config)
                 guarded = [x[: x.shape[0] // micro] if x.dim() > 0 and x.shape[0] % micro == 0 else x for x in batch]
             plan = self._plans.get(key)
+            structure = None
             if plan is None:
                 structure = fingerprint(model, optimizer, args, kwargs, held=self._store.held, batch_shapes=False,
                                         unread=self._unread) + (("capture options", options),)
                 plan = self._fitting_dynamic_plan(structure, guarded)
-                if plan is None:
-                    dims = self._dynamic_dims(structure, args, kwargs)
-                    plan = self._compile(key, model, optimizer, args, kwargs, options, structure=structure,
-                                         dynamic_dims=dims)
-                    if plan is None:  # the planner chose the ZeRO stage: this call again, with its state layout
-                        if fresh:
-                            self._drop_fresh_state(model, optimizer, fresh)
-                            self._initial_state_for = None
-                        self._calls -= 1
-                        return self(model, optimizer, *args, **kwargs)
+            any_captures, all_capture = captures_at_call(self._dp, plan is None)
+            if plan is not None and any_captures:
+                self._join_capture(plan)  # another rank captures at this call: it may need this rank's program
+            if plan is None:
+                dims = self._dynamic_dims(structure, args, kwargs)
+                plan = self._compile(key, model, optimizer, args, kwargs, options, structure=structure,
+                                     dynamic_dims=dims, alone=not all_capture)
+                if plan is None:  # the planner chose the ZeRO stage: this call again, with its state layout
+                    if fresh:
+                        self._drop_fresh_state(model, optimizer, fresh)
+                        self._initial_state_for = None
+                    self._calls -= 1
+                    return self(model, optimizer, *args, **kwargs)
             self._plans.move_to_end(plan.key)
             if fresh and not options.accumulate_only and self._drop_unused_state(plan, model, optimizer, fresh):
                 self._calls -= 1  # the same call, captured anew without that state
@@ -569,7 +575,10 @@ class ParallelStep:
                 f"{self.config.stepfx.cache_size} plans are kept). {fix}", CaptureWarning, stacklevel=4)
 
     def _compile(self, key, model, optimizer, args, kwargs, options: CaptureOptions, *, structure: tuple | None = None,
-                 dynamic_dims: dict | None = None) -> Plan:
+                 dynamic_dims: dict | None = None, alone: bool = False) -> Plan:
+        """Capture (or load) this call's plan. ``alone``: other ranks run
+        their plans at this call (``captures_at_call``), so no exchange may
+        start unless they learn of it (``_local_recapture``)."""
         global _GC_FROZEN
         if _GC_FROZEN:  # what was dropped since the last capture becomes collectable again
             gc.unfreeze()
@@ -607,12 +616,12 @@ class ParallelStep:
         tp_group = self._dp.tp_group_name if self._dp.tp_size > 1 else None
         collectives = (collective_fingerprint(plan.graph, tp_group) + _pipeline_fingerprint(plan.executor)
                        if plan else None)
-        if self._local_recapture(key, collectives, error):
-            pass  # the ranks already agreed on these collectives: no exchange (other ranks are not capturing)
-        else:
-            preflight(dp, collectives, error)
+        if not (alone and self._local_recapture(key, collectives, error)):
+            preflight(dp, collectives, error, note=f"captured the step at call {self._calls}" + (
+                f" ({describe_change(self._last.key, key)})" if self._last is not None else ""))
             if collectives is not None:
                 self._agreed.add(tuple(collectives))
+        plan.collectives = collectives
         self._plans[key] = plan
         options = self.config.stepfx
         while len(self._plans) > max(1, options.cache_size):
@@ -665,25 +674,23 @@ class ParallelStep:
         return True
 
     def _local_recapture(self, key: tuple, collectives: list[str] | None, error: BaseException | None) -> bool:
-        """Whether this capture happens on this rank alone, so no pre-flight
-        exchange may be started: after the first call, a capture that only
-        this call's batch sizes caused (every rank has its own batch shapes
-        and captures when its own sizes change). Its collectives must be
-        ones the ranks already agreed on; if not (or it failed), this rank
-        cannot tell the others, which are running the step: it aborts
-        stepfx's group, so their collectives fail instead of waiting."""
-        dp = self._dp
-        if not dp.active or self._last is None or not _only_batch_sizes_differ(self._last.key, key):
-            return False
-        if error is None and collectives is not None and tuple(collectives) in self._agreed:
-            return True
-        if error is None:
-            error = RankMismatchError(
-                f"{self.__name__}: rank {dp.rank} captured the step again for new batch sizes, and the new program's "
-                "collectives differ from those the ranks agreed on (they depend on the batch sizes, so ranks must "
-                "bring equal batch shapes): " + describe_change(self._last.key, key))
-        dp.abort()
-        raise error
+        """Whether this capture, which this rank makes alone (the others run
+        their plans at this call), goes on without a pre-flight: its
+        collectives are ones the ranks already agreed on. One more flag
+        exchange says whether any capturing rank needs one (new collectives,
+        or a failed capture); then every rank joins it, those that did not
+        capture with the program they hold (``_join_capture``), and all
+        raise together, naming what differs."""
+        new = error is not None or collectives is None or tuple(collectives) not in self._agreed
+        return not any_rank(self._dp, new)
+
+    def _join_capture(self, plan: Plan) -> None:
+        """This rank runs ``plan`` at a call where another rank captures: the
+        second flag exchange of ``_local_recapture``, and the pre-flight
+        with this rank's program where a capturing rank asked for one."""
+        if any_rank(self._dp, False):
+            preflight(self._dp, plan.collectives, None,
+                      note=f"runs the step captured at call {plan.created_at_call} (no capture at call {self._calls})")
 
     def _build_plan(self, key, model, optimizer, args, kwargs, capture: CaptureOptions, *,
                     dynamic_dims: dict | None = None, structure: tuple | None = None) -> Plan:
@@ -1514,24 +1521,6 @@ def _batch_tensors(args, kwargs) -> dict[str, torch.Tensor]:
 
 def _frozen_dims(dims: dict) -> tuple:
     return tuple(sorted((name, tuple(sorted(d))) for name, d in dims.items()))
-
-
-def _only_batch_sizes_differ(old: tuple, new: tuple) -> bool:
-    """Two plan keys (fingerprints) that differ in nothing but the sizes of
-    argument tensors (and the symbolic dimensions asked for)."""
-    a, b = dict(old), dict(new)
-    if set(a) - {"dynamic"} != set(b) - {"dynamic"}:
-        return False
-    for label, value in a.items():
-        other = b[label] if label in b else None
-        if label == "dynamic" or value == other:
-            continue
-        if not label.startswith("argument ") or not isinstance(value, tuple) or not isinstance(other, tuple):
-            return False
-        # a tensor argument: (shape or ndim, dtype, device, requires_grad)
-        if value[1:] != other[1:]:
-            return False
-    return True
 
 
 def _device_type(values) -> str:

@@ -296,3 +296,25 @@ def parallelized_steps(monkeypatch) -> list:
 
     monkeypatch.setattr(stepfx, "parallelize", recording)
     return made
+
+
+def token_sum_step(model, optimizer, x, y, n_tokens):
+    """Cross-entropy summed and divided by ``n_tokens``, a Python int each
+    rank counts from its own batch (Hugging Face's ``num_items_in_batch``
+    style): the step holds it as a constant, so each rank captures at its
+    own new values."""
+    loss = F.cross_entropy(model(x), y, reduction="sum") / n_tokens
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def maybe_update_step(model, optimizer, x, y, update):
+    """ce_step whose update a Python flag skips (no backward, no collective)."""
+    loss = F.cross_entropy(model(x), y)
+    if update:
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return loss

@@ -17,10 +17,14 @@ and failing together.
 - Pre-flight: before a rank first runs a compiled step, all ranks exchange
   whether they compiled at all and a fingerprint of what they will run
   (the state they hold and the sequence of collectives; batch shapes may
-  differ). A later capture that only a rank's own batch sizes caused runs
-  without an exchange when its collectives are ones already agreed on. Any difference makes
-  every rank raise an error that says what differs — no rank is left
-  waiting in a collective that another rank will never issue.
+  differ). Every call starts with a small exchange on a gloo group (no
+  device sync) of whether each rank captures at it (``captures_at_call``):
+  a rank may capture alone (its own batch sizes, a Python value of its own
+  such as a token count), and runs without a pre-flight when its new
+  collectives are ones already agreed on; otherwise every rank joins one,
+  the ranks that did not capture with the program they hold. Any
+  difference makes every rank raise an error that says what differs — no
+  rank is left waiting in a collective that another rank will never issue.
 - A rank whose step fails mid-way aborts stepfx's group: the other ranks'
   pending collectives fail at once and they raise too.
 """
@@ -42,7 +46,8 @@ from ..errors import ExecutionError, StepfxError
 from ..graph import Role, StepGraph, Storage
 from ..graph.ops import is_collective
 
-__all__ = ["DataParallel", "data_parallel", "collective_fingerprint", "preflight", "rank_varying_dims",
+__all__ = ["DataParallel", "data_parallel", "collective_fingerprint", "preflight", "captures_at_call", "any_rank",
+           "rank_varying_dims",
            "check_tensor_parallel_batches", "check_pipeline_batches",
            "RankMismatchError"]
 
@@ -51,7 +56,7 @@ DEFAULT_TIMEOUT_S = 600.0
 
 # every DataParallel that holds groups (abort() makes them all let go) and the fields that hold them
 _LIVE: "weakref.WeakValueDictionary[int, DataParallel]" = weakref.WeakValueDictionary()
-_GROUP_FIELDS = ("group", "tp_group", "dp_group", "pp_group")
+_GROUP_FIELDS = ("group", "tp_group", "dp_group", "pp_group", "control_group")
 
 
 class RankMismatchError(StepfxError):
@@ -82,6 +87,8 @@ class DataParallel:
     pp_group: Any = None
     pp_group_name: str | None = None
     pp_ranks: tuple[int, ...] = ()
+    # gloo over all ranks (``group`` itself under gloo): the host-side exchanges of every call
+    control_group: Any = None
 
     def __post_init__(self) -> None:
         if self.group is not None:
@@ -104,8 +111,10 @@ class DataParallel:
         collectives fails now instead of at the timeout."""
         if self.group is None:
             return
-        groups = [self.group] + [g for g in (self.tp_group, self.dp_group, self.pp_group)
-                                 if g is not None and g is not self.group]
+        groups = [self.group]
+        for g in (self.tp_group, self.dp_group, self.pp_group, self.control_group):
+            if g is not None and all(g is not h for h in groups):
+                groups.append(g)
         # gloo's abort() leaves its connections open: the other ranks' collectives fail only when
         # the group object is freed and closes them. So every holder lets go: this world's entries
         # in the group cache and every other step's view of the same groups (a second decorated
@@ -158,6 +167,13 @@ def data_parallel(device_type: str, timeout_s: float = DEFAULT_TIMEOUT_S, *, tp_
         group = dist.new_group(ranks=list(range(world)), backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
         _GROUPS[key] = group
     rank = dist.get_rank()
+    control = group
+    if backend != "gloo":
+        control = _GROUPS.get(key + ("control",))
+        if control is None:
+            control = dist.new_group(ranks=list(range(world)), backend="gloo",
+                                     timeout=datetime.timedelta(seconds=timeout_s))
+            _GROUPS[key + ("control",)] = control
     if pp_size > 1:
         tp_group, dp_group, pp_group, pp_ranks = _pipeline_groups(backend, world, pp_size, tp_size, timeout_s, rank)
         per_stage = world // pp_size
@@ -166,13 +182,14 @@ def data_parallel(device_type: str, timeout_s: float = DEFAULT_TIMEOUT_S, *, tp_
                             tp_size=tp_size, tp_rank=rank % tp_size, tp_group=tp_group,
                             tp_group_name=tp_group.group_name if tp_group is not None else None,
                             pp_size=pp_size, pp_rank=rank // per_stage, pp_group=pp_group,
-                            pp_group_name=pp_group.group_name, pp_ranks=pp_ranks)
+                            pp_group_name=pp_group.group_name, pp_ranks=pp_ranks, control_group=control)
     if tp_size <= 1:
-        return DataParallel(world, rank, group, group.group_name, backend, dp_group=group, dp_group_name=group.group_name)
+        return DataParallel(world, rank, group, group.group_name, backend, dp_group=group, dp_group_name=group.group_name,
+                            control_group=control)
     tp_group, dp_group = _mesh_groups(backend, world, tp_size, timeout_s, rank)
     return DataParallel(world, rank, group, group.group_name, backend, tp_size=tp_size, tp_rank=rank % tp_size,
                         tp_group=tp_group, tp_group_name=tp_group.group_name, dp_group=dp_group,
-                        dp_group_name=dp_group.group_name)
+                        dp_group_name=dp_group.group_name, control_group=control)
 
 
 def _mesh_groups(backend: str, world: int, tp: int, timeout_s: float, rank: int) -> tuple[Any, Any]:
@@ -350,9 +367,30 @@ def _shape(val: torch.Tensor) -> tuple:
     return tuple(s if isinstance(s, int) else "sym" for s in val.shape)
 
 
-def preflight(dp: DataParallel, fingerprint: list[str] | None, error: BaseException | None) -> None:
+def captures_at_call(dp: DataParallel, captures: bool) -> tuple[bool, bool]:
+    """(whether any rank captures at this call, whether every rank does):
+    one all-reduce of two flags on the gloo control group, at every call of
+    a step on more than one rank. Ranks run different programs only through
+    a capture; a rank that captures alone (its own batch sizes, a Python
+    value of its own) must not start an exchange the others, running the
+    step, will never join: what this says decides who joins one."""
+    if not dp.active:
+        return captures, captures
+    flags = torch.tensor([int(captures), int(not captures)], dtype=torch.int64)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=dp.control_group)
+    return bool(flags[0]), not bool(flags[1])
+
+
+def any_rank(dp: DataParallel, flag: bool) -> bool:
+    """Whether ``flag`` holds on any rank (the gloo control group)."""
+    return captures_at_call(dp, flag)[0]
+
+
+def preflight(dp: DataParallel, fingerprint: list[str] | None, error: BaseException | None,
+              note: str | None = None) -> None:
     """Exchange compile outcome and fingerprint with every rank; raise on
-    every rank if any failed or any differs."""
+    every rank if any failed or any differs. ``note``: how this rank came to
+    this program (named in the error)."""
     if not dp.active:
         if error is not None:
             raise error
@@ -363,6 +401,7 @@ def preflight(dp: DataParallel, fingerprint: list[str] | None, error: BaseExcept
         "error": None if error is None else f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}",
         "digest": digest,
         "fingerprint": fingerprint or [],
+        "note": note,
     }
     everyone: list[Any] = [None] * dp.world_size
     dist.all_gather_object(everyone, mine, group=dp.group)
@@ -390,6 +429,7 @@ def _describe_mismatch(everyone: list[dict], me: int) -> str:
             if a != b:
                 lines.append(f"  item {i}: rank 0 has {a!r}, rank {e['rank']} has {b!r}")
                 break
+    lines += [f"  rank {e['rank']}: {e['note']}" for e in everyone if e.get("note")]
     return "\n".join(lines)
 
 
