@@ -42,10 +42,10 @@ from .passes.data_parallel.plan_zero_layout import stays_whole
 from .config.auto import at_stage
 from .config.implicit import fill_auto_clipping, implicit_defaults, unapplied_settings
 from .config import AUTO, Config, ConfigError, check_tensor_parallel, load_config, resolve_batch_sizes, resolve_zero_auto
-from .errors import CaptureWarning, ExecutionError, StepfxError
+from .errors import CaptureError, CaptureWarning, ExecutionError, StepfxError
 from .monitor import PHASES, Monitor, dense_flops_per_token, loss_of, tokens_in
-from .graph import Role, StepGraph, Storage, TensorSpec
-from .graph.layout import LAYOUT_KEY, Sharding
+from .graph import META_PHASE, META_SOURCE, Phase, Role, StepGraph, Storage, TensorSpec
+from .graph.layout import EVALUATED_LAYOUT_KEY, LAYOUT_KEY, Sharding
 from .graph.accounting import estimate_memory
 from .optimizer_builder import build_optimizer
 from . import plan_cache
@@ -224,6 +224,74 @@ class ParallelStep:
         self._param_sizes: dict[str, torch.Size] | None = None  # the model's parameter sizes at the first call
         # the planner's first round when it chose the ZeRO stage: (its summary, its choice)
         self._first_round: tuple[str, Any] | None = None
+        self._owner: ParallelStep | None = None  # an evaluator's training step (see evaluator())
+
+    def evaluator(self, fn: Callable) -> "ParallelStep":
+        """Decorate a forward-only step over this step's model — evaluation,
+        a validation loss, logits — that runs where this step keeps the
+        parameters: under ZeRO-3 it all-gathers each bucket of pieces before
+        its use and frees it after, as the training forward does, instead of
+        ``sync_model()`` making every parameter whole on every rank (what
+        DeepSpeed's engine does in ``eval()`` mode). Called as
+        ``eval_step(model, None, *batch)`` after the training step's first
+        call; a collective, so every rank calls it. It reads the parameters
+        as the last update left them, trains nothing (a step that calls
+        backward or the optimizer is refused), and leaves the training
+        step's state as it was."""
+        step = ParallelStep(fn, self.config, dump_dir=self.dump_dir)
+        step._owner = self
+        return step
+
+    def _join_owner(self, model: torch.nn.Module, optimizer) -> None:
+        """An evaluator's call: share its training step's world, config and
+        held state (checked: the same model, the training step has run)."""
+        owner = self._owner
+        if optimizer is not None:
+            raise TypeError(f"{self.__name__} is an evaluator of {owner.__name__}: it trains nothing, call it as "
+                            f"{self.__name__}(model, None, *batch)")
+        if owner._model is None:
+            raise RuntimeError(
+                f"{self.__name__} evaluates where {owner.__name__} keeps the parameters, and {owner.__name__} has "
+                f"not been called yet: before its first call the module is whole, so evaluate the module itself")
+        if model is not owner._model:
+            raise ValueError(f"{self.__name__} evaluates {owner.__name__}'s model ({type(owner._model).__name__}); "
+                             f"it was called with another module ({type(model).__name__})")
+        if owner._dp.pp_size > 1 or owner._dp.tp_size > 1:
+            raise ValueError(f"{self.__name__}: an evaluator runs beside data parallelism and ZeRO only, not yet beside "
+                             f"{'pipeline' if owner._dp.pp_size > 1 else 'tensor'} parallelism: call "
+                             f"{owner.__name__}.sync_model() on every rank and evaluate the module")
+        owner._apply_delayed_update()  # the parameters as the last update left them
+        if self._dp is None:
+            self.config, self._dp, self._store = owner.config, owner._dp, owner._store
+            self._monitor = Monitor(self.config, rank=self._dp.rank, world_size=self._dp.world_size, writers=[])
+            self._monitor.close()  # evaluation is not an update: nothing to log
+            self._flops_per_token = owner._flops_per_token
+            self._progress = Progress(self.__name__, bool(self.config.stepfx.progress) and self._dp.rank == 0)
+            self._cache = plan_cache.PlanCache.open(self.config.stepfx.cache_dir)
+            self._param_sizes = owner._param_sizes
+
+    def _refuse_training(self, captured: StepGraph) -> None:
+        """An evaluator writes none of its training step's state."""
+        trains = next((n for n in captured.gm.graph.nodes
+                       if n.meta.get(META_PHASE) in (Phase.BACKWARD, Phase.OPTIMIZER)), None)
+        if trains is not None:
+            what = "a backward pass" if trains.meta[META_PHASE] is Phase.BACKWARD else "an optimizer update"
+            raise CaptureError(f"{self.__name__} is an evaluator of {self._owner.__name__} but runs {what} "
+                               f"({trains.target}): an evaluator runs the forward only", source=trains.meta.get(META_SOURCE),
+                               hint="drop backward()/optimizer.step() from it, or decorate it as a training step "
+                                    "of its own model")
+
+    def _check_evaluator_plan(self, plan: "Plan") -> None:
+        """An evaluator's plan reads the held parameters as its training
+        step lays them out."""
+        owner_layout = self._owner._last.graph.signature.extra.get(LAYOUT_KEY) if self._owner._last else None
+        layout = plan.graph.signature.extra.get(LAYOUT_KEY)
+        sharded = lambda lay: [(b.index, b.params) for b in (lay.buckets if lay is not None else ())
+                               if b.sharding is Sharding.PARAMETERS]
+        if sharded(layout) != sharded(owner_layout):
+            raise CaptureError(f"{self.__name__} would shard the parameters otherwise than {self._owner.__name__} "
+                               "holds them (ZeRO-3 buckets differ)",
+                               hint="decorate the evaluator with the training step's evaluator(), unchanged config")
 
     # -- calling --------------------------------------------------------------
     def __call__(self, model: Any = _NOT_GIVEN, optimizer: Any = _NOT_GIVEN, *args, **kwargs) -> Any:
@@ -233,6 +301,8 @@ class ParallelStep:
         model = compat.unwrapped_module(model)  # torch.compile, DDP: stepfx compiles and reduces the step itself
         optimizer = unwrapped_optimizer(optimizer)  # accelerate's AcceleratedOptimizer: stepfx runs the update itself
         open_batch_containers(args, kwargs)  # BatchEncoding, dataclass batches: their tensors are the step's inputs
+        if self._owner is not None:
+            self._join_owner(model, optimizer)
         if self._dp is None:
             compat.refuse_fsdp_sharded(model)
             self.config = _resolve_precision(_resolve_model_sizes(self.config, model))
@@ -240,7 +310,8 @@ class ParallelStep:
             notes = implicit_defaults(self.config) + ([clip_note] if clip_note else []) + unapplied_settings(self.config)
             for note in notes:  # once: the first call
                 log.warning("stepfx: %s: %s", self.__name__, note)
-        optimizer = self._config_optimizer(model, optimizer)
+        if self._owner is None:  # (an evaluator builds no optimizer: its training step's config block is not its own)
+            optimizer = self._config_optimizer(model, optimizer)
         if self._model is not None and (model is not self._model or optimizer is not self._optimizer):
             if self._store.holds_user_state():
                 raise ValueError(
@@ -322,7 +393,7 @@ class ParallelStep:
             self._moved_state.clear()
             raise
         self._moved_state.clear()
-        if any(p.numel() == 0 for p in model.parameters()):  # ZeRO-3: the module is empty between steps
+        if self._owner is None and any(p.numel() == 0 for p in model.parameters()):  # ZeRO-3: empty between steps
             hold_emptied(model, self.__name__, self._param_sizes)
         if first:
             plan.first_call_seconds = time.perf_counter() - started
@@ -595,6 +666,8 @@ class ParallelStep:
         try:
             plan = self._build_plan(key, model, optimizer, args, kwargs, options, dynamic_dims=dynamic_dims,
                                     structure=structure)
+            if self._owner is not None:
+                self._check_evaluator_plan(plan)
             if (unread := plan.graph.signature.extra.get(UNREAD_ARGUMENTS_KEY)) is not None:
                 # what no capture fetched so far leaves the fingerprint: this plan serves calls that differ there
                 self._unread = unread if not self._reads_reported else self._unread & unread
@@ -720,6 +793,8 @@ class ParallelStep:
         captured = capture_step(self.fn, model, optimizer, args, kwargs, inputs=inputs, options=capture,
                                 dynamic_dims=dynamic_dims)
         capture_seconds = time.perf_counter() - start
+        if self._owner is not None:
+            self._refuse_training(captured)
         first = PassRecord(0, "capture", captured, True, capture_seconds, f"{captured.count_ops()} ops captured")
         manager = PassManager(PIPELINE, disable=options.disable, verify=options.verify, dump_dir=None)
         pass_options = PassOptions(
@@ -729,6 +804,8 @@ class ParallelStep:
                    FLASH_CHECK_KEY: compat.flash_attention_takes(_device_of(model, device_type)),
                    HF_TP_PLAN_KEY: _hf_tp_plan(model) if dp.tp_size > 1 else (),
                    MODEL_TYPE_KEY: getattr(getattr(model, "config", None), "model_type", None),
+                   **({EVALUATED_LAYOUT_KEY: self._owner._last.graph.signature.extra.get(LAYOUT_KEY)}
+                      if self._owner is not None and self._owner._last is not None else {}),
                    **_pipeline_extra(self.config, dp, model, self._stage_owner)},
         )
         self._progress("captured in %.1f s (%s ops); running %d passes...", capture_seconds,

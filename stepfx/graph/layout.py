@@ -26,10 +26,12 @@ import enum
 import math
 from dataclasses import dataclass
 
-__all__ = ["Sharding", "BucketParam", "Bucket", "ZeroLayout", "LAYOUT_KEY", "FROZEN_KEY", "ALIGN", "align"]
+__all__ = ["Sharding", "BucketParam", "Bucket", "ZeroLayout", "LAYOUT_KEY", "FROZEN_KEY", "EVALUATED_LAYOUT_KEY", "ALIGN", "align"]
 
 LAYOUT_KEY = "zero_layout"  # StepSignature.extra key
 FROZEN_KEY = "frozen_params"  # StepSignature.extra key: names of parameters with requires_grad=False
+# PassOptions.extra key: the ZeroLayout of the training step whose held pieces an evaluator reads
+EVALUATED_LAYOUT_KEY = "evaluated_layout"
 
 # Every parameter starts, and every rank's shard begins, at a multiple of
 # ALIGN elements. A piece then starts where a SIMD loop over the whole

@@ -79,6 +79,7 @@ def _refuse_emptied(module: torch.nn.Module, args, what: str = "the module canno
         f"{type(module).__name__}'s parameters are held by the stepfx step {step_name!r} between steps, as ZeRO-3 "
         f"pieces or on the pipeline stages that own them "
         f"({len(empty)} of {len(sizes)} are empty in the module, e.g. {empty[0]} of size {tuple(sizes[empty[0]])}), "
-        f"so {what}: call {step_name}.sync_model() on every rank to put whole parameters back (for evaluation, "
-        f"generation or saving; the next step shards them again), or read them with {step_name}.model_state_dict(), "
+        f"so {what}: evaluate with a step decorated by @{step_name}.evaluator (it gathers the pieces as the "
+        f"training forward does), or call {step_name}.sync_model() on every rank to put whole parameters back "
+        f"(generation, saving; the next step shards them again), or read them with {step_name}.model_state_dict(), "
         f"or save with {step_name}.save_checkpoint()")

@@ -16,6 +16,11 @@ kind (dtype, device, sharding) take parameters in model order; the small
 whole parameters between sharded ones fill buckets of their own kind, so
 they neither cut the sharded buckets short nor cost a collective each.
 
+An evaluator (``ParallelStep.evaluator``: a forward-only step over the
+pieces a training step holds) takes that step's sharded buckets as they are
+(``EVALUATED_LAYOUT_KEY``), marked frozen: gathered for its forward, never
+reduced or updated.
+
 The layout depends only on the parameters and the config, never on the
 graph's op order, so every captured variant of a step agrees on it and the
 state a rank holds carries over between variants.
@@ -28,7 +33,7 @@ import dataclasses
 
 from ...errors import CaptureError, PassError
 from ...graph import META_GRAD_OF, Role, StepGraph, Storage
-from ...graph.layout import FROZEN_KEY, LAYOUT_KEY, Bucket, BucketParam, Sharding, ZeroLayout, align
+from ...graph.layout import EVALUATED_LAYOUT_KEY, FROZEN_KEY, LAYOUT_KEY, Bucket, BucketParam, Sharding, ZeroLayout, align
 from ..manager import PassOptions, PassResult
 
 __all__ = ["plan_zero_layout", "zero_settings"]
@@ -68,6 +73,13 @@ def plan_zero_layout(graph: StepGraph, options: PassOptions) -> PassResult:
                 f"ZeRO stage {stage} shards gradients, but the step keeps whole gradients across calls ({kept[0]}, ...)",
                 hint="end the step with optimizer.zero_grad() (and start it without .grad set), or use stage 0/1",
             )
+
+    evaluated = options.extra.get(EVALUATED_LAYOUT_KEY)
+    if evaluated is not None and stage == 3:
+        buckets = tuple(dataclasses.replace(b, frozen=True) for b in evaluated.buckets if b.sharding is Sharding.PARAMETERS)
+        layout = ZeroLayout(stage, options.world_size, options.rank, buckets, False)
+        return PassResult(graph.replace(signature=dataclasses.replace(sig, extra={**sig.extra, LAYOUT_KEY: layout})),
+                          True, f"stage 3: the evaluated step's {len(buckets)} sharded buckets, gathered only")
 
     graded = {n.meta[META_GRAD_OF] for n in graph.gm.graph.nodes if META_GRAD_OF in n.meta}
     # stage 3 shards the parameters that take no gradient too (gathered only)
