@@ -122,7 +122,7 @@ class Plan:
     batch_shapes: dict = field(default_factory=dict)  # batch slot name -> shape at capture
     dynamic_dims: dict = field(default_factory=dict)  # batch slot name -> the dims asked to be symbolic
     last_batch_shapes: list | None = None  # the batch tensors' shapes at the last run (symbolic variants)
-    stepped: frozenset = frozenset()  # parameters whose optimizer step counter the captured step writes
+    stepped: frozenset = frozenset()  # parameters whose optimizer state the captured step writes
     param_numels: dict = field(default_factory=dict)  # parameter name -> elements, as captured (whole)
     from_cache: bool = False  # loaded from the on-disk plan cache: capture and passes did not run
     cache_note: str = ""  # the plan cache's part in this plan (explain())

@@ -1,33 +1,40 @@
 """Optimizer state created before the first capture, as the first step would.
 
-Adam and AdamW create their state (``step``, ``exp_avg``, ``exp_avg_sq``,
-and ``max_exp_avg_sq`` with amsgrad) lazily, at their first step. A step
-captured before that creates it inside the graph, and the next call, which
-finds the state, needs a graph of its own: a run captured twice. Creating
-the state first, exactly as ``Adam._init_group`` does (zeros like each
-parameter; the step counter a 0-dim zero, on the parameter's device when
-``capturable``, else a CPU scalar of the default float dtype), gives the
-same values the optimizer's own first step would start from, so a run
-captures once.
+torch's Adam, AdamW, RMSprop, Adamax and Adadelta, and SGD with momentum,
+create their state lazily, at their first step. A step captured before
+that creates it inside the graph, and the next call, which finds the
+state, needs a graph of its own: a run captured twice. Creating the state
+first, exactly as each optimizer's ``_init_group`` does (zeros like each
+parameter: Adam's ``exp_avg``/``exp_avg_sq`` and amsgrad's
+``max_exp_avg_sq``; RMSprop's ``square_avg``, with ``momentum_buffer`` and
+``grad_avg`` where momentum/centered ask; Adamax's ``exp_avg``/``exp_inf``;
+Adadelta's ``square_avg``/``acc_delta``; the step counter a 0-dim zero, on
+the parameter's device when ``capturable``, else a CPU scalar of the
+default float dtype), gives the same values the optimizer's own first step
+would start from, so a run captures once. SGD's first step clones the
+gradient into its momentum buffer instead; from a zero buffer its later
+rule (``buf * momentum + (1 - dampening) * grad``) gives the same bits when
+``dampening`` is 0 (the default: ``0 * momentum + grad`` is ``grad``), so
+its buffer is created too then, and kept lazy otherwise.
 
-Adam creates state only for parameters that have a gradient at the step;
-which ones will is known only after tracing. So state is created for every
-parameter that requires grad, and :func:`untouched_state` tells, from the
-captured graph, which of them the step did not update: the caller drops
-their state again (:func:`drop_state`) and captures anew, leaving the
-optimizer exactly as eager would (today's two captures, for models with
-trainable parameters the loss does not reach).
+These optimizers create state only for parameters that have a gradient at
+the step; which ones will is known only after tracing. So state is created
+for every parameter that requires grad, and :func:`untouched_state` tells,
+from the captured graph, which of them the step did not update: the caller
+drops their state again (:func:`drop_state`) and captures anew, leaving
+the optimizer exactly as eager would (today's two captures, for models
+with trainable parameters the loss does not reach).
 
 Under ZeRO 1-3 the state of parameters in sharded buckets is not created
 in the optimizer (no rank is to hold it whole); the rank holds a
 description of it instead, and reads zeros for its pieces at the first run
 (``runtime/binding.py``): the same first step, and one capture.
 
-Not created (kept lazy): optimizers whose first step is not reproducible
-from zeros (SGD's momentum buffer is a clone of the first gradient),
-``fused`` groups (captured through the reference loop, whose state
-placement differs from the fused kernel's), subclasses that override
-``_init_group``, and an optimizer that already has any state.
+Not created (kept lazy): SGD with dampening, ``fused`` groups (captured
+through the reference loop, whose state placement differs from the fused
+kernel's), subclasses that override ``_init_group``, other optimizers, and
+an optimizer that already has any state (Adagrad makes its own at
+construction).
 """
 from __future__ import annotations
 
@@ -43,10 +50,30 @@ from ..graph.verify import mutation_base
 __all__ = ["create_initial_state", "untouched_state", "stepped_params", "drop_state"]
 
 
-def _creates_like_adam(optimizer) -> bool:
+def _own_init_group(optimizer, cls) -> bool:
     # unwrapped: once torch.compile has run, dynamo wraps every optimizer class's _init_group (TorchPatcher)
-    return isinstance(optimizer, torch.optim.Adam) and (
-        inspect.unwrap(type(optimizer)._init_group) is inspect.unwrap(torch.optim.Adam._init_group))
+    return isinstance(optimizer, cls) and (
+        inspect.unwrap(type(optimizer)._init_group) is inspect.unwrap(cls._init_group))
+
+
+def _first_state_keys(optimizer, group: dict) -> tuple[bool, list[str]] | None:
+    """(whether it keeps a step counter, the state tensors its first step
+    makes as zeros like the parameter) for ``group``, or None where the
+    first step's state is not that."""
+    if group.get("fused") or group.get("differentiable"):
+        return None
+    if _own_init_group(optimizer, torch.optim.Adam):  # AdamW too (a subclass sharing _init_group)
+        return True, ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
+    if _own_init_group(optimizer, torch.optim.RMSprop):
+        return True, (["square_avg"] + (["momentum_buffer"] if group["momentum"] > 0 else [])
+                      + (["grad_avg"] if group["centered"] else []))
+    if _own_init_group(optimizer, torch.optim.Adamax):
+        return True, ["exp_avg", "exp_inf"]
+    if _own_init_group(optimizer, torch.optim.Adadelta):
+        return True, ["square_avg", "acc_delta"]
+    if _own_init_group(optimizer, torch.optim.SGD) and group["momentum"] != 0 and group["dampening"] == 0:
+        return False, ["momentum_buffer"]
+    return None
 
 
 def _scalar_dtype() -> torch.dtype:
@@ -56,8 +83,8 @@ def _scalar_dtype() -> torch.dtype:
 
 def create_initial_state(optimizer, rank_holds: Callable[[torch.Tensor], bool] | None = None
                          ) -> tuple[list[torch.Tensor], dict[torch.Tensor, dict[str, Any]]]:
-    """Create Adam/AdamW state for every parameter that requires grad, when
-    the optimizer has none yet. Returns the parameters given state in the
+    """Create the first step's state (see the module docstring) for every
+    parameter that requires grad, when the optimizer has none yet. Returns the parameters given state in the
     optimizer, and for those ``rank_holds(p)`` says a ZeRO rank will hold
     the state of (in pieces), what it starts from instead: per state key a
     :class:`TensorSpec` of the whole zeros (the rank makes only its piece)
@@ -66,24 +93,25 @@ def create_initial_state(optimizer, rank_holds: Callable[[torch.Tensor], bool] |
     first call."""
     created: list[torch.Tensor] = []
     for_rank: dict[torch.Tensor, dict[str, Any]] = {}
-    if optimizer is None or not _creates_like_adam(optimizer):
+    if optimizer is None:
         return created, for_rank
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if any(optimizer.state.get(p) for p in params):
         return created, for_rank
     for group in optimizer.param_groups:
-        if group.get("fused") or group.get("differentiable"):
+        keys = _first_state_keys(optimizer, group)
+        if keys is None:
             continue
+        counts, moments = keys
         for p in group["params"]:
             if not p.requires_grad:
                 continue
-            # torch/optim/adam.py Adam._init_group, "Lazy state initialization"
+            # torch/optim/adam.py Adam._init_group, "Lazy state initialization" (and its siblings')
             state: dict[str, Any] = {"step": (
                 torch.zeros((), dtype=_scalar_dtype(), device=p.device)
                 if group["capturable"]
                 else torch.tensor(0.0, dtype=_scalar_dtype(), device="cpu")
-            )}
-            moments = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
+            )} if counts else {}
             if rank_holds is not None and rank_holds(p):
                 state.update((key, TensorSpec.of(p)) for key in moments)
                 for_rank[p] = state
@@ -95,22 +123,23 @@ def create_initial_state(optimizer, rank_holds: Callable[[torch.Tensor], bool] |
 
 
 def untouched_state(captured: StepGraph, names: set[str]) -> set[str]:
-    """Of the parameters ``names``, those whose step counter the captured
-    (not yet functional) graph never writes: the step gave them no update,
-    and eager Adam would have created no state for them."""
+    """Of the parameters ``names``, those whose state the captured (not yet
+    functional) graph never writes: the step gave them no update, and the
+    eager optimizer would have created no state for them."""
     return set(names) - stepped_params(captured)
 
 
 def stepped_params(captured: StepGraph) -> frozenset[str]:
-    """The parameters whose optimizer step counter the captured (not yet
-    functional) graph writes: those the step updates. A plan keeps this,
-    so that one loaded from disk (without its captured graph) answers
+    """The parameters whose optimizer state (the step counter, or SGD's
+    momentum buffer: it has no counter) the captured (not yet functional)
+    graph writes: those the step updates. A plan keeps this, so that one
+    loaded from disk (without its captured graph) answers
     :func:`untouched_state`'s question."""
     steps = {
         node: node.meta[META_SLOT].name
         for node in captured.gm.graph.nodes
         if node.op == "placeholder" and (slot := node.meta.get(META_SLOT)) is not None
-        and slot.role is Role.OPTIMIZER_STATE and slot.key == "step"
+        and slot.role is Role.OPTIMIZER_STATE
     }
     return frozenset(steps[base] for node in captured.gm.graph.nodes if node.op == "call_function"
                      for arg in mutated_args(node) if (base := mutation_base(arg)) in steps)

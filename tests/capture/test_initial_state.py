@@ -67,12 +67,34 @@ def test_parameters_without_gradients_end_with_no_state_as_in_eager():
     assert len(step.plans) == 1  # the capture with state for the unused parameters was dropped, not kept
 
 
-def test_sgd_momentum_stays_lazy():
-    # SGD's first step clones the gradient into the momentum buffer: not
-    # reproducible from zeros, so its state is still created by the first step
+@pytest.mark.parametrize("make_opt", [
+    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
+    lambda ps: torch.optim.RMSprop(ps, lr=0.01, momentum=0.9, centered=True, weight_decay=0.01),
+    lambda ps: torch.optim.RMSprop(ps, lr=0.01),
+    lambda ps: torch.optim.Adamax(ps, lr=0.01, weight_decay=0.01),
+    lambda ps: torch.optim.Adadelta(ps, lr=1.0, weight_decay=0.01),
+], ids=["sgd-momentum", "sgd-nesterov", "rmsprop-centered-momentum", "rmsprop", "adamax", "adadelta"])
+def test_the_other_lazy_optimizers_capture_once_and_match_eager(make_opt):
+    # their first steps make zeros too (SGD's momentum buffer is the first gradient, which a zero buffer's
+    # update rule gives bitwise when dampening is 0); the state's keys, dtypes and devices are compared
     torch.manual_seed(0)
-    step = _train(MLP((8, 16, 4)), lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
+    step = _train(MLP((8, 16, 4)), make_opt)
+    assert len(step.plans) == 1
+
+
+def test_sgd_momentum_with_dampening_stays_lazy():
+    # with dampening the first step (a clone of the gradient) is not what a zero buffer gives: the first step
+    # creates it, which costs a second capture
+    torch.manual_seed(0)
+    step = _train(MLP((8, 16, 4)), lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.1))
     assert len(step.plans) == 2
+
+
+def test_sgd_parameters_without_gradients_end_with_no_state_as_in_eager():
+    torch.manual_seed(0)
+    step = _train(WithUnused(), lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
+    assert len(step.plans) == 1
 
 
 def test_gradient_accumulation_with_a_fresh_adam():

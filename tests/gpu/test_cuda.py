@@ -17,7 +17,7 @@ import stepfx
 
 from stepfx.testing.equivalence import assert_data_parallel_equivalent, assert_step_equivalent
 from tests.steps import adamw_single_tensor as adamw
-from tests.steps import dp_batches, hf_gpt2, hf_step, lm_step, scaled_ce_step, tiny_gpt, token_batches
+from tests.steps import dp_batches, hf_gpt2, hf_step, lm_loss, lm_step, scaled_ce_step, tiny_gpt, token_batches
 from tests.steps import sgd_single_tensor as sgd
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -503,3 +503,66 @@ def test_hugging_face_rms_norms_run_stepfx_kernels_on_cuda():
             assert names.count("rms_norm") == names.count("rms_norm_backward") == 5, names.count("rms_norm")
     print("losses with the RMSNorm kernels / with regions:", losses[False], losses[True])
     assert all(abs(a - b) <= 2e-2 * abs(b) for a, b in zip(losses[False], losses[True]))
+
+
+def cuda_mlp():
+    from tests import dp_workers as W
+
+    return W.MLPFactory((4, 6, 3))().cuda()
+
+
+def lm_eval(model, optimizer, idx):
+    with torch.no_grad():
+        return lm_loss(model(idx[:, :-1]), idx[:, 1:])
+
+
+def _train_and_evaluate_on_cuda(stage, evaluate, world=1):
+    """The tiny GPT, bf16 with codegen and clipping, 4 AdamW steps, each
+    followed (or not) by the evaluator on the same batch; the losses,
+    evaluations and final parameters."""
+    torch.manual_seed(0)
+    model = tiny_gpt().cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    config = {"gradient_clipping": 1.0, "bf16": {"enabled": True}, "stepfx": {"codegen": True},
+              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    step = stepfx.parallelize(config)(lm_step)
+    ev = step.evaluator(lm_eval)
+    losses, evals = [], []
+    for (idx,) in token_batches(4, seed=11 + (torch.distributed.get_rank() if world > 1 else 0)):
+        losses.append(step(model, opt, idx.cuda()).item())
+        if evaluate:
+            evals.append(ev(model, None, idx.cuda()).item())
+    params = {k: v.float().cpu() for k, v in step.model_state_dict().items()}
+    return losses, evals, params
+
+
+@pytest.mark.gpu
+@gpu
+def test_evaluator_on_cuda_with_codegen_equals_stage0_and_leaves_training_as_it_was():
+    at0 = _train_and_evaluate_on_cuda(0, True)
+    at3 = _train_and_evaluate_on_cuda(3, True)
+    quiet = _train_and_evaluate_on_cuda(3, False)
+    print(f"\nevaluator on cuda: stage 0 {at0[1]}, stage 3 {at3[1]}")
+    assert at3[0] == at0[0] == quiet[0] and at3[1] == at0[1]
+    assert all(torch.equal(at3[2][k], quiet[2][k]) for k in quiet[2])
+
+
+@pytest.mark.multigpu
+@multigpu
+def test_evaluator_and_rank_local_captures_on_two_gpus_with_nccl(rank_pool):
+    """NCCL runs the steps, the per-call capture flags go over stepfx's gloo
+    control group: the evaluator under ZeRO-3 equals stage 0's, and ranks
+    capturing at different calls (a per-rank token count) train as the
+    reference."""
+    from tests import dp_workers as W
+    from tests.steps import token_sum_step
+
+    at0 = rank_pool(2, "nccl").run(_train_and_evaluate_on_cuda, 0, True, 2)
+    at3 = rank_pool(2, "nccl").run(_train_and_evaluate_on_cuda, 3, True, 2)
+    for a, b in zip(at0, at3):
+        assert a[0] == b[0] and a[1] == b[1]
+    batches = [[(x, y, n) for (x, y), n in zip(rank, counts)]
+               for rank, counts in zip(W.mlp_rank_batches(2, 4, 4, 3, 7), [[3, 3, 5, 2], [3, 4, 4, 6]])]
+    report = assert_data_parallel_equivalent(rank_pool(2, "nccl"), token_sum_step, cuda_mlp, adamw, batches,
+                                             config=NO_CODEGEN, rtol=1e-6, atol=1e-7)
+    print(f"\nnccl rank-local captures: {report}")
