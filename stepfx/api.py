@@ -29,6 +29,9 @@ import torch.utils._pytree as pytree
 
 from . import compat
 from .capture import CaptureOptions, capture_step, collect_inputs
+from .capture.number_arguments import INPUT as NUMBER_INPUT
+from .capture.number_arguments import as_input as number_input
+from .capture.number_arguments import changed_numbers, is_number
 from .capture.dynamic import BatchShapeGuard, changed_dims
 from .capture.trace import UNREAD_ARGUMENTS_KEY, batch_slot_name
 from .codegen import available as codegen_available
@@ -225,6 +228,11 @@ class ParallelStep:
         # the planner's first round when it chose the ZeRO stage: (its summary, its choice)
         self._first_round: tuple[str, Any] | None = None
         self._owner: ParallelStep | None = None  # an evaluator's training step (see evaluator())
+        # Python number arguments the captures take as inputs (paths), those that changed at this call, and those
+        # that failed as inputs and stay constants (capture/number_arguments.py)
+        self._numbers: frozenset[str] = frozenset()
+        self._new_numbers: frozenset[str] = frozenset()
+        self._constant_numbers: frozenset[str] = frozenset()
 
     def evaluator(self, fn: Callable) -> "ParallelStep":
         """Decorate a forward-only step over this step's model — evaluation,
@@ -347,18 +355,20 @@ class ParallelStep:
         options = self._capture_options()
         fresh = self._create_optimizer_state(model, optimizer)  # before the fingerprint: it includes the state
         try:
-            key = fingerprint(model, optimizer, args, kwargs, held=self._store.held, unread=self._unread) + (
-                ("capture options", options),)
-            batch = [x for x in pytree.tree_leaves((tuple(args), dict(kwargs))) if isinstance(x, torch.Tensor)]
+            self._new_numbers = frozenset()
+            key = self._fingerprint(model, optimizer, args, kwargs, options)
+            plan = self._plans.get(key)
+            if plan is None and self._numbers_changed(key):  # the numbers become inputs: looked up as such
+                key = self._fingerprint(model, optimizer, args, kwargs, options)
+                plan = self._plans.get(key)
+            batch = self._batch_inputs(args, kwargs)
             guarded = batch
             if self._dp.pp_size > 1:  # a pipeline's plan is captured (and guarded) on one micro-batch
                 micro = _micro_batches(self.config)
                 guarded = [x[: x.shape[0] // micro] if x.dim() > 0 and x.shape[0] % micro == 0 else x for x in batch]
-            plan = self._plans.get(key)
             structure = None
             if plan is None:
-                structure = fingerprint(model, optimizer, args, kwargs, held=self._store.held, batch_shapes=False,
-                                        unread=self._unread) + (("capture options", options),)
+                structure = self._fingerprint(model, optimizer, args, kwargs, options, batch_shapes=False)
                 plan = self._fitting_dynamic_plan(structure, guarded)
             any_captures, all_capture = captures_at_call(self._dp, plan is None)
             if plan is not None and any_captures:
@@ -373,6 +383,7 @@ class ParallelStep:
                         self._initial_state_for = None
                     self._calls -= 1
                     return self(model, optimizer, *args, **kwargs)
+                batch = self._batch_inputs(args, kwargs)  # (a number that failed as an input is no longer one)
             self._plans.move_to_end(plan.key)
             if fresh and not options.accumulate_only and self._drop_unused_state(plan, model, optimizer, fresh):
                 self._calls -= 1  # the same call, captured anew without that state
@@ -437,12 +448,9 @@ class ParallelStep:
         state), ``plan`` serves the calls that describe the holdings anew:
         under their fingerprint, and (a variant with symbolic batch sizes)
         for every size its guard admits under their structure."""
-        held = self._store.held
-        self._plans[fingerprint(model, optimizer, args, kwargs, held=held, unread=self._unread) + (
-            ("capture options", options),)] = plan
+        self._plans[self._fingerprint(model, optimizer, args, kwargs, options)] = plan
         if plan.guard is not None:
-            plan.structure = fingerprint(model, optimizer, args, kwargs, held=held, batch_shapes=False,
-                                         unread=self._unread) + (("capture options", options),)
+            plan.structure = self._fingerprint(model, optimizer, args, kwargs, options, batch_shapes=False)
 
     def _config_optimizer(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None):
         """The optimizer the step runs: the user's, or the one the config's
@@ -624,6 +632,8 @@ class ParallelStep:
                 continue  # a tensor's description: its size changed (symbolic sizes deal with that)
             if NOT_READ in (was[1], value[1]):
                 continue  # an entry the step does not read (capture/batch_reads.py): not why it captures
+            if NUMBER_INPUT in (was[1], value[1]):
+                continue  # a number the graph takes as an input from now on (capture/number_arguments.py)
             path = label[len("argument "):]
             head = re.match(r"\[0\]\[\d+\]|\[1\]\['[^']+'\]", path)
             cut = head.end() if head else 0  # an argument itself, then the list indices inside it
@@ -632,7 +642,10 @@ class ParallelStep:
                 continue
             self._warned_constants.add(where)
             numbers = all(v[0] in (int, float) for v in (was, value))
-            if numbers:
+            if numbers and path in self._constant_numbers:
+                what, fix = "a Python number", ("The step's Python decides on its value (a branch, a range, a size), "
+                                                "so it cannot be an input of the graph: each value needs a capture.")
+            elif numbers:  # stepfx.dynamic false, a pipeline, or an int that became a float
                 what, fix = "a Python number", "Pass it as a tensor (torch.tensor(value)) for one capture."
             else:
                 what = f"a Python {value[0].__name__}" if value[0] is was[0] else "a Python value"
@@ -644,6 +657,58 @@ class ParallelStep:
                 f"stepfx: {self.__name__}: {_argument_name(where)} is {what} ({shown[0]!r}, now {shown[1]!r}); the "
                 f"captured step holds it as a constant, so each new value captures the step again (the last "
                 f"{self.config.stepfx.cache_size} plans are kept). {fix}", CaptureWarning, stacklevel=4)
+
+    # -- Python numbers as inputs (capture/number_arguments.py) ------------------
+    def _fingerprint(self, model, optimizer, args, kwargs, options: CaptureOptions, *, batch_shapes: bool = True) -> tuple:
+        """This call's plan key (``batch_shapes=False``: its structure, which
+        a variant with symbolic batch sizes serves)."""
+        return fingerprint(model, optimizer, args, kwargs, held=self._store.held, batch_shapes=batch_shapes,
+                           unread=self._unread, numbers=self._numbers) + (("capture options", options),)
+
+    def _numbers_changed(self, key: tuple) -> bool:
+        """Python number arguments whose values differ from the last plan's
+        become inputs of the captures from now on (not under ``stepfx.dynamic``
+        false, nor a pipeline's micro-batches, nor where one already failed
+        as an input): True when there are new ones."""
+        if self._last is None or self.config.stepfx.dynamic is False or (self._dp is not None and self._dp.pp_size > 1):
+            return False
+        new = changed_numbers(self._last.key, key) - self._constant_numbers
+        if not new:
+            return False
+        self._numbers, self._new_numbers = self._numbers | new, new
+        log.info("stepfx: %s: %s changed value; %s taken as an input of the step from now on (one more capture)",
+                 self.__name__, ", ".join(_argument_name(p) for p in sorted(new)),
+                 "it is" if len(new) == 1 else "they are")
+        return True
+
+    def _numbers_stay_constant(self, exc: CaptureError, model, optimizer, args, kwargs, options: CaptureOptions,
+                               structure: tuple | None) -> tuple[tuple, tuple | None]:
+        """The capture with this call's new number inputs failed (the step's
+        Python decides on the value): they stay constants for good. Returns
+        the key and structure to capture under instead."""
+        new, self._new_numbers = self._new_numbers, frozenset()
+        self._numbers -= new
+        self._constant_numbers |= new
+        log.warning("stepfx: %s: %s cannot be an input of the captured step (%s); each new value captures the step "
+                    "again", self.__name__, ", ".join(_argument_name(p) for p in sorted(new)), str(exc).splitlines()[0])
+        key = self._fingerprint(model, optimizer, args, kwargs, options)
+        if self._last is not None:
+            self._warn_changed_constants(self._last.key, key)
+        return key, (self._fingerprint(model, optimizer, args, kwargs, options, batch_shapes=False)
+                     if structure is not None else None)
+
+    def _batch_inputs(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+        """The graph's BATCH inputs of this call: its tensors, and its number
+        arguments the plans take as inputs (as 0-d tensors), in leaf order."""
+        if not self._numbers:
+            return [x for x in pytree.tree_leaves((tuple(args), dict(kwargs))) if isinstance(x, torch.Tensor)]
+        out = []
+        for path, x in pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))[0]:
+            if isinstance(x, torch.Tensor):
+                out.append(x)
+            elif is_number(x) and pytree.keystr(path) in self._numbers:
+                out.append(number_input(x))
+        return out
 
     def _compile(self, key, model, optimizer, args, kwargs, options: CaptureOptions, *, structure: tuple | None = None,
                  dynamic_dims: dict | None = None, alone: bool = False) -> Plan:
@@ -664,20 +729,25 @@ class ParallelStep:
         error: BaseException | None = None
         plan = None
         try:
-            plan = self._build_plan(key, model, optimizer, args, kwargs, options, dynamic_dims=dynamic_dims,
-                                    structure=structure)
+            try:
+                plan = self._build_plan(key, model, optimizer, args, kwargs, options, dynamic_dims=dynamic_dims,
+                                        structure=structure)
+            except CaptureError as exc:
+                if not self._new_numbers:
+                    raise
+                # the step's Python decides something on a number that was to be an input: it stays a constant
+                key, structure = self._numbers_stay_constant(exc, model, optimizer, args, kwargs, options, structure)
+                plan = self._build_plan(key, model, optimizer, args, kwargs, options, dynamic_dims=dynamic_dims,
+                                        structure=structure)
             if self._owner is not None:
                 self._check_evaluator_plan(plan)
             if (unread := plan.graph.signature.extra.get(UNREAD_ARGUMENTS_KEY)) is not None:
                 # what no capture fetched so far leaves the fingerprint: this plan serves calls that differ there
                 self._unread = unread if not self._reads_reported else self._unread & unread
                 self._reads_reported += 1
-                held = self._store.held
-                plan.key = key = fingerprint(model, optimizer, args, kwargs, held=held, unread=self._unread) + (
-                    ("capture options", options),)
+                plan.key = key = self._fingerprint(model, optimizer, args, kwargs, options)
                 if structure is not None:
-                    structure = fingerprint(model, optimizer, args, kwargs, held=held, batch_shapes=False,
-                                            unread=self._unread) + (("capture options", options),)
+                    structure = self._fingerprint(model, optimizer, args, kwargs, options, batch_shapes=False)
             plan.structure, plan.dynamic_dims = structure, dict(dynamic_dims or {})
             plan.batch_shapes = _batch_shapes(args, kwargs)
             if plan.guard is not None:  # serves every size its guard admits, not just this call's
@@ -774,7 +844,8 @@ class ParallelStep:
         start = time.perf_counter()
         if dp.pp_size > 1:  # the pipeline runs the captured step once per micro-batch
             args, kwargs = _first_micro_batch(args, kwargs, _micro_batches(self.config))
-        inputs = collect_inputs(model, optimizer, args, kwargs, held=self._store.held, options=capture)
+        inputs = collect_inputs(model, optimizer, args, kwargs, held=self._store.held, options=capture,
+                                numbers=self._numbers)
         # the model's own device (under ZeRO-3 its tensors are empty but keep
         # their device); the learning rate and step counters are CPU scalars
         device_type = _device_type(list(model.parameters()) + list(model.buffers()) + inputs.values)

@@ -261,20 +261,38 @@ def _weighted_ce_step(model, optimizer, x, y, weight, *, shift=0.0):
     return loss
 
 
-def test_a_python_number_that_changes_between_calls_is_named_once_as_the_reason_to_capture_again():
+def test_a_python_number_that_changes_between_calls_becomes_an_input_after_one_more_capture():
+    """Numbers among the arguments (a weight, a keyword shift) that change
+    value are inputs of the graph from then on: two plans for any number of
+    values, bitwise eager (capture/number_arguments.py). Under
+    stepfx.dynamic false each value is a plan of its own, and the warning
+    names the argument once and the way (a tensor)."""
+    import copy
     import warnings
 
     torch.manual_seed(0)
     model = MLP()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    reference = copy.deepcopy(model)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
     step = stepfx.parallelize({"gradient_clipping": 0})(_weighted_ce_step)
     (x, y), = mlp_batches(1)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
+        for i in range(4):
+            got = step(model, opt, x, y, 1.0 + i, shift=0.5 * i)
+            assert torch.equal(got, _weighted_ce_step(reference, ref_opt, x, y, 1.0 + i, shift=0.5 * i))
+    assert len(step.plans) == 2
+    assert not [w for w in seen if issubclass(w.category, stepfx.errors.CaptureWarning)]
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
+    assert "args[2]" in step.explain() and "kwargs['shift']" in step.explain()  # (the inputs, named)
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        static = stepfx.parallelize({"gradient_clipping": 0, "stepfx": {"dynamic": False}})(_weighted_ce_step)
         for i in range(3):
-            step(model, opt, x, y, 1.0 + i, shift=0.5 * i)
+            static(model, opt, x, y, 1.0 + i, shift=0.5 * i)
     messages = [str(w.message) for w in seen if issubclass(w.category, stepfx.errors.CaptureWarning)]
-    assert len(step.plans) == 3
+    assert len(static.plans) == 3
     assert len(messages) == 2 and all("Pass it as a tensor (torch.tensor(value))" in m for m in messages)
     assert "the step's argument #5 (after the model and optimizer) is a Python number (1.0, now 2.0)" in messages[0]
     assert "the step's keyword argument 'shift' is a Python number (0.0, now 0.5)" in messages[1]
@@ -285,6 +303,35 @@ def test_a_python_number_that_changes_between_calls_is_named_once_as_the_reason_
             tensor_step(model, opt, x, y, torch.tensor(1.0 + i))
     assert len(tensor_step.plans) == 1
     assert not [w for w in seen if issubclass(w.category, stepfx.errors.CaptureWarning)]
+
+
+def _count_step(model, optimizer, x, y, n):
+    """A number the step's Python decides on (a range): it cannot be an input."""
+    loss = sum(torch.nn.functional.cross_entropy(model(x[i:i + 1]), y[i:i + 1]) for i in range(n)) / n
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def test_a_number_the_steps_python_decides_on_stays_a_constant_named_in_the_warning():
+    import copy
+    import warnings
+
+    torch.manual_seed(0)
+    model = MLP()
+    reference = copy.deepcopy(model)
+    opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=0.01), torch.optim.AdamW(reference.parameters(), lr=0.01)
+    step = stepfx.parallelize({"gradient_clipping": 0})(_count_step)
+    (x, y), = mlp_batches(1)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for n in (1, 2, 3, 2):
+            assert torch.equal(step(model, opt, x, y, n), _count_step(reference, ref_opt, x, y, n))
+    assert len(step.plans) == 3  # one per value: 1, 2, 3
+    messages = [str(w.message) for w in seen if issubclass(w.category, stepfx.errors.CaptureWarning)]
+    assert len(messages) == 1 and "decides on its value (a branch, a range, a size)" in messages[0], messages
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
 
 
 def _dict_batch_step(model, optimizer, batch):

@@ -16,6 +16,7 @@ import torch.utils._pytree as pytree
 
 from ..graph import Role
 from .batch_reads import without_unread
+from .number_arguments import INPUT, LABEL, is_number
 from .optimizers import group_hyperparam_key, step_counters, steps_agree
 
 __all__ = ["fingerprint", "describe_change"]
@@ -34,7 +35,8 @@ def _const_key(x: Any):
 
 
 def fingerprint(model: torch.nn.Module, optimizer, args: tuple, kwargs: dict, held: Mapping | None = None,
-                *, batch_shapes: bool = True, unread: frozenset[str] = frozenset()) -> tuple:
+                *, batch_shapes: bool = True, unread: frozenset[str] = frozenset(),
+                numbers: frozenset[str] = frozenset()) -> tuple:
     """``held``: state a rank keeps for the user's objects (see
     ``collect_inputs``): its keys are part of the fingerprint, and its step
     counters count as the optimizer's. ``batch_shapes=False`` leaves the
@@ -42,7 +44,9 @@ def fingerprint(model: torch.nn.Module, optimizer, args: tuple, kwargs: dict, he
     step captured with symbolic batch sizes must match, its guard checking
     the sizes. ``unread``: batch dict entries (``pytree.keystr`` paths)
     holding no tensor that the step was seen not to fetch
-    (``capture/batch_reads.py``): their values and structure are left out."""
+    (``capture/batch_reads.py``): their values and structure are left out.
+    ``numbers``: paths of number arguments the graph takes as inputs
+    (``capture/number_arguments.py``): their type stays, not their value."""
     held = held or {}
     items: list[tuple[str, Any]] = [("model", id(model)), ("optimizer", id(optimizer))]
     for name, p in model.named_parameters():
@@ -73,9 +77,11 @@ def fingerprint(model: torch.nn.Module, optimizer, args: tuple, kwargs: dict, he
     leaves, spec = pytree.tree_flatten_with_path(without_unread(tuple(args), dict(kwargs), unread))
     items.append(("argument structure", spec))
     for path, leaf in leaves:
-        label = "argument " + pytree.keystr(path)
+        label = LABEL + pytree.keystr(path)
         if isinstance(leaf, torch.Tensor):
             items.append((label, _tensor_key(leaf) if batch_shapes else (leaf.dim(),) + _tensor_key(leaf)[1:]))
+        elif numbers and is_number(leaf) and pytree.keystr(path) in numbers:
+            items.append((label, (type(leaf), INPUT)))
         else:
             items.append((label, _const_key(leaf)))
     items.append(("state held by stepfx", tuple(sorted((str(r), n, k) for r, n, k in held))))

@@ -53,6 +53,7 @@ from ..graph.update_rule import UPDATE_RULES_KEY, update_rule_of
 from ..graph.build import bind_placeholders, flatten_codegen, label_params
 from .decompositions import SYMBOLIC_DECOMPOSITIONS
 from .batch_reads import BatchReads
+from .number_arguments import as_input as number_input, is_number
 from .dynamic import DYNAMIC_KEY
 from .checks import BufferDtypeError, check_mutations, check_operand_dtypes, warn_python_only_reads
 from .host_random import refuse_host_random
@@ -116,6 +117,9 @@ class StepInputs:
     # the parameters whose step counter this rank holds (not those wholly on
     # other ranks under ZeRO): the shared count is read from one of these
     shared_step_names: frozenset[str] = frozenset()
+    # BATCH slots that feed a Python number argument (number_arguments.py): the step reads them with .item()
+    number_names: frozenset[str] = frozenset()
+    number_leaves: frozenset[int] = frozenset()  # their places in batch_leaves
 
 
 def _keystr(path) -> str:
@@ -129,6 +133,7 @@ def collect_inputs(
     kwargs: dict,
     held: Mapping | None = None,
     options: CaptureOptions = CaptureOptions(),
+    numbers: frozenset[str] = frozenset(),
 ) -> StepInputs:
     """Enumerate every input of the step: params, buffers, existing grads,
     optimizer state, learning rates and batch tensors, in that order.
@@ -137,7 +142,8 @@ def collect_inputs(
     rank keeps it in pieces (ZeRO): ``(Role.PARAM, name, None)`` and
     ``(Role.OPTIMIZER_STATE, name, key)`` map to the whole tensor's
     :class:`TensorSpec`; those inputs are described by the spec instead of
-    read from the module or optimizer."""
+    read from the module or optimizer. ``numbers``: paths of Python number
+    arguments fed as 0-d tensors (``capture/number_arguments.py``)."""
     check_optimizer(optimizer)
     held = held or {}
     slots: list[Slot] = []
@@ -195,11 +201,17 @@ def collect_inputs(
 
     leaves_with_path, batch_spec = pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))
     batch_leaves = []
+    number_names, number_leaves = set(), set()
     for path, leaf in leaves_with_path:
         batch_leaves.append(leaf)
         if isinstance(leaf, torch.Tensor):
             slots.append(Slot(Role.BATCH, batch_slot_name(path)))
             values.append(leaf)
+        elif numbers and is_number(leaf) and pytree.keystr(path) in numbers:
+            slots.append(Slot(Role.BATCH, batch_slot_name(path)))
+            values.append(number_input(leaf))
+            number_names.add(slots[-1].name)
+            number_leaves.add(len(batch_leaves) - 1)
     # a frozen parameter's counter (state made before it was frozen, or at construction: Adagrad) never advances
     # and no update reads it: it neither decides nor stands for the shared count
     frozen = {name for name, p in named_params if not p.requires_grad}
@@ -207,7 +219,8 @@ def collect_inputs(
              if slot.role is Role.OPTIMIZER_STATE and slot.key == "step" and slot.name not in frozen]
     shared = steps_agree([v for _, v in steps])
     held_here = frozenset(name for name, v in steps if not isinstance(v, TensorSpec))
-    return StepInputs(slots, values, param_names, group_params, batch_spec, batch_leaves, shared, held_here)
+    return StepInputs(slots, values, param_names, group_params, batch_spec, batch_leaves, shared, held_here,
+                      frozenset(number_names), frozenset(number_leaves))
 
 
 def batch_slot_name(path) -> str:
@@ -714,11 +727,16 @@ def _make_traced_fn(fn, model, optimizer, inputs: StepInputs, rec: _Recorder, op
             hyper[s.group][s.name] = v
         batch_values = [v for _, v in by_role[Role.BATCH]]
         symbolic = any(isinstance(size, torch.SymInt) for v in batch_values for size in v.shape)
+        numbers = [s.name in inputs.number_names for s, _ in by_role[Role.BATCH]]
         if options.cast_inputs and options.compute_dtype is not None:
             with compat.annotate_nodes({"phase": Phase.FORWARD.value}):
-                batch_values = [v.to(options.compute_dtype) if v.is_floating_point() else v for v in batch_values]
+                batch_values = [v.to(options.compute_dtype) if v.is_floating_point() and not number else v
+                                for v, number in zip(batch_values, numbers)]
+        with compat.annotate_nodes({"phase": Phase.FORWARD.value}):  # a number argument: read as Python's
+            batch_values = [v.item() if number else v for v, number in zip(batch_values, numbers)]
         batch_iter = iter(batch_values)
-        leaves_in = [next(batch_iter) if isinstance(x, torch.Tensor) else x for x in inputs.batch_leaves]
+        leaves_in = [next(batch_iter) if isinstance(x, torch.Tensor) or i in inputs.number_leaves else x
+                     for i, x in enumerate(inputs.batch_leaves)]
         args, kwargs = pytree.tree_unflatten(leaves_in, inputs.batch_spec)
         if reads is not None:  # which entries of the batch dicts the step fetches (batch_reads.py)
             args, kwargs = reads.watch(args, kwargs)
