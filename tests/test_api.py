@@ -411,3 +411,30 @@ def test_text_the_step_reads_is_named_once_as_the_reason_to_capture_again():
     assert "argument #3 (after the model and optimizer) at ['tag'] is a Python str ('plain word word word word word word word...', now 'weighted')" in messages[0]
     assert "The step reads it" in messages[0]
     assert [float(v) for v in losses] == [float(_logging_step(reference, ref_opt, b)) for b in batches]
+
+
+def _token_sum_run(config, counts):
+    from tests.steps import token_sum_step
+
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = stepfx.parallelize(config)(token_sum_step)
+    losses = [step(model, opt, x, y, n).item() for (x, y), n in zip(mlp_batches(len(counts)), counts)]
+    return losses, len(step.plans), [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("config", [
+    {"gradient_clipping": 1.0, "stepfx": {"codegen": True}},
+    {"gradient_clipping": 0, "fp16": {"enabled": True, "auto_cast": True}},
+    {"gradient_clipping": 0, "gradient_accumulation_steps": 2},
+], ids=["codegen", "fp16-auto-cast", "accumulation"])
+def test_a_number_input_computes_the_constants_bits(config):
+    """The token count as an input (fused kernels taking it as an argument,
+    fp16's cast of floating inputs leaving it alone, accumulation's two
+    plans) gives the bits of the step that holds it as a constant."""
+    counts = [3, 5, 2, 7, 4, 6]
+    inputs = _token_sum_run(config, counts)
+    constants = _token_sum_run({**config, "stepfx": {**config.get("stepfx", {}), "dynamic": False}}, counts)
+    assert inputs[0] == constants[0] and all(torch.equal(p, q) for p, q in zip(inputs[2], constants[2]))
+    assert constants[1] == 6 and inputs[1] == (3 if "gradient_accumulation_steps" in config else 2)
