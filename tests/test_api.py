@@ -261,19 +261,25 @@ def _weighted_ce_step(model, optimizer, x, y, weight, *, shift=0.0):
     return loss
 
 
+def _twins(make_opt):
+    """An MLP and its optimizer, and the same again as eager's reference."""
+    import copy
+
+    torch.manual_seed(0)
+    model = MLP()
+    reference = copy.deepcopy(model)
+    return model, make_opt(model.parameters()), reference, make_opt(reference.parameters())
+
+
 def test_a_python_number_that_changes_between_calls_becomes_an_input_after_one_more_capture():
     """Numbers among the arguments (a weight, a keyword shift) that change
     value are inputs of the graph from then on: two plans for any number of
     values, bitwise eager (capture/number_arguments.py). Under
     stepfx.dynamic false each value is a plan of its own, and the warning
     names the argument once and the way (a tensor)."""
-    import copy
     import warnings
 
-    torch.manual_seed(0)
-    model = MLP()
-    reference = copy.deepcopy(model)
-    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
+    model, opt, reference, ref_opt = _twins(lambda ps: torch.optim.SGD(ps, lr=0.1))
     step = stepfx.parallelize({"gradient_clipping": 0})(_weighted_ce_step)
     (x, y), = mlp_batches(1)
     with warnings.catch_warnings(record=True) as seen:
@@ -315,13 +321,9 @@ def _count_step(model, optimizer, x, y, n):
 
 
 def test_a_number_the_steps_python_decides_on_stays_a_constant_named_in_the_warning():
-    import copy
     import warnings
 
-    torch.manual_seed(0)
-    model = MLP()
-    reference = copy.deepcopy(model)
-    opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=0.01), torch.optim.AdamW(reference.parameters(), lr=0.01)
+    model, opt, reference, ref_opt = _twins(lambda ps: torch.optim.AdamW(ps, lr=0.01))
     step = stepfx.parallelize({"gradient_clipping": 0})(_count_step)
     (x, y), = mlp_batches(1)
     with warnings.catch_warnings(record=True) as seen:
