@@ -759,7 +759,7 @@ class ParallelStep:
         tp_group = self._dp.tp_group_name if self._dp.tp_size > 1 else None
         collectives = (collective_fingerprint(plan.graph, tp_group) + _pipeline_fingerprint(plan.executor)
                        if plan else None)
-        if not (alone and self._local_recapture(key, collectives, error)):
+        if not (alone and self._local_recapture(collectives, error)):
             preflight(dp, collectives, error, note=f"captured the step at call {self._calls}" + (
                 f" ({describe_change(self._last.key, key)})" if self._last is not None else ""))
             if collectives is not None:
@@ -816,7 +816,7 @@ class ParallelStep:
         self._first_round = (summary, plan.planned_choice)
         return True
 
-    def _local_recapture(self, key: tuple, collectives: list[str] | None, error: BaseException | None) -> bool:
+    def _local_recapture(self, collectives: list[str] | None, error: BaseException | None) -> bool:
         """Whether this capture, which this rank makes alone (the others run
         their plans at this call), goes on without a pre-flight: its
         collectives are ones the ranks already agreed on. One more flag
