@@ -681,7 +681,7 @@ class ParallelStep:
                  "it is" if len(new) == 1 else "they are")
         return True
 
-    def _numbers_stay_constant(self, exc: CaptureError, model, optimizer, args, kwargs, options: CaptureOptions,
+    def _numbers_stay_constant(self, exc: Exception, model, optimizer, args, kwargs, options: CaptureOptions,
                                structure: tuple | None) -> tuple[tuple, tuple | None]:
         """The capture with this call's new number inputs failed (the step's
         Python decides on the value): they stay constants for good. Returns
@@ -732,10 +732,11 @@ class ParallelStep:
             try:
                 plan = self._build_plan(key, model, optimizer, args, kwargs, options, dynamic_dims=dynamic_dims,
                                         structure=structure)
-            except CaptureError as exc:
+            except Exception as exc:
                 if not self._new_numbers:
                     raise
-                # the step's Python decides something on a number that was to be an input: it stays a constant
+                # the step's Python decides something on a number that was to be an input (or a pass could not
+                # take it as one): it stays a constant, as it was; an error without it is the error to report
                 key, structure = self._numbers_stay_constant(exc, model, optimizer, args, kwargs, options, structure)
                 plan = self._build_plan(key, model, optimizer, args, kwargs, options, dynamic_dims=dynamic_dims,
                                         structure=structure)
