@@ -80,8 +80,9 @@ def test_every_update_is_fused_in_place_and_a_state_creating_step_is_not():
     calls, in_place, report = _fused(step)
     assert calls == 4 and in_place == 4 and report == []
     assert len(step.plans) == 1  # Adam's state exists before the first capture: its first step is fused too
-    # SGD's first step creates its momentum buffers (clones of the gradients): that step runs once, unfused
-    sgd, _, _ = _run(CODEGEN, _optimizers()["sgd-nesterov"])
+    # SGD with dampening creates its momentum buffers at its first step (clones of the gradients): that step
+    # runs once, unfused
+    sgd, _, _ = _run(CODEGEN, _optimizers()["sgd-dampening"])
     first = sgd.plans[0]
     first_report = [r for r in first.graph.signature.extra[FUSION_REPORT_KEY] if r[0] == "fuse_optimizer_update"]
     assert len(first_report) == 4 and all("created in this step" in why for _, _, why in first_report)
