@@ -318,3 +318,21 @@ def maybe_update_step(model, optimizer, x, y, update):
         optimizer.step()
         optimizer.zero_grad()
     return loss
+
+
+def token_lm_step(model, optimizer, idx, n_tokens):
+    """lm_step's loss summed and divided by ``n_tokens``, a Python int the
+    caller counts per rank (as Hugging Face passes ``num_items_in_batch``)."""
+    logits = model(idx[:, :-1])
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), idx[:, 1:].reshape(-1), reduction="sum")
+    loss = loss / n_tokens
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def token_lm_step_bf16_reference(model, optimizer, idx, n_tokens):
+    from stepfx.testing.equivalence import mixed_precision_reference
+
+    return mixed_precision_reference(token_lm_step, torch.bfloat16)(model, optimizer, idx, n_tokens)
