@@ -293,10 +293,7 @@ class ParallelStep:
         """An evaluator's plan reads the held parameters as its training
         step lays them out."""
         owner_layout = self._owner._last.graph.signature.extra.get(LAYOUT_KEY) if self._owner._last else None
-        layout = plan.graph.signature.extra.get(LAYOUT_KEY)
-        sharded = lambda lay: [(b.index, b.params) for b in (lay.buckets if lay is not None else ())
-                               if b.sharding is Sharding.PARAMETERS]
-        if sharded(layout) != sharded(owner_layout):
+        if _sharded_buckets(plan.graph.signature.extra.get(LAYOUT_KEY)) != _sharded_buckets(owner_layout):
             raise CaptureError(f"{self.__name__} would shard the parameters otherwise than {self._owner.__name__} "
                                "holds them (ZeRO-3 buckets differ)",
                                hint="decorate the evaluator with the training step's evaluator(), unchanged config")
@@ -1666,6 +1663,13 @@ def _batch_tensors(args, kwargs) -> dict[str, torch.Tensor]:
     """Batch slot name -> tensor, for every tensor argument."""
     leaves, _ = pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))
     return {batch_slot_name(path): leaf for path, leaf in leaves if isinstance(leaf, torch.Tensor)}
+
+
+def _sharded_buckets(layout) -> list:
+    """What of a ZeRO layout says where a rank's parameter pieces lie: its
+    parameter-sharding buckets (index and members)."""
+    return [(b.index, b.params) for b in (layout.buckets if layout is not None else ())
+            if b.sharding is Sharding.PARAMETERS]
 
 
 def _frozen_dims(dims: dict) -> tuple:
