@@ -289,15 +289,6 @@ class ParallelStep:
                                hint="drop backward()/optimizer.step() from it, or decorate it as a training step "
                                     "of its own model")
 
-    def _check_evaluator_plan(self, plan: "Plan") -> None:
-        """An evaluator's plan reads the held parameters as its training
-        step lays them out."""
-        owner_layout = self._owner._last.graph.signature.extra.get(LAYOUT_KEY) if self._owner._last else None
-        if _sharded_buckets(plan.graph.signature.extra.get(LAYOUT_KEY)) != _sharded_buckets(owner_layout):
-            raise CaptureError(f"{self.__name__} would shard the parameters otherwise than {self._owner.__name__} "
-                               "holds them (ZeRO-3 buckets differ)",
-                               hint="decorate the evaluator with the training step's evaluator(), unchanged config")
-
     # -- calling --------------------------------------------------------------
     def __call__(self, model: Any = _NOT_GIVEN, optimizer: Any = _NOT_GIVEN, *args, **kwargs) -> Any:
         started = time.perf_counter()
@@ -667,7 +658,7 @@ class ParallelStep:
         become inputs of the captures from now on (not under ``stepfx.dynamic``
         false, nor a pipeline's micro-batches, nor where one already failed
         as an input): True when there are new ones."""
-        if self._last is None or self.config.stepfx.dynamic is False or (self._dp is not None and self._dp.pp_size > 1):
+        if self._last is None or self.config.stepfx.dynamic is False or self._dp.pp_size > 1:
             return False
         new = changed_numbers(self._last.key, key) - self._constant_numbers
         if not new:
@@ -737,8 +728,6 @@ class ParallelStep:
                 key, structure = self._numbers_stay_constant(exc, model, optimizer, args, kwargs, options, structure)
                 plan = self._build_plan(key, model, optimizer, args, kwargs, options, dynamic_dims=dynamic_dims,
                                         structure=structure)
-            if self._owner is not None:
-                self._check_evaluator_plan(plan)
             if (unread := plan.graph.signature.extra.get(UNREAD_ARGUMENTS_KEY)) is not None:
                 # what no capture fetched so far leaves the fingerprint: this plan serves calls that differ there
                 self._unread = unread if not self._reads_reported else self._unread & unread
@@ -1663,13 +1652,6 @@ def _batch_tensors(args, kwargs) -> dict[str, torch.Tensor]:
     """Batch slot name -> tensor, for every tensor argument."""
     leaves, _ = pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))
     return {batch_slot_name(path): leaf for path, leaf in leaves if isinstance(leaf, torch.Tensor)}
-
-
-def _sharded_buckets(layout) -> list:
-    """What of a ZeRO layout says where a rank's parameter pieces lie: its
-    parameter-sharding buckets (index and members)."""
-    return [(b.index, b.params) for b in (layout.buckets if layout is not None else ())
-            if b.sharding is Sharding.PARAMETERS]
 
 
 def _frozen_dims(dims: dict) -> tuple:

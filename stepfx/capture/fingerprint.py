@@ -77,10 +77,11 @@ def fingerprint(model: torch.nn.Module, optimizer, args: tuple, kwargs: dict, he
     leaves, spec = pytree.tree_flatten_with_path(without_unread(tuple(args), dict(kwargs), unread))
     items.append(("argument structure", spec))
     for path, leaf in leaves:
-        label = LABEL + pytree.keystr(path)
+        where = pytree.keystr(path)
+        label = LABEL + where
         if isinstance(leaf, torch.Tensor):
             items.append((label, _tensor_key(leaf) if batch_shapes else (leaf.dim(),) + _tensor_key(leaf)[1:]))
-        elif numbers and is_number(leaf) and pytree.keystr(path) in numbers:
+        elif where in numbers and is_number(leaf):
             items.append((label, (type(leaf), INPUT)))
         else:
             items.append((label, _const_key(leaf)))

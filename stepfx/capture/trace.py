@@ -117,9 +117,9 @@ class StepInputs:
     # the parameters whose step counter this rank holds (not those wholly on
     # other ranks under ZeRO): the shared count is read from one of these
     shared_step_names: frozenset[str] = frozenset()
-    # BATCH slots that feed a Python number argument (number_arguments.py): the step reads them with .item()
-    number_names: frozenset[str] = frozenset()
-    number_leaves: frozenset[int] = frozenset()  # their places in batch_leaves
+    # the places in batch_leaves of Python number arguments fed as BATCH slots (number_arguments.py): the step
+    # reads them with .item()
+    number_leaves: frozenset[int] = frozenset()
 
 
 def _keystr(path) -> str:
@@ -201,7 +201,7 @@ def collect_inputs(
 
     leaves_with_path, batch_spec = pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))
     batch_leaves = []
-    number_names, number_leaves = set(), set()
+    number_leaves = set()
     for path, leaf in leaves_with_path:
         batch_leaves.append(leaf)
         if isinstance(leaf, torch.Tensor):
@@ -210,7 +210,6 @@ def collect_inputs(
         elif numbers and is_number(leaf) and pytree.keystr(path) in numbers:
             slots.append(Slot(Role.BATCH, batch_slot_name(path)))
             values.append(number_input(leaf))
-            number_names.add(slots[-1].name)
             number_leaves.add(len(batch_leaves) - 1)
     # a frozen parameter's counter (state made before it was frozen, or at construction: Adagrad) never advances
     # and no update reads it: it neither decides nor stands for the shared count
@@ -220,7 +219,7 @@ def collect_inputs(
     shared = steps_agree([v for _, v in steps])
     held_here = frozenset(name for name, v in steps if not isinstance(v, TensorSpec))
     return StepInputs(slots, values, param_names, group_params, batch_spec, batch_leaves, shared, held_here,
-                      frozenset(number_names), frozenset(number_leaves))
+                      frozenset(number_leaves))
 
 
 def batch_slot_name(path) -> str:
@@ -727,7 +726,9 @@ def _make_traced_fn(fn, model, optimizer, inputs: StepInputs, rec: _Recorder, op
             hyper[s.group][s.name] = v
         batch_values = [v for _, v in by_role[Role.BATCH]]
         symbolic = any(isinstance(size, torch.SymInt) for v in batch_values for size in v.shape)
-        numbers = [s.name in inputs.number_names for s, _ in by_role[Role.BATCH]]
+        # which BATCH values are numbers: the batch leaves that are inputs, in order
+        numbers = [i in inputs.number_leaves for i, x in enumerate(inputs.batch_leaves)
+                   if isinstance(x, torch.Tensor) or i in inputs.number_leaves]
         if options.cast_inputs and options.compute_dtype is not None:
             with compat.annotate_nodes({"phase": Phase.FORWARD.value}):
                 batch_values = [v.to(options.compute_dtype) if v.is_floating_point() and not number else v

@@ -9,6 +9,8 @@ eager evaluation of the synced module, and training around it is bitwise
 the run without it. Misuse is refused on every rank."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -130,4 +132,4 @@ def test_misuse_is_refused_on_every_rank(rank_pool, kind, error, match):
     assert sorted(f.rank for f in failures) == [0, 1]
     for f in failures:
         assert f.kind == "raised" and f.exc_type.endswith(error), f
-        assert __import__("re").search(match, f.message), f.message
+        assert re.search(match, f.message), f.message
