@@ -61,8 +61,8 @@ from .host_objects import refuse_host_objects
 from .tracing_checks import TRACING_CHECKS_KEY, watch_tracing_checks
 from .raising_checks import RaisingCheck, clamping_branch, in_clamping_body, raising_check
 from .optimizers import check_optimizer, hyperparam_inputs, state_tensors, steps_agree, trace_overrides
-from .source import (innermost_user_frame, innermost_user_line, library_of_traceback, other_module_tensors,
-                     user_frame_from_traceback, user_frame_of_caller)
+from .source import (format_frame, innermost_user_frame, innermost_user_line, library_of_traceback,
+                     other_module_tensors, user_frame_from_traceback, user_frame_of_caller)
 
 __all__ = ["StepInputs", "collect_inputs", "capture_step"]
 
@@ -820,11 +820,60 @@ def _make_traced_fn(fn, model, optimizer, inputs: StepInputs, rec: _Recorder, op
                 rec.user_constants.append(None)
                 rec.user_from_slot.append(True)
             else:
+                held = _tensor_inside(leaf)
+                if held is not None:
+                    raise _tensor_in_opaque_output(fn, _keystr(path), leaf, held)
                 rec.user_constants.append(leaf)
                 rec.user_from_slot.append(False)
         return tuple(outs)
 
     return forward
+
+
+def _tensor_inside(value: Any, depth: int = 6) -> str | None:
+    """Where a tensor sits inside an object that pytree does not flatten
+    (``.layers[0].keys``), or None: such an output would be returned as a
+    constant holding the trace's stand-in tensors."""
+    seen: set[int] = set()
+
+    def walk(x: Any, where: str, left: int) -> str | None:
+        if isinstance(x, torch.Tensor):
+            return where
+        if left == 0 or id(x) in seen or isinstance(x, (str, bytes, int, float, bool, type(None), type)):
+            return None
+        if isinstance(x, (torch.nn.Module, torch.optim.Optimizer)):  # the user's own objects, returned as they are
+            return None
+        seen.add(id(x))
+        if isinstance(x, Mapping):
+            items = ((f"[{k!r}]", v) for k, v in x.items())
+        elif isinstance(x, (list, tuple, set, frozenset)):
+            items = ((f"[{i}]", v) for i, v in enumerate(x))
+        elif dataclasses.is_dataclass(x) or hasattr(x, "__dict__"):
+            items = ((f".{k}", v) for k, v in vars(x).items() if not callable(v))
+        else:
+            return None
+        for suffix, v in items:
+            found = walk(v, where + suffix, left - 1)
+            if found is not None:
+                return found
+        return None
+
+    return walk(value, "", depth)
+
+
+def _tensor_in_opaque_output(fn: Callable, path: str, value: Any, held: str) -> CaptureError:
+    code = getattr(fn, "__code__", None)
+    source = format_frame(code.co_filename, code.co_firstlineno, code.co_name) if code is not None else None
+    kind = f"{type(value).__module__}.{type(value).__qualname__}"
+    return CaptureError(
+        f"the step returns a {kind} at {path} that holds tensors ({path}{held}), and stepfx cannot follow tensors "
+        "inside an object that torch.utils._pytree does not flatten: it would come back holding the capture's "
+        "stand-ins",
+        source=source,
+        hint=("return the tensors themselves (or tuples, lists, dicts or dataclasses registered with pytree of them); "
+              "a Hugging Face model's key/value cache: call it with use_cache=False, or leave the cache out of what "
+              "the step returns"),
+    )
 
 
 def _no_fake_kernel(op: Any, exc: BaseException) -> CaptureError:

@@ -249,3 +249,39 @@ def test_an_fp16_only_branch_on_the_values_says_bf16_skips_it():
     x, y = torch.randn(6, 8), torch.randint(0, 4, (6,))
     with pytest.raises(CaptureError, match=r"(?s)h.abs\(\).max\(\) > 1e3.*taken only under fp16.*with bf16"):
         step(model, torch.optim.SGD(model.parameters(), lr=0.1), x, y)
+
+
+class _Outputs:  # an object torch's pytree does not open
+    def __init__(self, loss, parts):
+        self.loss, self.parts = loss, parts
+
+
+def test_an_object_holding_tensors_in_what_the_step_returns_is_refused_not_returned_with_stand_ins():
+    # it used to come back as a constant of the capture: its tensors fake, the same object at every call
+    def step(model, optimizer, x, y):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        return {"out": _Outputs(loss.detach(), [x.sum()])}
+
+    msg, err = _run(step)
+    assert "_Outputs at ['out'] that holds tensors (['out'].loss)" in msg
+    assert err.source is not None and THIS_FILE in err.source and "in step" in err.source
+    assert "use_cache=False" in err.hint
+
+
+def test_an_object_without_tensors_in_what_the_step_returns_comes_back_as_it_is():
+    settings = _Outputs("mean", [1, 2.5])
+
+    def step(model, optimizer, x, y):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        return loss, settings, model
+
+    model = MLP((8, 16, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    compiled = stepfx.parallelize()(step)
+    for _ in range(2):
+        loss, back, module = compiled(model, optimizer, torch.randn(6, 8), torch.randint(0, 4, (6,)))
+        assert back is settings and module is model and not loss.requires_grad
