@@ -42,9 +42,17 @@ Launch with torchrun as before. What changes inside the Trainer, and where:
   loop where it always does), and so does ``load_best_model_at_end``;
 - ``save_model`` writes ``step.model_state_dict()`` (gathered from the
   ZeRO-3 pieces; the fp32 parameters) through the stock ``save_pretrained``;
-  evaluation and prediction first write whole parameters back into the
-  module (``step.sync_model()``, needed under ZeRO-3), and so does the end of
-  ``train()``, so the model is usable afterwards.
+- evaluation and prediction during training (``eval_strategy``, or
+  ``evaluate``/``predict`` between steps) under ZeRO-3 run the model's
+  forward through the step's evaluator (``step.evaluator``): the parameters
+  stay in pieces, gathered a bucket at a time and freed as in training (as
+  DeepSpeed's engine evaluates), so no rank holds the whole model. The
+  forward's key/value cache is left out of its output (evaluation ignores
+  it). Otherwise (before the first step, after ``train()``, under tensor or
+  pipeline parallelism, with ``fp16_full_eval``/``bf16_full_eval``, which
+  cast the module itself) evaluation runs on the module after
+  ``step.sync_model()`` makes its parameters whole. The end of ``train()``
+  makes them whole, so the model is usable afterwards.
 
 Gradient accumulation: stepfx updates every ``gradient_accumulation_steps``
 calls; an epoch whose batch count is not a multiple of it (the Trainer ends
@@ -173,6 +181,46 @@ class _StepfxModule(torch.nn.Module):
         return self.module(*args, **kwargs)
 
 
+class _StepfxEvaluation(torch.nn.Module):
+    """What evaluation and prediction call in place of the model under a
+    stepfx step that has run: each forward goes through the step's evaluator
+    (``ParallelStep.evaluator``), which reads the parameters where the step
+    keeps them (ZeRO-3: gathered bucket by bucket and freed, never the whole
+    model on a rank). The module stays a submodule, so ``eval()``/``train()``
+    reach it; other attributes (``config``, ...) are the module's."""
+
+    def __init__(self, module: torch.nn.Module, forward):
+        super().__init__()
+        self.module = module
+        self._evaluate = forward
+
+    def forward(self, *args, **kwargs):
+        return self._evaluate(self.module, None, args, kwargs)
+
+    def _get_name(self) -> str:  # compute_loss's label smoothing asks the model's class name
+        return self.module._get_name()
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.module, name)
+
+
+def _without_caches(output):
+    """A model output without its key/value cache: evaluation ignores it
+    (``keys_to_ignore_at_inference``), and its tensors sit in an object that
+    a compiled step cannot return."""
+    try:
+        from transformers.cache_utils import Cache
+        from transformers.utils import ModelOutput
+    except ImportError:  # pragma: no cover - transformers without caches
+        return output
+    if isinstance(output, ModelOutput) and any(isinstance(v, Cache) for v in output.values()):
+        return type(output)(**{k: v for k, v in output.items() if not isinstance(v, Cache)})
+    return output
+
+
 def _has_stepfx_checkpoint(directory: str) -> bool:
     return os.path.isfile(os.path.join(directory, "latest"))
 
@@ -212,6 +260,8 @@ class StepfxTrainer(Trainer):
         self._stepfx_owns_scheduler = False  # the config's scheduler block: stepfx builds and advances it
         self._stepfx_k = 1  # gradient accumulation steps
         self._stepfx_calls = 0  # training_step calls since the step was built (or resumed at an update)
+        self._stepfx_evaluator: ParallelStep | None = None  # the step's evaluator (evaluation under a step that ran)
+        self._stepfx_evaluates = False  # this evaluation loop runs through it
         super().__init__(*args, **kwargs)
         if self.is_deepspeed_enabled or self.args.deepspeed:
             raise ValueError("StepfxTrainer runs the DeepSpeed config through stepfx: pass it as stepfx_config= and "
@@ -238,6 +288,7 @@ class StepfxTrainer(Trainer):
         # the optimizer block is built by create_optimizer (the Trainer needs it before the first step), and the
         # step is given that optimizer
         self.stepfx_step = parallelize(dataclasses.replace(config, optimizer=None))(self._stepfx_train_step)
+        self._stepfx_evaluator = self.stepfx_step.evaluator(self._stepfx_forward)
         return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
 
     def create_optimizer(self, model=None) -> torch.optim.Optimizer:
@@ -272,6 +323,8 @@ class StepfxTrainer(Trainer):
         # save); a shell that is not the model makes it prepare only the optimizer. Evaluation keeps the stock path.
         if training and self.stepfx_step is not None:
             return model if isinstance(model, _StepfxModule) else _StepfxModule(self.model)
+        if not training and self._stepfx_evaluates:
+            return _StepfxEvaluation(self.model, self._stepfx_evaluator)
         return super()._wrap_model(model, training, dataloader)
 
     # -- the step ----------------------------------------------------------------------------------------------
@@ -337,9 +390,37 @@ class StepfxTrainer(Trainer):
         return output
 
     def evaluation_loop(self, *args, **kwargs):
-        """``Trainer.evaluation_loop`` on whole parameters (under ZeRO-3 the module's are empty between steps)."""
-        self._sync_model()
-        return super().evaluation_loop(*args, **kwargs)
+        """``Trainer.evaluation_loop``; while ZeRO-3 holds the parameters in
+        pieces (between steps, during training), each forward goes through
+        the step's evaluator: they stay in pieces, gathered a bucket at a time
+        as in training. Otherwise (before the first step, after ``train()``
+        made the module whole, under tensor or pipeline parallelism, and with
+        ``fp16_full_eval``/``bf16_full_eval``, which cast the module itself)
+        on the module's own parameters, made whole first."""
+        self._stepfx_evaluates = self._evaluator_applies()
+        if not self._stepfx_evaluates:
+            self._sync_model()
+        try:
+            return super().evaluation_loop(*args, **kwargs)
+        finally:
+            self._stepfx_evaluates = False
+
+    def _evaluator_applies(self) -> bool:
+        if self.stepfx_step is None or not self._stepfx_ran():
+            return False
+        if self.args.fp16_full_eval or self.args.bf16_full_eval:
+            return False
+        world = self.stepfx_step._dp  # the evaluator runs beside data parallelism and ZeRO, not beside TP or PP
+        if world is None or world.tp_size > 1 or world.pp_size > 1:
+            return False
+        # ZeRO-3 between steps: the module's parameters are empty. A module made whole (the end of train()) is
+        # evaluated as it is, and stays whole for what the user does next with it
+        return any(p.numel() == 0 for p in self.model.parameters())
+
+    def _stepfx_forward(self, model, optimizer, args: tuple, kwargs: dict):
+        """What the evaluator captures: the model's forward (as the stock
+        ``prediction_step`` calls it), without the key/value cache."""
+        return _without_caches(model(*args, **kwargs))
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """``Trainer.save_model`` with the weights stepfx holds (gathered under

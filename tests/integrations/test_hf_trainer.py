@@ -71,10 +71,10 @@ def runs(tmp_path_factory) -> dict:
     config = tmp / "ds_zero3_auto.json"
     config.write_text(json.dumps(ZERO3_AUTO))
     first = _torchrun("--stepfx", str(config), "--reference", "--output_dir", str(tmp / "a"), "--max_steps", "8",
-                      "--save_steps", "4", "--save_model", "--results", str(tmp / "a.json"))
+                      "--save_steps", "4", "--eval_steps", "4", "--save_model", "--results", str(tmp / "a.json"))
     resumed = _torchrun("--stepfx", str(config), "--output_dir", str(tmp / "b"), "--max_steps", "8",
-                        "--resume_from_checkpoint", str(tmp / "a" / "checkpoint-4"), "--save_model",
-                        "--results", str(tmp / "b.json"))
+                        "--resume_from_checkpoint", str(tmp / "a" / "checkpoint-4"), "--eval_steps", "4",
+                        "--save_model", "--results", str(tmp / "b.json"))
     return {"first": first, "resumed": resumed, "tmp": tmp}
 
 
@@ -87,9 +87,26 @@ def test_same_losses_as_the_stock_trainer(runs):
     assert run["losses"] == pytest.approx(reference["losses"], rel=REL)
     assert run["learning_rates"] == pytest.approx(reference["learning_rates"], rel=REL)
     assert run["eval_loss"] == pytest.approx(reference["eval_loss"], rel=REL)
+    assert list(run["eval_losses"]) == ["4", "8"]
+    assert run["eval_losses"] == pytest.approx(reference["eval_losses"], rel=REL)
     # the weights, against the largest weight: per tensor would not do, as the attention's key biases get no
     # gradient in exact arithmetic (softmax ignores them) and Adam turns their rounding noise into full steps
     assert runs["first"]["weights_max_diff"] <= REL * runs["first"]["weights_max_abs"]
+
+
+@pytest.mark.slow
+@launches
+def test_evaluation_during_training_keeps_the_zero3_pieces(runs):
+    # mid-training evaluations run through the step's evaluator: each rank holds its ZeRO-3 pieces (and the
+    # parameters under the persistence threshold whole) while it evaluates, never the whole model; the stock
+    # Trainer holds every element. The evaluation after train() finds the module made whole by train()'s end.
+    reference, run = runs["first"]["reference"], runs["first"]["run"]
+    total = run["parameter_numel"]
+    assert [step for step, _ in run["held_at_evaluation"]] == [4, 8, 8]
+    assert all(held == total for _, held in reference["held_at_evaluation"])
+    during = [held for _, held in run["held_at_evaluation"][:2]]
+    assert all(0 < held < total // 2 for held in during), (during, total)
+    assert run["held_at_evaluation"][2][1] == total
 
 
 @pytest.mark.slow
@@ -106,6 +123,7 @@ def test_resume_equals_the_uninterrupted_run(runs):
     assert [resumed["learning_rates"][s] for s in later] == [whole["learning_rates"][s] for s in later]
     assert resumed["weights"] == whole["weights"]
     assert resumed["eval_loss"] == whole["eval_loss"]
+    assert resumed["eval_losses"]["8"] == whole["eval_losses"]["8"]
 
 
 @pytest.mark.slow

@@ -9,7 +9,8 @@ tests/integrations/test_hf_trainer.py with torchrun on CPU (gloo):
 Without ``--stepfx`` it is the same script on the stock Trainer (DDP through
 accelerate). ``--reference`` runs the stock Trainer first in the same
 processes (one launch instead of two). Rank 0 writes the results as JSON: the
-logged losses per step, the evaluation loss, and whether the weights
+logged losses per step, the evaluation losses (``--eval_steps``: during training too, with
+the parameter elements each rank held then), and whether the weights
 ``save_model`` wrote load back equal to the trained ones.
 """
 from __future__ import annotations
@@ -31,6 +32,7 @@ from transformers import (
     GPT2LMHeadModel,
     PreTrainedTokenizerFast,
     Trainer,
+    TrainerCallback,
     TrainingArguments,
 )
 
@@ -67,6 +69,17 @@ def digest(state_dict: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+class HeldAtEvaluation(TrainerCallback):
+    """How many parameter elements the module held on this rank when each
+    evaluation ended (under stepfx's ZeRO-3: its pieces, never the whole model)."""
+
+    def __init__(self):
+        self.numels: list[tuple[int, int]] = []  # (step, elements), in order
+
+    def on_evaluate(self, args, state, control, model=None, **kwargs):
+        self.numels.append((state.global_step, sum(p.numel() for p in model.parameters())))
+
+
 def train(opts, stepfx_config: str | dict | None, output_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:
     """Train as ``opts`` say (through stepfx when ``stepfx_config`` is given);
     the results to report and the trained weights."""
@@ -76,7 +89,8 @@ def train(opts, stepfx_config: str | dict | None, output_dir: str) -> tuple[dict
         gradient_accumulation_steps=opts.gradient_accumulation_steps, max_steps=opts.max_steps,
         learning_rate=1e-3, warmup_steps=2, weight_decay=opts.weight_decay, logging_steps=1,
         save_strategy="steps" if opts.save_steps else "no", save_steps=opts.save_steps or 500,
-        eval_strategy="no", report_to="none", seed=0, disable_tqdm=True, use_cpu=True,
+        eval_strategy="steps" if opts.eval_steps else "no", eval_steps=opts.eval_steps or None,
+        report_to="none", seed=0, disable_tqdm=True, use_cpu=True,
         # the default (adamw_torch_fused) works too; stepfx creates no optimizer state ahead for torch's fused
         # Adam, so it would capture the step twice where this captures once (test time)
         dataloader_drop_last=True, optim="adamw_torch",
@@ -90,11 +104,15 @@ def train(opts, stepfx_config: str | dict | None, output_dir: str) -> tuple[dict
         trainer = StepfxTrainer(**kwargs, stepfx_config=stepfx_config)  # <- stepfx
     else:
         trainer = Trainer(**kwargs)
+    held = HeldAtEvaluation()
+    trainer.add_callback(held)
     trainer.train(resume_from_checkpoint=opts.resume_from_checkpoint)
     history = [e for e in trainer.state.log_history if "loss" in e]
     trained = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     result = {"losses": {str(e["step"]): e["loss"] for e in history},
               "learning_rates": {str(e["step"]): e["learning_rate"] for e in history},
+              "eval_losses": {str(e["step"]): e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e},
+              "held_at_evaluation": held.numels, "parameter_numel": sum(p.numel() for p in trainer.model.parameters()),
               "eval_loss": trainer.evaluate()["eval_loss"], "weights": digest(trained)}
     if stepfx_config:  # that the steps went through stepfx, and how
         step = trainer.stepfx_step
@@ -118,6 +136,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max_steps", type=int, default=8)
     p.add_argument("--gradient_accumulation_steps", type=int, default=1)
     p.add_argument("--save_steps", type=int, default=0)
+    p.add_argument("--eval_steps", type=int, default=0, help="evaluate every N steps during training (0: never)")
     p.add_argument("--resume_from_checkpoint")
     p.add_argument("--save_model", action="store_true")
     p.add_argument("--weight_decay", type=float, default=0.01)
