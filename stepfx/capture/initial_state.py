@@ -30,11 +30,17 @@ in the optimizer (no rank is to hold it whole); the rank holds a
 description of it instead, and reads zeros for its pieces at the first run
 (``runtime/binding.py``): the same first step, and one capture.
 
-Not created (kept lazy): SGD with dampening, ``fused`` groups (captured
-through the reference loop, whose state placement differs from the fused
-kernel's), subclasses that override ``_init_group``, other optimizers, and
-an optimizer that already has any state (Adagrad makes its own at
-construction).
+``fused`` groups (torch's default AdamW in the Hugging Face Trainer,
+nanoGPT's and torchtitan's on CUDA) are captured through the reference
+loop (``fused=False`` while tracing), so their state is created as that loop
+creates it: the step counter a CPU scalar unless ``capturable``, where the
+fused kernel's own first step would put it on the parameter's device. That
+is the state a second capture found before (as the loop had made it at the
+first), now without the second capture.
+
+Not created (kept lazy): SGD with dampening, subclasses that override
+``_init_group``, other optimizers, and an optimizer that already has any
+state (Adagrad makes its own at construction).
 """
 from __future__ import annotations
 
@@ -60,7 +66,7 @@ def _first_state_keys(optimizer, group: dict) -> tuple[bool, list[str]] | None:
     """(whether it keeps a step counter, the state tensors its first step
     makes as zeros like the parameter) for ``group``, or None where the
     first step's state is not that."""
-    if group.get("fused") or group.get("differentiable"):
+    if group.get("differentiable"):
         return None
     if _own_init_group(optimizer, torch.optim.Adam):  # AdamW too (a subclass sharing _init_group)
         return True, ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])

@@ -91,9 +91,8 @@ def train(opts, stepfx_config: str | dict | None, output_dir: str) -> tuple[dict
         save_strategy="steps" if opts.save_steps else "no", save_steps=opts.save_steps or 500,
         eval_strategy="steps" if opts.eval_steps else "no", eval_steps=opts.eval_steps or None,
         report_to="none", seed=0, disable_tqdm=True, use_cpu=True,
-        # the default (adamw_torch_fused) works too; stepfx creates no optimizer state ahead for torch's fused
-        # Adam, so it would capture the step twice where this captures once (test time)
-        dataloader_drop_last=True, optim="adamw_torch",
+        # the Trainer's default optimizer (adamw_torch_fused): stepfx traces its reference loop
+        dataloader_drop_last=True,
     )
     kwargs = {"model": model(), "args": args, "train_dataset": dataset(64 * opts.gradient_accumulation_steps, 1),
               "eval_dataset": dataset(16, 2), "data_collator": DataCollatorForLanguageModeling(tok, mlm=False),
