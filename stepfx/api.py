@@ -15,6 +15,7 @@ import collections
 import dataclasses
 import functools
 import gc
+import hashlib
 import logging
 import os
 import re
@@ -228,6 +229,9 @@ class ParallelStep:
         # the planner's first round when it chose the ZeRO stage: (its summary, its choice)
         self._first_round: tuple[str, Any] | None = None
         self._owner: ParallelStep | None = None  # an evaluator's training step (see evaluator())
+        # an evaluator's: the training step's ZeRO layout it reads the pieces with, and a digest of it (in its plans'
+        # keys: a plan made for another layout never reads the pieces the training step cut anew)
+        self._evaluated_layout: tuple[Any, str | None] | None = None
         # Python number arguments the captures take as inputs (paths), those that changed at this call, and those
         # that failed as inputs and stay constants (capture/number_arguments.py)
         self._numbers: frozenset[str] = frozenset()
@@ -269,6 +273,10 @@ class ParallelStep:
                              f"{'pipeline' if owner._dp.pp_size > 1 else 'tensor'} parallelism: call "
                              f"{owner.__name__}.sync_model() on every rank and evaluate the module")
         owner._apply_delayed_update()  # the parameters as the last update left them
+        layout = owner._last.graph.signature.extra.get(LAYOUT_KEY) if owner._last is not None else None
+        if self._evaluated_layout is None or self._evaluated_layout[0] is not layout:
+            digest = hashlib.sha1(repr(layout.buckets).encode()).hexdigest() if layout is not None else None
+            self._evaluated_layout = (layout, digest)
         if self._dp is None:
             self.config, self._dp, self._store = owner.config, owner._dp, owner._store
             self._monitor = Monitor(self.config, rank=self._dp.rank, world_size=self._dp.world_size, writers=[])
@@ -376,8 +384,9 @@ class ParallelStep:
             if fresh and not options.accumulate_only and self._drop_unused_state(plan, model, optimizer, fresh):
                 self._calls -= 1  # the same call, captured anew without that state
                 return self(model, optimizer, *args, **kwargs)
-            resharded = self._last is not None and plan is not self._last and bool(self._store.tensors) and self._reshard(
-                self._last, plan, model, optimizer)
+            # (an evaluator reads the pieces as its training step cut them: never re-cuts them itself)
+            resharded = (self._owner is None and self._last is not None and plan is not self._last
+                         and bool(self._store.tensors) and self._reshard(self._last, plan, model, optimizer))
             self._check_loss_scale(wait=self._schedule_pending)
             first = plan.runs == 0 and plan.created_at_call == self._calls  # the call that made it: compiles now
             if first:
@@ -650,8 +659,9 @@ class ParallelStep:
     def _fingerprint(self, model, optimizer, args, kwargs, options: CaptureOptions, *, batch_shapes: bool = True) -> tuple:
         """This call's plan key (``batch_shapes=False``: its structure, which
         a variant with symbolic batch sizes serves)."""
+        evaluated = (("evaluated layout", self._evaluated_layout[1]),) if self._evaluated_layout is not None else ()
         return fingerprint(model, optimizer, args, kwargs, held=self._store.held, batch_shapes=batch_shapes,
-                           unread=self._unread, numbers=self._numbers) + (("capture options", options),)
+                           unread=self._unread, numbers=self._numbers) + (("capture options", options),) + evaluated
 
     def _numbers_changed(self, key: tuple) -> bool:
         """Python number arguments whose values differ from the last plan's
@@ -862,8 +872,7 @@ class ParallelStep:
                    FLASH_CHECK_KEY: compat.flash_attention_takes(_device_of(model, device_type)),
                    HF_TP_PLAN_KEY: _hf_tp_plan(model) if dp.tp_size > 1 else (),
                    MODEL_TYPE_KEY: getattr(getattr(model, "config", None), "model_type", None),
-                   **({EVALUATED_LAYOUT_KEY: self._owner._last.graph.signature.extra.get(LAYOUT_KEY)}
-                      if self._owner is not None and self._owner._last is not None else {}),
+                   **({EVALUATED_LAYOUT_KEY: self._evaluated_layout[0]} if self._evaluated_layout is not None else {}),
                    **_pipeline_extra(self.config, dp, model, self._stage_owner)},
         )
         self._progress("captured in %.1f s (%s ops); running %d passes...", capture_seconds,

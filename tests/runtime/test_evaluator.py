@@ -98,6 +98,40 @@ def test_hugging_face_gpt2_padded_batches_with_whole_small_parameters(rank_pool)
         assert at3[rank][1][-1] == at3[rank][3]
 
 
+def _freezing_run(stage, batches):
+    """Evaluations around a parameter frozen mid-run (the training step then
+    cuts its pieces anew): one before the next training step, under the old
+    pieces, and one after each step; then the synced module's eager one."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = mlp_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = stepfx.parallelize(_zero(stage))(ce_step)
+    ev = step.evaluator(mlp_eval)
+    evals = []
+    for i, (x, y) in enumerate(batches[dist.get_rank()]):
+        if i == 2:
+            model.net[0].weight.requires_grad_(False)
+            evals.append(ev(model, None, x, y).item())
+        step(model, opt, x, y)
+        evals.append(ev(model, None, x, y).item())
+    step.sync_model()
+    return evals, mlp_eval(model, None, x, y).item(), len(ev.plans)
+
+
+def test_evaluation_follows_the_pieces_cut_anew_when_a_parameter_is_frozen(rank_pool):
+    # the evaluator used to re-cut the pieces itself from its own old layout after the training step had (a
+    # KeyError on one rank, the other in a gather), and a plan made for the old layout could serve the new one
+    batches = W.mlp_rank_batches(2, 4, 4, 3, 5)
+    pool = rank_pool(2)
+    at0, at3 = (pool.run(_freezing_run, stage, batches) for stage in (0, 3))
+    for rank in range(2):
+        (e0, _, _), (e3, synced3, plans3) = at0[rank], at3[rank]
+        assert e3 == e0 and len(e3) == 5 and e3[-1] == synced3
+        assert plans3 == 3  # the first layout, the new flags under the old pieces, then the new pieces
+
+
 def _misuse(kind):
     torch.manual_seed(0)
     model = mlp_model()
