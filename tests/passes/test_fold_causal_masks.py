@@ -33,6 +33,8 @@ class MaskedAttention(torch.nn.Module):
             return torch.full((n, n), float("-inf"), device=x.device).triu(1)
         if self.kind == "window":  # sliding window of 2: not causal
             return ones.tril() & ones.triu(-2)
+        if self.kind == "wide_window":  # sliding window of 8: causal up to 8 positions, not beyond
+            return ones.tril() & ones.triu(-8)
         if self.kind == "soft":  # -1e4 does not underflow every softmax weight to 0
             return torch.full((n, n), -1e4, device=x.device).triu(1)
         if self.kind == "padding":  # from the batch's values
@@ -122,6 +124,38 @@ def test_a_symbolic_window_mask_is_kept():
     # causal at no trial size but 1: every trial must pass
     step = _run("window", lengths=(5, 9), config={"gradient_clipping": 0, "stepfx": {"dynamic": True}})
     assert "not the causal mask" in _summary(step)
+
+
+def test_a_symbolic_window_wider_than_every_trial_size_is_evaluated_past_it():
+    # first length 5 and the trial sizes 1, 3, 7 are all inside the window of 8: the mask is causal at each of them,
+    # not at the lengths 12 and 16 that the same plan serves. The window's constant makes it evaluated at 10 too
+    lengths = (5, 12, 16)
+    config = {"gradient_clipping": 0, "stepfx": {"dynamic": True}}
+    step = _run("wide_window", lengths=lengths, config=config)
+    assert len(step.plans) == 1 and "not the causal mask at sizes" in _summary(step)
+    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1)
+    assert_step_equivalent(attention_step, lambda: MaskedAttention("wide_window"), sgd, _batches(lengths), rtol=1e-6,
+                           atol=1e-7, config=config)
+
+
+def test_hugging_face_masks_under_symbolic_lengths_are_folded():
+    # their computation reads the length and the length + 1: each trial evaluates both from the one length (setting
+    # every size read to the trial size failed with an IndexError, and the masks were kept)
+    from tests.steps import hf_step
+
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, 64, (2, n), generator=g),) for n in (5, 9, 12)]
+    config = {"gradient_clipping": 0, "stepfx": {"dynamic": True}}
+    torch.manual_seed(0)
+    model = _llama_without_cache()
+    step = stepfx.parallelize(config)(hf_step)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for batch in batches:
+        step(model, opt, *batch)
+    assert len(step.plans) == 1 and _summary(step).startswith("2 causal mask(s) folded"), _summary(step)
+    assert all(_get(n, "attn_mask") is None for n in _attention_calls(step))
+    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1)
+    assert_step_equivalent(hf_step, _llama_without_cache, sgd, batches, exact=True, config=config)
 
 
 def _llama_without_cache():

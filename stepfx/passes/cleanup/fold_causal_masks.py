@@ -23,8 +23,12 @@ data, parameters or an RNG — and, evaluated, equals SDPA's causal mask
 others; a float mask 0 there and <= -65504 elsewhere, the value torch
 itself gives a boolean mask on cuDNN), reads no mask and has
 ``is_causal=True``. With symbolic batch sizes the mask is evaluated at the
-traced sizes and at three more; its last two dims must be the query's and
-key's lengths by their size expressions. Anything else is left as it was,
+traced sizes and at three more (every size symbol at 1, 3 and 7, the sizes
+it reads evaluated from their expressions), and past the largest integer
+constant of its computation (a sliding window is causal below its width:
+evaluated at the width + 2, or kept where that mask would be too large to
+evaluate); its last two dims must be the query's and key's lengths by their
+size expressions. Anything else is left as it was,
 with the reason in the summary. The mask's computation is left for
 ``eliminate_dead_code``.
 
@@ -41,6 +45,7 @@ import operator
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 
 from ... import compat
 from ...errors import PassError
@@ -55,6 +60,7 @@ aten = torch.ops.aten
 MASKED_AT_MOST = -65504.0  # what torch's cuDNN path turns a boolean mask's False into
 MAX_MASK_ELEMENTS = 1 << 28  # evaluated on the step's device at capture: larger masks are left alone
 _TRIAL_SIZES = (1, 3, 7)  # extra sizes a symbolic mask is evaluated at
+_SENTINEL = 1 << 31  # integer constants from here up are "to the end" markers (slice's INT64_MAX), not sizes
 
 
 def attention_ops() -> dict:
@@ -199,9 +205,36 @@ def _why_not_causal(graph: StepGraph, mask: fx.Node, readers: list[fx.Node], ops
     return evaluated[key]
 
 
+def _at_size_exprs(sizes, leaves: list[fx.Node], size: int) -> list[int]:
+    """``sizes`` (ints or SymInts) with every size symbol of ``leaves`` at ``size``."""
+    exprs = [compat.size_expr(x) for x in sizes]
+    symbols = set().union(*(getattr(compat.size_expr(leaf.meta["val"]), "free_symbols", set()) for leaf in leaves),
+                          *(getattr(e, "free_symbols", set()) for e in exprs))
+    return [int(e) if isinstance(e, int) else int(e.subs({s: size for s in symbols})) for e in exprs]
+
+
+def _at_size(leaves: list[fx.Node], size: int) -> list[int]:
+    """The leaves' values with every size symbol at ``size``: a leaf is an
+    expression of the symbols (a length and that length + 1 are two leaves of
+    one symbol), so each is evaluated, never set to ``size`` itself."""
+    return _at_size_exprs([leaf.meta["val"] for leaf in leaves], leaves, size)
+
+
 def _evaluate(graph: StepGraph, nodes: list[fx.Node], leaves: list[fx.Node], mask: fx.Node, val) -> str | None:
     hints = [compat.size_hint(leaf.meta["val"]) for leaf in leaves]
-    trials = [hints] + ([[size] * len(leaves) for size in _TRIAL_SIZES] if leaves else [])
+    sizes = list(_TRIAL_SIZES)
+    if leaves:
+        # a constant of the computation beyond the trial sizes (a sliding window of 8) could make the mask causal
+        # at every size tried and not above it: the mask is evaluated past it too, or kept
+        largest = max((abs(x) for n in nodes for x in pytree.tree_leaves((n.args, n.kwargs))
+                       if isinstance(x, int) and not isinstance(x, bool) and abs(x) < _SENTINEL), default=0)
+        if largest + 2 > max(sizes):
+            beyond = largest + 2
+            numel = torch.Size(_at_size_exprs(val.shape, leaves, beyond)).numel()
+            if numel > MAX_MASK_ELEMENTS:
+                return f"computed with the constant {largest}, beyond the sizes it can be evaluated at"
+            sizes.append(beyond)
+    trials = [hints] + [_at_size(leaves, size) for size in sizes if leaves]
     try:
         module = _evaluator(graph.gm, nodes, leaves, mask)
         for trial in trials:
