@@ -27,14 +27,16 @@ copies (``view`` to [B, Hkv, r, S, D], ``sum`` over dim 2, ``squeeze``, and
 the backward of whole-dimension slices, which symbolic captures keep),
 the ops read ``x`` directly and the summed gradients are the kernel's
 own. Anything else is left as it was. The repeats are left for
-``eliminate_dead_code``. In 16 bits with a mask (padding) only the forward
-does: eager, which repeats there, rounds each copy's K/V gradient to 16
-bits and then their sum, where the kernel sums in fp32 and rounds once, so
-the backward keeps reading the repeats and summing their gradients, the
-repeat moved to just before it (made again from ``x``, not kept from the
-forward: the memory saved is the same). Bitwise eager on every batch with
-padding; on one without, eager drops the mask and passes grouped heads
-itself, which a captured step cannot follow.
+``eliminate_dead_code``. With a mask (padding) only the forward does:
+eager, which repeats there, sums each copy's K/V gradient after the
+kernel (in 16 bits rounding each first, where the kernel sums in fp32 and
+rounds once; in fp32 in another order than the kernel's: the last bits of
+the K/V projections' gradients differed), so the backward keeps reading
+the repeats and summing their gradients, the repeat moved to just before
+it (made again from ``x``, not kept from the forward: the memory saved is
+the same). Bitwise eager on every batch with padding; on one without,
+eager drops the mask and passes grouped heads itself, which a captured
+step cannot follow.
 
 Before / after::
 
@@ -63,7 +65,6 @@ __all__ = ["unrepeat_kv_heads", "GQA_OPS_KEY"]
 
 aten = torch.ops.aten
 GQA_OPS_KEY = "gqa_attention_ops"
-_SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
 
 def _arg(node: fx.Node, name: str):
@@ -234,9 +235,10 @@ def unrepeat_kv_heads(graph: StepGraph, options: PassOptions) -> PassResult:
         _set_arg(forward, "key", k)
         _set_arg(forward, "value", v)
         rewired += 1
-        if k.meta["val"].dtype in _SIXTEEN_BIT and _mask(forward) is not None:
-            # with a padding mask eager repeats K/V (transformers' repeat_kv), so it rounds each copy's K/V
-            # gradient to 16 bits and then their sum, where the kernel would sum them in fp32 and round once: the
+        if _mask(forward) is not None:
+            # with a padding mask eager repeats K/V (transformers' repeat_kv) and sums the copies' K/V gradients
+            # after the kernel: in 16 bits it rounds each copy's to 16 bits first, where the kernel would sum in
+            # fp32 and round once; in fp32 it adds them in another order than the kernel's own sum. So the
             # backward keeps the repeats, made again just before it. (Without a mask eager passes the heads
             # grouped, enable_gqa, and the kernel's sum is eager's.)
             narrow += 1
@@ -265,10 +267,10 @@ def unrepeat_kv_heads(graph: StepGraph, options: PassOptions) -> PassResult:
             backward.meta["val"] = tuple(vals)
     graph.gm.recompile()
     if narrow:
-        note = (f"; in 16 bits with a padding mask ({narrow} of them) the backward reads the repeats, made again "
-                f"just before it, and sums the copies' gradients as eager does there (bitwise eager; the kernel "
-                f"would sum them in fp32; eager itself passes grouped heads to a batch without padding, whose mask "
-                f"transformers drops)") + note
+        note = (f"; with a padding mask ({narrow} of them) the backward reads the repeats, made again just before "
+                f"it, and sums the copies' gradients as eager does there (bitwise eager: the kernel would sum them "
+                f"in its own order, and in fp32 where eager rounds 16-bit copies first; eager itself passes grouped "
+                f"heads to a batch without padding, whose mask transformers drops)") + note
     return PassResult(graph, True, f"{rewired} grouped-query attention call(s) read K/V heads unrepeated "
-                                   f"(the repeats are not kept for the backward, nor, in fp32, their gradients' "
-                                   f"sums)" + note)
+                                   f"(the repeats are not kept for the backward, nor, without a mask, their "
+                                   f"gradients' sums)" + note)
