@@ -59,18 +59,19 @@ def test_grouped_heads_are_read_unrepeated_and_the_step_is_eager_bitwise(kv_head
     assert report.bitwise
 
 
-@pytest.mark.parametrize("kv_heads", [1, 2])
-def test_in_bf16_the_backward_reads_repeats_made_just_before_it_and_is_eager_bitwise(kv_heads):
-    # with a padding mask eager repeats K/V: it rounds each copy's K/V gradient to bf16 and then their sum, where
-    # the kernel would sum them in fp32 and round once (k_proj/v_proj drifted by ~1e-4 after one AdamW step): the
-    # forward reads the heads unrepeated, the backward the repeats, made again from them right before it, not kept
-    # from the forward. (A batch without padding would not be eager's bits: transformers drops its mask in eager
-    # and passes grouped heads, which the captured step cannot see)
+@pytest.mark.parametrize("kv_heads, bf16", [(1, True), (2, True), (2, False)], ids=["1-bf16", "2-bf16", "2-fp32"])
+def test_with_a_padding_mask_the_backward_reads_repeats_made_just_before_it_and_is_eager_bitwise(kv_heads, bf16):
+    # with a padding mask eager repeats K/V and sums the copies' K/V gradients after the kernel: in bf16 it rounds
+    # each copy's to bf16 first, where the kernel would sum them in fp32 and round once (k_proj/v_proj drifted by
+    # ~1e-4 after one AdamW step); in fp32 it adds them in another order than the kernel (the last bits of the K/V
+    # projections after the first step). The forward reads the heads unrepeated, the backward the repeats, made
+    # again from them right before it, not kept from the forward. (A batch without padding: transformers drops its
+    # mask in eager and passes grouped heads; the captured step folds the causal mask it built and does the same)
     from stepfx.graph.step_graph import META_PHASE, Phase
     from stepfx.testing.equivalence import mixed_precision_reference
     from tests.steps import padded_batch, padded_step
 
-    config = {"bf16": {"enabled": True}, "gradient_clipping": 0}
+    config = {"bf16": {"enabled": True}, "gradient_clipping": 0} if bf16 else {"gradient_clipping": 0}
     g = torch.Generator().manual_seed(3)
     batches = [(padded_batch(lengths, generator=g),) for lengths in ([5, 9], [12, 4], [3, 8])]
     step = _run(lambda: llama(kv_heads), padded_step, batches[:1], config)
@@ -87,8 +88,9 @@ def test_in_bf16_the_backward_reads_repeats_made_just_before_it_and_is_eager_bit
         for node in (repeat, expand):
             assert nodes.index(forward) < nodes.index(node) < nodes.index(backward)
             assert node.meta[META_PHASE] is Phase.BACKWARD
+    reference = mixed_precision_reference(padded_step, torch.bfloat16) if bf16 else None
     report = assert_step_equivalent(padded_step, lambda: llama(kv_heads), adamw, batches, exact=True, config=config,
-                                    reference_fn=mixed_precision_reference(padded_step, torch.bfloat16))
+                                    reference_fn=reference)
     assert report.bitwise
 
 
