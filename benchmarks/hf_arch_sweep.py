@@ -1,0 +1,119 @@
+"""A new user's sweep over Hugging Face causal LMs the tests do not build.
+
+Tiny configs from ``AutoConfig.for_model``, fp32 AdamW, 4 right-padded
+batches of a new length each (attention masks, labels -100 on the padding),
+one process; stepfx against eager::
+
+    STEPFX_CACHE_DIR=off PYTHONPATH=. python3 benchmarks/hf_arch_sweep.py qwen3 gemma3_text phimoe:router_jitter_noise=0.0
+
+``type:key=value,...`` overrides config entries (random routers and dropout
+off: stepfx draws its own random numbers, never eager's). Prints, per model,
+the largest relative loss difference, the largest parameter difference
+relative to its tensor's largest value, the number of plans, and OK where
+both are 0 (bitwise). A config the model itself rejects fails in eager too:
+the script says which side failed. Runs on the CPU.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import copy
+import logging
+import os
+import sys
+import traceback
+import warnings
+
+# this directory holds a kernels.py, which would shadow the `kernels` package transformers imports
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+import stepfx  # noqa: E402
+
+TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, head_dim=8, pad_token_id=0, bos_token_id=1,
+            eos_token_id=2)
+DROPOUTS = ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop", "dropout",
+            "hidden_dropout_prob", "attention_probs_dropout_prob")
+
+
+def batches(n: int = 4, seed: int = 0) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        length = int(torch.randint(6, 14, (), generator=g))
+        ids = torch.randint(3, 64, (2, length), generator=g)
+        mask = torch.ones(2, length, dtype=torch.long)
+        mask[1, length - 3:] = 0
+        out.append({"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask,
+                    "labels": ids.masked_fill(mask == 0, -100)})
+    return out
+
+
+def step(model, optimizer, batch):
+    loss = model(**batch).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.detach()
+
+
+def build(model_type: str, overrides: dict) -> torch.nn.Module:
+    config = transformers.AutoConfig.for_model(model_type, **{**TINY, **overrides})
+    for key in DROPOUTS:
+        if hasattr(config, key) and key not in overrides:
+            setattr(config, key, 0.0)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).train()
+
+
+def compare(model_type: str, overrides: dict) -> tuple[float, float, int]:
+    model = build(model_type, overrides)
+    reference = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, reference))
+    compiled = stepfx.parallelize({"gradient_clipping": 0})(step)
+    worst = 0.0
+    for batch in batches():
+        try:
+            expected = step(reference, ref_opt, batch)
+        except Exception as exc:
+            raise RuntimeError(f"eager fails too ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from exc
+        got = compiled(model, opt, batch)
+        worst = max(worst, abs(got.item() - expected.item()) / max(abs(expected.item()), 1e-12))
+    params = max(((p - q).abs().max() / q.abs().max().clamp_min(1e-12)).item()
+                 for p, q in zip(model.parameters(), reference.parameters()))
+    return worst, params, len(compiled.plans)
+
+
+def parse(spec: str) -> tuple[str, dict]:
+    model_type, _, rest = spec.partition(":")
+    overrides = {}
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        overrides[key] = ast.literal_eval(value)
+    return model_type, overrides
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("models", nargs="+", help="model types (AutoConfig), each optionally type:key=value,...")
+    args = ap.parse_args()
+    logging.getLogger("stepfx").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    transformers.logging.set_verbosity_error()
+    for spec in args.models:
+        model_type, overrides = parse(spec)
+        try:
+            loss, params, plans = compare(model_type, overrides)
+        except Exception as exc:
+            print(f"{model_type:22s} FAIL {type(exc).__name__}: {str(exc).splitlines()[0][:300]}", flush=True)
+            traceback.print_exc(limit=-3)
+            continue
+        verdict = "OK" if loss == 0 and params == 0 else ("CLOSE" if loss < 1e-5 else "DIFF")
+        print(f"{model_type:22s} loss {loss:.1e} params {params:.1e} plans {plans} {verdict}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
