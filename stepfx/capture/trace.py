@@ -848,7 +848,9 @@ def _tensor_inside(value: Any, depth: int = 6) -> str | None:
             items = ((f"[{k!r}]", v) for k, v in x.items())
         elif isinstance(x, (list, tuple, set, frozenset)):
             items = ((f"[{i}]", v) for i, v in enumerate(x))
-        elif dataclasses.is_dataclass(x) or hasattr(x, "__dict__"):
+        elif dataclasses.is_dataclass(x):  # (fields, also where it has __slots__ and no __dict__)
+            items = ((f".{f.name}", getattr(x, f.name, None)) for f in dataclasses.fields(x))
+        elif hasattr(x, "__dict__"):
             items = ((f".{k}", v) for k, v in vars(x).items() if not callable(v))
         else:
             return None
@@ -870,9 +872,8 @@ def _tensor_in_opaque_output(fn: Callable, path: str, value: Any, held: str) -> 
         "inside an object that torch.utils._pytree does not flatten: it would come back holding the capture's "
         "stand-ins",
         source=source,
-        hint=("return the tensors themselves (or tuples, lists, dicts or dataclasses registered with pytree of them); "
-              "a Hugging Face model's key/value cache: call it with use_cache=False, or leave the cache out of what "
-              "the step returns"),
+        hint=("return the tensors themselves, or tuples, lists or dicts of them; a Hugging Face model's key/value "
+              "cache: call it with use_cache=False, or leave the cache out of what the step returns"),
     )
 
 

@@ -320,7 +320,8 @@ class StepfxTrainer(Trainer):
     def _wrap_model(self, model, training: bool = True, dataloader=None):
         # the Trainer prepares the model with accelerate when _wrap_model returns it unchanged, which wraps it in
         # DistributedDataParallel (a second gradient all-reduce, and a whole-gradient buffer ZeRO is meant to
-        # save); a shell that is not the model makes it prepare only the optimizer. Evaluation keeps the stock path.
+        # save); a shell that is not the model makes it prepare only the optimizer. Evaluation under ZeRO-3 between
+        # steps gets a shell whose forward is the step's evaluator (evaluation_loop decides); otherwise the stock path.
         if training and self.stepfx_step is not None:
             return model if isinstance(model, _StepfxModule) else _StepfxModule(self.model)
         if not training and self._stepfx_evaluates:

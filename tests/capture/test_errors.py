@@ -2,6 +2,8 @@
 construct, the user's source line and what to do instead."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn as nn
@@ -256,16 +258,26 @@ class _Outputs:  # an object torch's pytree does not open
         self.loss, self.parts = loss, parts
 
 
-def test_an_object_holding_tensors_in_what_the_step_returns_is_refused_not_returned_with_stand_ins():
+@dataclasses.dataclass(slots=True)
+class _SlotOutputs:  # no __dict__
+    note: str
+    parts: list
+
+
+@pytest.mark.parametrize("wrap, where", [
+    (lambda loss, x: _Outputs(loss, [x.sum()]), "_Outputs at ['out'] that holds tensors (['out'].loss)"),
+    (lambda loss, x: _SlotOutputs("mean", [1, x.sum()]), "_SlotOutputs at ['out'] that holds tensors (['out'].parts[1])"),
+], ids=["object", "slots-dataclass"])
+def test_an_object_holding_tensors_in_what_the_step_returns_is_refused_not_returned_with_stand_ins(wrap, where):
     # it used to come back as a constant of the capture: its tensors fake, the same object at every call
     def step(model, optimizer, x, y):
         loss = F.cross_entropy(model(x), y)
         loss.backward()
         optimizer.step()
-        return {"out": _Outputs(loss.detach(), [x.sum()])}
+        return {"out": wrap(loss.detach(), x)}
 
     msg, err = _run(step)
-    assert "_Outputs at ['out'] that holds tensors (['out'].loss)" in msg
+    assert where in msg
     assert err.source is not None and THIS_FILE in err.source and "in step" in err.source
     assert "use_cache=False" in err.hint
 
