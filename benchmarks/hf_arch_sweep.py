@@ -1,8 +1,9 @@
-"""A new user's sweep over Hugging Face causal LMs the tests do not build.
+"""A new user's sweep over Hugging Face models the tests do not build.
 
 Tiny configs from ``AutoConfig.for_model``, fp32 AdamW, 4 right-padded
 batches of a new length each (attention masks, labels -100 on the padding),
-one process; stepfx against eager::
+one process; stepfx against eager. Causal LMs by default; ``--task masked-lm``
+or ``classification`` for encoders::
 
     STEPFX_CACHE_DIR=off PYTHONPATH=. python3 benchmarks/hf_arch_sweep.py qwen3 gemma3_text phimoe:router_jitter_noise=0.0
 
@@ -36,10 +37,15 @@ TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_laye
             num_key_value_heads=2, max_position_embeddings=64, head_dim=8, pad_token_id=0, bos_token_id=1,
             eos_token_id=2)
 DROPOUTS = ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop", "dropout",
-            "hidden_dropout_prob", "attention_probs_dropout_prob")
+            "hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout", "classifier_dropout_prob",
+            "seq_classif_dropout")
 
 
-def batches(n: int = 4, seed: int = 0) -> list[dict]:
+AUTO_CLASSES = {"causal-lm": "AutoModelForCausalLM", "masked-lm": "AutoModelForMaskedLM",
+                "classification": "AutoModelForSequenceClassification"}
+
+
+def batches(task: str = "causal-lm", n: int = 4, seed: int = 0) -> list[dict]:
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):
@@ -47,8 +53,9 @@ def batches(n: int = 4, seed: int = 0) -> list[dict]:
         ids = torch.randint(3, 64, (2, length), generator=g)
         mask = torch.ones(2, length, dtype=torch.long)
         mask[1, length - 3:] = 0
-        out.append({"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask,
-                    "labels": ids.masked_fill(mask == 0, -100)})
+        labels = (torch.randint(0, 2, (2,), generator=g) if task == "classification"
+                  else ids.masked_fill(mask == 0, -100))
+        out.append({"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask, "labels": labels})
     return out
 
 
@@ -60,22 +67,22 @@ def step(model, optimizer, batch):
     return loss.detach()
 
 
-def build(model_type: str, overrides: dict) -> torch.nn.Module:
+def build(model_type: str, overrides: dict, task: str) -> torch.nn.Module:
     config = transformers.AutoConfig.for_model(model_type, **{**TINY, **overrides})
     for key in DROPOUTS:
         if hasattr(config, key) and key not in overrides:
             setattr(config, key, 0.0)
     torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(config).train()
+    return getattr(transformers, AUTO_CLASSES[task]).from_config(config).train()
 
 
-def compare(model_type: str, overrides: dict) -> tuple[float, float, int]:
-    model = build(model_type, overrides)
+def compare(model_type: str, overrides: dict, task: str) -> tuple[float, float, int]:
+    model = build(model_type, overrides, task)
     reference = copy.deepcopy(model)
     opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, reference))
     compiled = stepfx.parallelize({"gradient_clipping": 0})(step)
     worst = 0.0
-    for batch in batches():
+    for batch in batches(task):
         try:
             expected = step(reference, ref_opt, batch)
         except Exception as exc:
@@ -99,6 +106,9 @@ def parse(spec: str) -> tuple[str, dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("models", nargs="+", help="model types (AutoConfig), each optionally type:key=value,...")
+    ap.add_argument("--task", choices=sorted(AUTO_CLASSES), default="causal-lm",
+                    help="the head: causal LM (labels the inputs), masked LM (the same labels), or sequence "
+                         "classification (2 classes)")
     args = ap.parse_args()
     logging.getLogger("stepfx").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
@@ -106,7 +116,7 @@ def main() -> None:
     for spec in args.models:
         model_type, overrides = parse(spec)
         try:
-            loss, params, plans = compare(model_type, overrides)
+            loss, params, plans = compare(model_type, overrides, args.task)
         except Exception as exc:
             print(f"{model_type:22s} FAIL {type(exc).__name__}: {str(exc).splitlines()[0][:300]}", flush=True)
             traceback.print_exc(limit=-3)
