@@ -215,8 +215,11 @@ def test_a_fused_adamw_on_cuda_captures_once_and_the_optimizer_steps_on_eagerly_
     state is made before the first capture as the reference loop that stepfx
     traces makes it (the step counter a CPU scalar, where the fused kernel
     would put it on the GPU), so a run captures once; fp32 losses within 1e-5
-    of eager's fused step over 6 steps; and the same optimizer object then
-    steps eagerly with its fused kernel from that state."""
+    of eager's fused step over 6 steps. The same optimizer object cannot then
+    step eagerly as it is: torch's fused kernel refuses the CPU counters
+    (measured on the H100, 2026-12-06: "state_steps is on cpu"; so did the
+    state the first capture made before). Through its state_dict, as a resume
+    would, it does: load_state_dict puts a fused group's counters on the GPU."""
     torch.manual_seed(0)
     model, ref = cuda_tiny_gpt_nodrop(), cuda_tiny_gpt_nodrop()
     ref.load_state_dict(model.state_dict())
@@ -229,6 +232,7 @@ def test_a_fused_adamw_on_cuda_captures_once_and_the_optimizer_steps_on_eagerly_
         worst = max(worst, abs(a.item() - b.item()) / abs(b.item()))
     print(f"\ncuda fused AdamW (codegen {codegen}): worst loss rel {worst:.2e}, {len(step.plans)} plan(s)")
     assert worst <= 1e-5 and len(step.plans) == 1
+    opts[0].load_state_dict(opts[0].state_dict())  # (the counters to the GPU, as torch loads a fused group's)
     for (batch,) in batches[6:]:  # eager from here, the fused kernel on the state stepfx left
         a, b = lm_step(model, opts[0], batch.cuda()), lm_step(ref, opts[1], batch.cuda())
         assert abs(a.item() - b.item()) <= 1e-5 * abs(b.item())
@@ -566,13 +570,16 @@ def _train_and_evaluate_on_cuda(stage, evaluate, world=1):
 
 @pytest.mark.gpu
 @gpu
-def test_evaluator_on_cuda_with_codegen_equals_stage0_and_leaves_training_as_it_was():
+def test_evaluator_on_cuda_with_codegen_tracks_stage0_and_leaves_training_as_it_was():
+    # bf16 with codegen: the ZeRO-3 and stage-0 plans run other kernels, and their training losses part in the last
+    # bf16 bits (measured on the H100: 4.137231 against 4.137357 at step 3), so the evaluations are compared with
+    # stage 0's within 1e-3 relative; training with the evaluations is bitwise the run without them
     at0 = _train_and_evaluate_on_cuda(0, True)
     at3 = _train_and_evaluate_on_cuda(3, True)
     quiet = _train_and_evaluate_on_cuda(3, False)
     print(f"\nevaluator on cuda: stage 0 {at0[1]}, stage 3 {at3[1]}")
-    assert at3[0] == at0[0] == quiet[0] and at3[1] == at0[1]
-    assert all(torch.equal(at3[2][k], quiet[2][k]) for k in quiet[2])
+    assert at3[0] == quiet[0] and all(torch.equal(at3[2][k], quiet[2][k]) for k in quiet[2])
+    assert len(at3[1]) == 4 and all(abs(a - b) <= 1e-3 * abs(b) for a, b in zip(at3[1], at0[1]))
 
 
 @pytest.mark.multigpu
