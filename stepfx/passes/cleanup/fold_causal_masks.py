@@ -223,19 +223,19 @@ def _at_size(leaves: list[fx.Node], size: int) -> list[int]:
 def _evaluate(graph: StepGraph, nodes: list[fx.Node], leaves: list[fx.Node], mask: fx.Node, val) -> str | None:
     hints = [compat.size_hint(leaf.meta["val"]) for leaf in leaves]
     sizes = list(_TRIAL_SIZES)
-    if leaves:
-        # a constant of the computation beyond the trial sizes (a sliding window of 8) could make the mask causal
-        # at every size tried and not above it: the mask is evaluated past it too, or kept
-        largest = max((abs(x) for n in nodes for x in pytree.tree_leaves((n.args, n.kwargs))
-                       if isinstance(x, int) and not isinstance(x, bool) and abs(x) < _SENTINEL), default=0)
-        if largest + 2 > max(sizes):
-            beyond = largest + 2
-            numel = torch.Size(_at_size_exprs(val.shape, leaves, beyond)).numel()
-            if numel > MAX_MASK_ELEMENTS:
-                return f"computed with the constant {largest}, beyond the sizes it can be evaluated at"
-            sizes.append(beyond)
-    trials = [hints] + [_at_size(leaves, size) for size in sizes if leaves]
     try:
+        if leaves:
+            # a constant of the computation beyond the trial sizes (a sliding window of 8) could make the mask
+            # causal at every size tried and not above it: the mask is evaluated past it too, or kept
+            largest = max((abs(x) for n in nodes for x in pytree.tree_leaves((n.args, n.kwargs))
+                           if isinstance(x, int) and not isinstance(x, bool) and abs(x) < _SENTINEL), default=0)
+            if largest + 2 > max(sizes):
+                beyond = largest + 2
+                numel = torch.Size(_at_size_exprs(val.shape, leaves, beyond)).numel()
+                if numel > MAX_MASK_ELEMENTS:
+                    return f"computed with the constant {largest}, beyond the sizes it can be evaluated at"
+                sizes.append(beyond)
+        trials = [hints] + [_at_size(leaves, size) for size in sizes if leaves]
         module = _evaluator(graph.gm, nodes, leaves, mask)
         for trial in trials:
             shape = [compat.size_hint(s) for s in val.shape] if trial is hints else None
