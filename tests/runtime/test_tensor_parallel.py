@@ -273,6 +273,32 @@ def test_sequence_parallel_over_padded_batches_of_varying_length(rank_pool):
     assert results[0]["captures"] == 2
     assert results[0]["sequence"]["reduce_scatter forward"] == 2 * 2 + 1  # o, down per layer; the lookup
     assert any("varies between calls" in n for n in results[0]["notes"]), results[0]["notes"]
+    # its one key/value head, repeated for the padding mask's backward as eager does, is sliced to each rank's
+    # query heads: attention still splits
+    assert "model.layers.1.self_attn.q_proj.weight: column (dim 0)" in "\n".join(results[0]["placements"])
+
+
+@pytest.mark.xdist_group("tensor_parallel")
+def test_sequence_parallel_gathers_a_transposed_value_in_the_layout_it_was_captured_with(rank_pool):
+    """Attention left replicated (a partition_config naming only the MLP)
+    under sequence parallelism: the rotary query, a transpose of [batch,
+    length, heads, dim], is computed on each rank's tokens and gathered for
+    attention. The gather comes back in the transpose's strides, as
+    captured: the CPU flash kernel's output follows its query's layout, and
+    the model's ``view`` of that output needs it (failed at run #1 with
+    "view size is not compatible" when the gather came back contiguous)."""
+    g = torch.Generator().manual_seed(4)
+    batches = [[(padded_batch(lengths, generator=g),) for lengths in ([9, 4], [6, 11], [7, 7])]]
+    config = {**SP, "gradient_clipping": CLIP, "tensor_parallel": {"autotp_size": 2, "partition_config": {
+        "use_default_specs": False, "layer_specs": [
+            {"patterns": [r".*gate_proj\.weight$", r".*up_proj\.weight$"], "partition_type": "column"},
+            {"patterns": [r".*down_proj\.weight$"], "partition_type": "row"}]}}}
+    results = rank_pool(2).run(tp_run, padded_step, hf_llama, sgd_momentum, batches, config, timeout=300)
+    _check(results, padded_step, hf_llama, sgd_momentum, batches, tp=2, clip=CLIP)
+    placements = "\n".join(results[0]["placements"])
+    assert "model.layers.1.self_attn.q_proj.weight: replicated" in placements
+    assert "model.layers.1.mlp.down_proj.weight: row (dim 1)" in placements
+    assert results[0]["sequence"]["all_gather forward"] > 0
 
 
 @pytest.mark.xdist_group("tensor_parallel")

@@ -36,9 +36,7 @@ the repeats and summing their gradients, the repeat moved to just before
 it (made again from ``x``, not kept from the forward: the memory saved is
 the same). Bitwise eager on every batch with padding; on one without,
 eager drops the mask and passes grouped heads itself, which a captured
-step cannot follow. Except in fp32 under sequence parallelism, whose
-sharding fails on attention reading repeats (also in 16 bits, and without
-this pass: an open bug): there the kernel sums the heads' gradients.
+step cannot follow.
 
 Before / after::
 
@@ -67,7 +65,6 @@ __all__ = ["unrepeat_kv_heads", "GQA_OPS_KEY"]
 
 aten = torch.ops.aten
 GQA_OPS_KEY = "gqa_attention_ops"
-_SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
 
 def _arg(node: fx.Node, name: str):
@@ -222,8 +219,6 @@ def unrepeat_kv_heads(graph: StepGraph, options: PassOptions) -> PassResult:
     if not graph.functional:
         raise PassError("unrepeat_kv_heads requires a functional graph (run functionalize_graph first)")
     ops = frozenset((options.extra or {}).get(GQA_OPS_KEY, ()))
-    sequence_parallel = options.tp_size > 1 and bool(getattr(getattr(options.config, "stepfx", None),
-                                                            "sequence_parallel", False))
     forwards = [n for n in graph.gm.graph.nodes if n.op == "call_function" and n.target in ops
                 and "grad_out" not in [a.name for a in n.target._schema.arguments]]
     plans = {n: p for n in forwards if (p := _plan(n, ops)) is not None}
@@ -240,14 +235,12 @@ def unrepeat_kv_heads(graph: StepGraph, options: PassOptions) -> PassResult:
         _set_arg(forward, "key", k)
         _set_arg(forward, "value", v)
         rewired += 1
-        if _mask(forward) is not None and (k.meta["val"].dtype in _SIXTEEN_BIT or not sequence_parallel):
+        if _mask(forward) is not None:
             # with a padding mask eager repeats K/V (transformers' repeat_kv) and sums the copies' K/V gradients
             # after the kernel: in 16 bits it rounds each copy's to 16 bits first, where the kernel would sum in
             # fp32 and round once; in fp32 it adds them in another order than the kernel's own sum. So the
             # backward keeps the repeats, made again just before it. (Without a mask eager passes the heads
-            # grouped, enable_gqa, and the kernel's sum is eager's.) Not in fp32 under sequence parallelism:
-            # its sharding fails on attention that reads repeats (a view of the output, at run #1; in 16 bits
-            # too, with or without this pass), so there the kernel sums, within fp32 rounding of eager
+            # grouped, enable_gqa, and the kernel's sum is eager's.)
             narrow += 1
             if old_backwards:
                 first = min((copy_of[b] for b, *_ in old_backwards), key=position.__getitem__)

@@ -713,7 +713,10 @@ def _cat(node: fx.Node, prop: Propagation, tp: int):
 def _attention(node: fx.Node, prop: Propagation, *, backward: bool):
     """Heads are dimension 1 of q, k, v ([batch, heads, length, head size]).
     K/V with a single head may stay replicated (multi-query): each rank's
-    query heads read it; its gradient is then a partial sum over ranks."""
+    query heads read it; its gradient is then a partial sum over ranks.
+    Replicated K/V with as many heads as the queries (repeated from fewer)
+    are sliced to the rank's heads; their gradients are the rank's heads'
+    (the sum back over the copies then makes the grouped K/V's partial)."""
     if backward:
         grad_out, q, k, v = node.args[:4]
         rest = [a for a in node.args[4:] if isinstance(a, fx.Node)]
@@ -725,8 +728,14 @@ def _attention(node: fx.Node, prop: Propagation, *, backward: bool):
     if sq != heads:
         raise Refused(node, f"attention with queries split as {sq}")
     kv_whole = sk is None and sv is None and _is(_shape(k)[1], 1) and _is(_shape(v)[1], 1)
-    if not kv_whole and (sk != heads or sv != heads):
-        raise Refused(node, f"attention with keys/values split as {sk}, {sv}")
+    if not kv_whole:
+        for a, s in dict.fromkeys(((k, sk), (v, sv))):
+            if s is None and _same(_shape(a)[1], _shape(q)[1]):
+                # K/V repeated over every query head (grouped heads fewer than the ranks, repeated by the model
+                # or kept repeated for the backward): each rank reads its query heads' copies, a slice
+                prop.slices.setdefault(node, []).append((a, 1))
+            elif s != heads:
+                raise Refused(node, f"attention with keys/values split as {sk}, {sv}")
     for a in rest + ([grad_out] if grad_out is not None else []) + [node.kwargs.get("attn_mask")]:
         if not isinstance(a, fx.Node):
             continue

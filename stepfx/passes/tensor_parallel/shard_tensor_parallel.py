@@ -83,6 +83,7 @@ def shard_tensor_parallel(graph: StepGraph, options: PassOptions) -> PassResult:
         if node.op == "call_function" and node in prop.states and prop.states[node] is None:
             node.meta[META_TP_REPLICATED] = True
     moved = _sequence_parallel(g, prop, options) if plan.tokens else 0
+    _slice_replicated(g, prop, options)
     whole_draws = {node: node.meta["val"] for node in prop.draws}
 
     # local shapes, in graph order (each node's inputs are already local)
@@ -384,8 +385,8 @@ def output_node_values(g: fx.Graph) -> list:
 def _sequence_parallel(g: fx.Graph, prop, options: PassOptions) -> int:
     """Row-parallel addmm become mm, reduce-scatter, bias add on the rank's
     tokens; partial values are reduce-scattered for their per-token readers;
-    token-split values gathered for the readers that need them whole;
-    replicated operands sliced to the rank's tokens. New nodes get their
+    token-split values gathered for the readers that need them whole
+    (replicated operands are sliced to the rank's tokens after). New nodes get their
     states, so the local shapes below cover them. Returns the collectives added."""
     tp, group, count = options.tp_size, options.tp_group_name, 0
     sizes = _sizes(g)
@@ -401,19 +402,34 @@ def _sequence_parallel(g: fx.Graph, prop, options: PassOptions) -> int:
     for value, readers in list(prop.gather.items()):
         _token_collective(g, prop, value, readers, tp, group, sizes, scatter=False)
         count += 1
+    return count
+
+
+def _slice_replicated(g: fx.Graph, prop, options: PassOptions) -> None:
+    """Replicated operands read by a split op, sliced to this rank's share
+    (no communication): its tokens under sequence parallelism, its query
+    heads of a key/value repeated over all heads."""
+    sizes = _sizes(g)
     for reader, operands in prop.slices.items():
         for operand, dim in operands:
-            sliced = _token_slice(g, reader, operand, dim, tp, options.tp_rank, sizes)
+            sliced = _token_slice(g, reader, operand, dim, options.tp_size, options.tp_rank, sizes)
             if reader in prop.reduce.get(operand, ()):  # a partial operand: the slice reads it all-reduced
                 prop.reduce[operand] = [sliced if r is reader else r for r in prop.reduce[operand]]
-    return count
 
 
 def _token_collective(g, prop, value, readers, tp: int, group: str, sizes: SizeBuilder, *, scatter: bool) -> None:
     """value (whole shape in its meta) as [tokens, rest] rows, reduce-scattered
     (a partial value: each rank keeps the sum of its tokens' rows) or
     all-gathered (a token-split value: every rank gets all rows), and back
-    to the value's dimensions, for ``readers``."""
+    to the value's dimensions, for ``readers``.
+
+    A value the capture laid out in another order than its dimensions (a
+    transpose of [batch, length, heads, dim] read as [batch, heads, length,
+    dim]) is cut into rows in its memory order and comes back in that
+    layout: what reads it (a kernel whose output follows its query's
+    strides, then a ``view`` of that output) sees the strides it was
+    captured with. Where the split dimension does not lead that order, the
+    rows follow the dimensions (values right, layout contiguous)."""
     val = value.meta["val"]
     tokens = sympy.sympify(prop.tokens)
     rest = sympy.cancel(compat.size_expr(val.numel()) / tokens)
@@ -422,11 +438,20 @@ def _token_collective(g, prop, value, readers, tp: int, group: str, sizes: SizeB
     rest = int(rest)
     flat_shape = (val.numel() // rest, rest)  # SymInts where the tokens vary
     token = Sharded(0, tokens=True)
+    dim = prop.token_dim(value) if scatter else prop.states[value].dim
+    order = _rows_order(val, dim)
     meta = dict(like=value, phase=value.meta.get(META_PHASE))
     after = value.next  # the sizes the reshapes read are made between the value and its first reader
     rows = sizes.build(tokens, after, value) if compat.is_symbolic(flat_shape[0]) else int(flat_shape[0])
+    source = value
+    if order is not None:  # the memory order: a view of the value, no copy
+        with g.inserting_before(after):
+            source = make_node(g, aten.permute.default, (value, list(order)),
+                               val=fake_result(aten.permute.default, (value, list(order))), name="sp_memory_order",
+                               **meta)
+        prop.states[source] = PARTIAL if scatter else Sharded(order.index(dim), tokens=True)
     with g.inserting_before(after):
-        flat = make_node(g, aten.reshape.default, (value, [rows, rest]), val=fake_like(val, flat_shape),
+        flat = make_node(g, aten.reshape.default, (source, [rows, rest]), val=fake_like(val, flat_shape),
                          name="sp_rows", **meta)
     with g.inserting_after(flat):
         if scatter:
@@ -438,17 +463,53 @@ def _token_collective(g, prop, value, readers, tp: int, group: str, sizes: SizeB
     with g.inserting_after(issued):
         done = make_node(g, c10d.wait_tensor.default, (issued,), val=fake_like(val, flat_shape), name="tp_wait", **meta)
     anchor = done.next  # the sizes, then the reshape, right before what followed the wait
-    shape = [sizes.build(compat.size_expr(x), anchor, value) if compat.is_symbolic(x) else int(x) for x in val.shape]
+    whole = [val.shape[d] for d in order] if order is not None else list(val.shape)
+    shape = [sizes.build(compat.size_expr(x), anchor, value) if compat.is_symbolic(x) else int(x) for x in whole]
     with g.inserting_before(anchor):
-        out = make_node(g, aten.reshape.default, (done, shape), val=fake_like(val, val.shape),
+        out = make_node(g, aten.reshape.default, (done, shape), val=fake_like(val, whole),
                         name="sp_tokens" if scatter else "sp_gathered", **meta)
+    ordered = out
+    if order is not None:  # back to the value's dimensions, with its strides
+        inverse = [order.index(d) for d in range(len(order))]
+        with g.inserting_before(anchor):
+            out = make_node(g, aten.permute.default, (ordered, inverse),
+                            val=fake_result(aten.permute.default, (ordered, inverse)),
+                            name="sp_tokens" if scatter else "sp_gathered", **meta)
     if scatter:
-        dim = prop.token_dim(value)
         prop.states.update({flat: PARTIAL, issued: token, done: token, out: Sharded(dim, tokens=True)})
+        if order is not None:
+            prop.states[ordered] = Sharded(order.index(dim), tokens=True)
     else:
-        prop.states.update({flat: token, issued: None, done: None, out: None})
+        prop.states.update({flat: token, issued: None, done: None, out: None, ordered: None})
     for reader in dict.fromkeys(readers):
         reader.replace_input_with(value, out)
+
+
+def _rows_order(val: torch.Tensor, dim: int | None) -> tuple[int, ...] | None:
+    """The order of ``val``'s dimensions in memory when it is a dense
+    permutation of them other than their own (strides compared as
+    expressions: the same order at every size of a symbolic capture) and
+    the split dimension ``dim`` leads it (the dimensions before it in that
+    order have size 1: each rank's tokens are one run of rows). None
+    otherwise: the rows follow the dimensions."""
+    if dim is None or val.dim() < 2:
+        return None
+    shape, strides = list(val.shape), list(val.stride())
+    order = tuple(sorted(range(val.dim()), key=lambda d: (-compat.size_hint(strides[d]), d)))
+    if order == tuple(range(val.dim())):
+        return None
+    expected = sympy.Integer(1)
+    for d in reversed(order):
+        if not _is_one(shape[d]) and sympy.expand(compat.size_expr(strides[d]) - expected) != 0:
+            return None  # not dense in that order (a slice, a broadcast): the dimensions' order
+        expected = sympy.expand(expected * compat.size_expr(shape[d]))
+    if any(not _is_one(shape[d]) for d in order[:order.index(dim)]):
+        return None
+    return order
+
+
+def _is_one(size) -> bool:
+    return not compat.is_symbolic(size) and int(size) == 1
 
 
 def _sizes(g: fx.Graph) -> SizeBuilder:
@@ -459,7 +520,8 @@ def _sizes(g: fx.Graph) -> SizeBuilder:
 
 
 def _token_slice(g, reader, operand, dim: int, tp: int, rank: int, sizes: SizeBuilder) -> fx.Node:
-    """This rank's tokens of a replicated operand (no communication)."""
+    """This rank's share of a replicated operand's dimension ``dim`` (its tokens, or its query heads): a slice,
+    no communication."""
     val = operand.meta["val"]
     size = val.shape[dim] // tp
     if compat.is_symbolic(size):  # a token count that varies: the bounds are computed per call
