@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.stepfx-installed
 
-.PHONY: demo test install browser clean
+.PHONY: demo test test-all install browser clean
 
 install: $(STAMP)
 
@@ -29,6 +29,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadgroup
+
+# every case of the parametrizations that rotate (tests/rotation.py), not today's sample
+test-all: $(STAMP)
+	STEPFX_TEST_ROTATION=all $(PY) -m pytest -q -n 2 --dist loadgroup
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

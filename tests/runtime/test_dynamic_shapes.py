@@ -10,6 +10,7 @@ import torch
 
 import stepfx
 from stepfx.testing.equivalence import assert_data_parallel_equivalent, assert_step_equivalent
+from tests.rotation import rotating
 from tests.steps import (
     hf_bloom,
     hf_gpt2,
@@ -39,7 +40,8 @@ def _run(step, model, opt, batches):
 # -- one process -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("make_model", [hf_gpt2, hf_llama, hf_bloom], ids=["gpt2", "llama", "bloom"])
+@pytest.mark.parametrize("make_model", rotating([hf_gpt2, hf_llama, hf_bloom], 2, salt="padded-eager",
+                                                  ids=["gpt2", "llama", "bloom"]))
 def test_padded_lengths_are_bitwise_eager_with_two_captures(monkeypatch, make_model):
     batches = padded_rank_batches(1, 8, seed=3)[0]
     assert len({b[0]["input_ids"].shape[1] for b in batches}) > 3

@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from stepfx.testing.equivalence import assert_data_parallel_equivalent
+from tests.rotation import rotating
 from tests.steps import padded_rank_batches, padded_step, padded_step_bf16_reference
 
 CONFIGS = Path(__file__).resolve().parents[1] / "config" / "ds_configs"  # the 40 published configs (SOURCES.md)
@@ -94,7 +95,7 @@ MODELS = [bloom, falcon, gptj, phi, neox, gemma2, opt, starcoder2]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("make_model", MODELS, ids=[m.__name__ for m in MODELS])
+@pytest.mark.parametrize("make_model", rotating(MODELS, 3, salt="bf16-zero3-act-ckpt", ids=[m.__name__ for m in MODELS]))
 def test_bf16_zero3_activation_checkpointing_config_is_the_mixed_precision_reference(rank_pool, make_model):
     config = json.loads((CONFIGS / "09_llamafactory_ds_z3_e11_act_ckpt.json").read_text())
     report = assert_data_parallel_equivalent(rank_pool(2), padded_step, make_model, adamw,
@@ -104,9 +105,8 @@ def test_bf16_zero3_activation_checkpointing_config_is_the_mixed_precision_refer
 
 
 @pytest.mark.slow
-# Bloom (ALiBi through baddbmm) and Falcon (parallel attention and MLP): the offload path on two unlike layouts;
-# GPT-J and Phi (also in the bf16 test above) left out for the suite's time (18 s)
-@pytest.mark.parametrize("make_model", MODELS[:2], ids=[m.__name__ for m in MODELS[:2]])
+# the offload path on one layout a run, drawn from all of them (tests/rotation.py: the suite's time)
+@pytest.mark.parametrize("make_model", rotating(MODELS, 1, salt="fp32-offload", ids=[m.__name__ for m in MODELS]))
 def test_fp32_offloaded_optimizer_and_parameters_config_is_the_reference(rank_pool, make_model):
     config = json.loads((CONFIGS / "14_alpaca_default_offload_opt_param.json").read_text())
     config["bf16"] = {"enabled": False}
