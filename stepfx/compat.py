@@ -386,6 +386,38 @@ def abort_threaded_collectives(exc: BaseException) -> None:
     multi_threaded_pg.ProcessLocalGroup.exception_handle(exc)
 
 
+def copy_graph(dst: fx.Graph, src: fx.Graph, val_map: dict) -> Any:
+    """``dst.graph_copy(src, val_map)``: every node of ``src`` appended to
+    the empty graph ``dst`` (names, metadata copied shallowly, ``val_map``
+    filled), returning the output's value mapped. Without
+    ``Graph.create_node``'s scan of every node's arguments for raw SymInts
+    that torch 2.13 added (a warning only; the copied nodes passed it when
+    they were made): 60% of a copy's time, and passes copy their graph
+    before they edit it. Graph's node bookkeeping is private: where it is
+    not as expected, the public ``graph_copy``."""
+    needed = ("_graph_namespace", "_insert", "_find_nodes_lookup_table", "_len")
+    if not all(hasattr(dst, a) for a in needed) or dst._len or dst.owning_module is not None:
+        return dst.graph_copy(src, val_map)
+    names, insert, table = dst._graph_namespace, dst._insert, dst._find_nodes_lookup_table
+    lookup = val_map.__getitem__
+    map_arg = fx.node.map_arg
+    for node in src.nodes:
+        if node in val_map:
+            continue
+        if node.op == "output":
+            return map_arg(node.args[0], lookup)
+        name = names.create_name(node.name, None)
+        new = fx.Node(dst, name, node.op, node.target, map_arg(node.args, lookup), map_arg(node.kwargs, lookup),
+                      node.type)
+        names.associate_name_with_obj(name, new)
+        insert(new)
+        table.insert(new)
+        dst._len += 1
+        new.meta = copy.copy(node.meta)
+        val_map[node] = new
+    return None
+
+
 def graph_module(root: torch.nn.Module, graph: fx.Graph) -> fx.GraphModule:
     """A GraphModule whose Python code is generated on first call, not on
     construction or ``recompile()``: passes build many intermediate graphs

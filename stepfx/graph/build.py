@@ -43,7 +43,7 @@ def clone_step_graph_mapped(graph: StepGraph) -> tuple[StepGraph, dict[fx.Node, 
     their copies."""
     new_graph = fx.Graph()
     val_map: dict[fx.Node, fx.Node] = {}
-    out = new_graph.graph_copy(graph.gm.graph, val_map)
+    out = compat.copy_graph(new_graph, graph.gm.graph, val_map)
     new_graph.output(out)
     new_graph._codegen = graph.gm.graph._codegen
     gm = compat.graph_module(graph.gm, new_graph)
