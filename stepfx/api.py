@@ -55,7 +55,7 @@ from .optimizer_builder import build_optimizer
 from . import plan_cache
 from .progress import Progress
 from .runtime.emptied import hold_emptied, reading_emptied
-from .passes import PIPELINE, PassManager, PassOptions, PassRecord, dump_records
+from .passes import CLEANUP_PASSES, PIPELINE, PassManager, PassOptions, PassRecord, dump_records
 from .passes.cleanup.choose_attention_kernels import FLASH_CHECK_KEY
 from .passes.cleanup.unrepeat_kv_heads import GQA_OPS_KEY
 from .passes.tensor_parallel.plan_tensor_parallel import HF_TP_PLAN_KEY, MODEL_TYPE_KEY
@@ -889,7 +889,12 @@ class ParallelStep:
                 self._first_round = None
                 pass_options = dataclasses.replace(pass_options, extra={**pass_options.extra,
                                                                          PLANNED_CHOICE_KEY: first_round[1]})
-            records, chosen = plan_memory(lambda opts: manager.run(captured, opts, first=first), pass_options, budget)
+            # the cleanups once, each candidate's pipeline resuming after them (they read nothing the candidates vary)
+            cleanups = PIPELINE[:CLEANUP_PASSES]
+            cleaned = PassManager(cleanups, disable=[n for n in options.disable if n in {e.name for e in cleanups}],
+                                  verify=options.verify, dump_dir=None).run(captured, pass_options)
+            records, chosen = plan_memory(lambda opts: manager.run(captured, opts, first=first, resume=cleaned),
+                                          pass_options, budget)
             if first_round is not None:
                 records[-1] = dataclasses.replace(records[-1], summary=(
                     f"{first_round[0]}; captured again with that stage's state layout: {chosen.name} (predicted peak "

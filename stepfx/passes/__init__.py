@@ -5,11 +5,10 @@ the same name (STYLE.md). Passes are pure rewrites: mesh facts and config
 arrive as data in :class:`PassOptions`; they never touch process groups.
 
 Passes live in one subpackage per concern: ``cleanup``, ``data_parallel``,
-``precision``, ``fusion``, and (to come) ``memory``, ``tensor_parallel``,
-``pipeline``. Their order is one list, ``declared.PIPELINE``; ``manager``
-runs it.
+``precision``, ``fusion``, ``memory``, ``tensor_parallel``, ``pipeline``.
+Their order is one list, ``declared.PIPELINE``; ``manager`` runs it.
 """
-from .declared import PIPELINE, pass_names
+from .declared import CLEANUP_PASSES, PIPELINE, pass_names
 from .manager import PassManager, PassOptions, PassRecord, PassResult, PipelineEntry, dump_records
 
 __all__ = [
@@ -19,6 +18,7 @@ __all__ = [
     "PassResult",
     "PipelineEntry",
     "PIPELINE",
+    "CLEANUP_PASSES",
     "pass_names",
     "dump_records",
 ]

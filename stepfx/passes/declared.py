@@ -52,7 +52,7 @@ from .pipeline.partition_stages import partition_stages, pipeline_settings
 from .tensor_parallel.plan_tensor_parallel import plan_tensor_parallel
 from .tensor_parallel.shard_tensor_parallel import shard_tensor_parallel
 
-__all__ = ["PIPELINE", "pass_names", "codegen_enabled"]
+__all__ = ["PIPELINE", "CLEANUP_PASSES", "pass_names", "codegen_enabled"]
 
 
 def _data_parallel(options) -> bool:
@@ -363,6 +363,12 @@ PIPELINE: tuple[PipelineEntry, ...] = (
         applies=lambda options: pipeline_settings(options) > 1,
     ),
 )
+
+
+# The leading passes that clean the captured graph: none reads the ZeRO stage, the offload blocks or the
+# recomputation level, which are all the memory planner's candidates change, so the planner runs them once
+# and each candidate's pipeline resumes after them (PassManager.run's ``resume``)
+CLEANUP_PASSES = 1 + next(i for i, e in enumerate(PIPELINE) if e.name == "hoist_symbolic_sizes")
 
 
 def pass_names() -> tuple[str, ...]:

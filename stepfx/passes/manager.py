@@ -115,17 +115,29 @@ class PassManager:
         """How many passes :meth:`run` would run (neither disabled nor inapplicable)."""
         return sum(1 for e in self.pipeline if e.name not in self.disable and (e.applies is None or e.applies(options)))
 
-    def run(self, graph: StepGraph, options: PassOptions, *, first: PassRecord | None = None) -> list[PassRecord]:
+    def run(self, graph: StepGraph, options: PassOptions, *, first: PassRecord | None = None,
+            resume: Sequence[PassRecord] = ()) -> list[PassRecord]:
         """Run the pipeline on ``graph``. ``first`` (the capture record) is
-        kept as record 00. Returns all records; the last one's graph is the
-        result."""
+        kept as record 00. ``resume``: the records of the pipeline's leading
+        passes from an earlier run on the same graph with options those
+        passes read alike (the memory planner's candidates differ only in
+        what later passes read), kept as they are; the run goes on after
+        them. Returns all records; the last one's graph is the result."""
         records: list[PassRecord] = []
         if first is not None:
             records.append(first)
             self._check(first, records)
         current = graph
+        kept = list(resume)
         for entry in self.pipeline:
             index = len(records)
+            if kept:
+                record = kept.pop(0)
+                if record.name != entry.name:
+                    raise ValueError(f"resume: record {record.label} is not of pass {entry.name!r}")
+                records.append(record)
+                current = record.graph
+                continue
             if entry.name in self.disable:
                 records.append(PassRecord(index, entry.name, current, False, 0.0, skipped="disabled"))
                 continue

@@ -96,3 +96,24 @@ def test_dumps_are_numbered_python_files_with_provenance(tmp_path):
         assert text.startswith(f"# {f[:-3]}: ")
         assert "took" in text.splitlines()[0] or "skipped (not applicable)" in text.splitlines()[0]
         compile(text, f, "exec")
+
+
+def test_a_run_resumes_after_the_cleanups_of_an_earlier_one():
+    """The memory planner runs the cleanups once and each candidate's
+    pipeline after them: the records are the earlier run's, the rest runs
+    on their last graph, and the final graph is the full run's."""
+    from stepfx.passes import CLEANUP_PASSES
+    from stepfx.graph.printer import format_graph
+
+    assert all(e.fn.__module__.startswith("stepfx.passes.cleanup.") for e in PIPELINE[:CLEANUP_PASSES])
+    assert PIPELINE[CLEANUP_PASSES - 1].name == "hoist_symbolic_sizes"
+    graph, *_ = captured_mlp()
+    manager = PassManager(PIPELINE)
+    cleaned = PassManager(PIPELINE[:CLEANUP_PASSES]).run(graph, PassOptions())
+    resumed = manager.run(graph, PassOptions(), resume=cleaned)
+    whole = manager.run(graph, PassOptions())
+    assert all(a is b for a, b in zip(resumed, cleaned))
+    assert [r.name for r in resumed] == [r.name for r in whole]
+    assert format_graph(resumed[-1].graph) == format_graph(whole[-1].graph)
+    with pytest.raises(ValueError, match="is not of pass 'functionalize_graph'"):
+        manager.run(graph, PassOptions(), resume=cleaned[1:])
