@@ -13,12 +13,24 @@ the largest relative loss difference, the largest parameter difference
 relative to its tensor's largest value, the number of plans, and OK where
 both are 0 (bitwise). A config the model itself rejects fails in eager too:
 the script says which side failed. Runs on the CPU.
+
+``--world N --zero STAGE`` runs each model data-parallel on N local ranks
+(gloo) with that ZeRO stage, each rank with its own batches (other lengths
+on each rank, as a padding collator gives them), against the
+single-process data-parallel reference
+(``stepfx.testing.assert_data_parallel_equivalent``), within 1e-5
+relative per tensor; ``--bf16`` adds ``bf16.enabled`` against the eager
+mixed-precision reference (``mixed_precision_reference``: bf16 copies of
+the fp32 parameters, fp32 gradients and update, as DeepSpeed's bf16)::
+
+    STEPFX_CACHE_DIR=off PYTHONPATH=. python3 benchmarks/hf_arch_sweep.py --world 2 --zero 3 qwen3 mixtral
 """
 from __future__ import annotations
 
 import argparse
 import ast
 import copy
+import functools
 import logging
 import os
 import sys
@@ -94,6 +106,34 @@ def compare(model_type: str, overrides: dict, task: str) -> tuple[float, float, 
     return worst, params, len(compiled.plans)
 
 
+def adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def step_bf16_reference(model, optimizer, batch):
+    from stepfx.testing.equivalence import mixed_precision_reference
+
+    return mixed_precision_reference(step, torch.bfloat16)(model, optimizer, batch)
+
+
+def compare_data_parallel(pool, model_type: str, overrides: dict, task: str, zero: int, bf16: bool):
+    """The model on the pool's ranks (ZeRO ``zero``, each rank its own batches) against the single-process
+    data-parallel reference. Returns (largest relative output difference, largest relative state difference,
+    bitwise)."""
+    from stepfx.testing.equivalence import assert_data_parallel_equivalent
+
+    world = pool.world_size
+    per_rank = [[(b,) for b in batches(task, seed=r)] for r in range(world)]
+    config = {"gradient_clipping": 1.0, "zero_optimization": {"stage": zero}}
+    if bf16:
+        config["bf16"] = {"enabled": True}
+    report = assert_data_parallel_equivalent(pool, step, functools.partial(build, model_type, overrides, task), adamw,
+                                             per_rank, config=config, rtol=1e-5, atol=0.0, clip_norm=1.0,
+                                             timeout=600, normwise=True,
+                                             reference_fn=step_bf16_reference if bf16 else None)
+    return max(report.output_rel, default=0.0), max(report.state_rel, default=0.0), report.bitwise
+
+
 def parse(spec: str) -> tuple[str, dict]:
     model_type, _, rest = spec.partition(":")
     overrides = {}
@@ -109,10 +149,28 @@ def main() -> None:
     ap.add_argument("--task", choices=sorted(AUTO_CLASSES), default="causal-lm",
                     help="the head: causal LM (labels the inputs), masked LM (the same labels), or sequence "
                          "classification (2 classes)")
+    ap.add_argument("--world", type=int, default=1, help="data-parallel ranks (gloo, local processes)")
+    ap.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage with --world > 1")
+    ap.add_argument("--bf16", action="store_true", help="bf16.enabled, against the mixed-precision reference")
     args = ap.parse_args()
     logging.getLogger("stepfx").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
     transformers.logging.set_verbosity_error()
+    if args.world > 1:
+        from stepfx.testing.ranks import RankPool
+
+        with RankPool(args.world) as pool:
+            for spec in args.models:
+                model_type, overrides = parse(spec)
+                try:
+                    out, state, bitwise = compare_data_parallel(pool, model_type, overrides, args.task, args.zero,
+                                                                args.bf16)
+                except Exception as exc:
+                    print(f"{model_type:22s} FAIL {type(exc).__name__}: {str(exc).splitlines()[0][:300]}", flush=True)
+                    continue
+                print(f"{model_type:22s} outputs {out:.1e} state {state:.1e} {'OK' if bitwise else 'CLOSE'}",
+                      flush=True)
+        return
     for spec in args.models:
         model_type, overrides = parse(spec)
         try:
