@@ -890,9 +890,7 @@ class ParallelStep:
                 pass_options = dataclasses.replace(pass_options, extra={**pass_options.extra,
                                                                          PLANNED_CHOICE_KEY: first_round[1]})
             # the cleanups once, each candidate's pipeline resuming after them (they read nothing the candidates vary)
-            cleanups = PIPELINE[:CLEANUP_PASSES]
-            cleaned = PassManager(cleanups, disable=[n for n in options.disable if n in {e.name for e in cleanups}],
-                                  verify=options.verify, dump_dir=None).run(captured, pass_options)
+            cleaned = manager.leading(CLEANUP_PASSES).run(captured, pass_options, first=first)[1:]
             records, chosen = plan_memory(lambda opts: manager.run(captured, opts, first=first, resume=cleaned),
                                           pass_options, budget)
             if first_round is not None:

@@ -111,6 +111,12 @@ class PassManager:
         self.verify = verify
         self.dump_dir = dump_dir
 
+    def leading(self, count: int) -> PassManager:
+        """A manager of this pipeline's first ``count`` passes (those of them this one disables disabled)."""
+        head = self.pipeline[:count]
+        names = {e.name for e in head}
+        return PassManager(head, disable=[n for n in self.disable if n in names], verify=self.verify)
+
     def count_running(self, options: PassOptions) -> int:
         """How many passes :meth:`run` would run (neither disabled nor inapplicable)."""
         return sum(1 for e in self.pipeline if e.name not in self.disable and (e.applies is None or e.applies(options)))
@@ -119,14 +125,15 @@ class PassManager:
             resume: Sequence[PassRecord] = ()) -> list[PassRecord]:
         """Run the pipeline on ``graph``. ``first`` (the capture record) is
         kept as record 00. ``resume``: the records of the pipeline's leading
-        passes from an earlier run on the same graph with options those
-        passes read alike (the memory planner's candidates differ only in
-        what later passes read), kept as they are; the run goes on after
-        them. Returns all records; the last one's graph is the result."""
+        passes (after ``first``) from an earlier run on the same graph with
+        options those passes read alike (the memory planner's candidates
+        differ only in what later passes read), kept as they are; the run
+        goes on after them. Returns all records; the last one's graph is the result."""
         records: list[PassRecord] = []
         if first is not None:
             records.append(first)
-            self._check(first, records)
+            if not resume:  # else the run the resumed records come from checked it
+                self._check(first, records)
         current = graph
         kept = list(resume)
         for entry in self.pipeline:

@@ -58,7 +58,7 @@ from ...graph.tp_layout import TP_PLAN_KEY
 from ..cleanup.hoist_symbolic_sizes import SizeBuilder, symbol_sources
 from ..data_parallel.collectives import fake_like, fake_result, make_node
 from ..manager import PassOptions, PassResult
-from .placements import PARTIAL, VIEWS, Sharded, aten, propagate
+from .placements import PARTIAL, VIEWS, Sharded, _is, aten, propagate
 from .vocabulary import rewrite_vocabulary_op
 
 __all__ = ["shard_tensor_parallel", "META_TP_REPLICATED"]
@@ -409,6 +409,8 @@ def _slice_replicated(g: fx.Graph, prop, options: PassOptions) -> None:
     """Replicated operands read by a split op, sliced to this rank's share
     (no communication): its tokens under sequence parallelism, its query
     heads of a key/value repeated over all heads."""
+    if not prop.slices:
+        return
     sizes = _sizes(g)
     for reader, operands in prop.slices.items():
         for operand, dim in operands:
@@ -500,16 +502,12 @@ def _rows_order(val: torch.Tensor, dim: int | None) -> tuple[int, ...] | None:
         return None
     expected = sympy.Integer(1)
     for d in reversed(order):
-        if not _is_one(shape[d]) and sympy.expand(compat.size_expr(strides[d]) - expected) != 0:
+        if not _is(shape[d], 1) and sympy.expand(compat.size_expr(strides[d]) - expected) != 0:
             return None  # not dense in that order (a slice, a broadcast): the dimensions' order
         expected = sympy.expand(expected * compat.size_expr(shape[d]))
-    if any(not _is_one(shape[d]) for d in order[:order.index(dim)]):
+    if any(not _is(shape[d], 1) for d in order[:order.index(dim)]):
         return None
     return order
-
-
-def _is_one(size) -> bool:
-    return not compat.is_symbolic(size) and int(size) == 1
 
 
 def _sizes(g: fx.Graph) -> SizeBuilder:
