@@ -392,6 +392,28 @@ def test_amsgrad_is_left_as_ops_with_the_reason():
     assert "amsgrad has no fused kernel" in step.explain()
 
 
+@pytest.mark.parametrize("name", ["adamw", "sgd-nesterov"])
+def test_a_model_held_in_bf16_keeps_torchs_update_ops_with_the_reason(name):
+    """The update kernels take fp32 parameters (masters); a model the user holds in bf16 (no mixed precision
+    config) used to fail the pass ("param has dtype torch.bfloat16") at its first call with codegen, the
+    default on CUDA. Its updates stay torch's ops, named in explain(), and the step equals eager bf16 bitwise
+    (an MLP: no other kernel takes these bf16 ops on the CPU)."""
+    make_opt = _optimizers()[name]
+    report = assert_step_equivalent(ce_step, lambda: MLP((8, 24, 4)).to(torch.bfloat16), make_opt,
+                                    [(x.to(torch.bfloat16), y) for x, y in mlp_batches(3)], config=CODEGEN,
+                                    rtol=0, atol=0)
+    assert report.steps == 3
+    model = MLP((8, 24, 4)).to(torch.bfloat16)
+    step = stepfx.parallelize(CODEGEN)(ce_step)
+    opt = make_opt(model)
+    for x, y in mlp_batches(2):
+        step(model, opt, x.to(torch.bfloat16), y)
+    calls, _, records = _fused(step)
+    assert calls == 0 and records
+    assert all("param has dtype torch.bfloat16" in why for _, _, why in records)
+    assert "the kernel does not take it: param has dtype torch.bfloat16" in step.explain()
+
+
 def test_update_rules_are_recorded_per_parameter():
     step, model, _ = _run(CODEGEN, lambda m: torch.optim.SGD(
         [{"params": [m.net[0].weight], "momentum": 0.9}, {"params": [p for p in m.parameters() if p is not m.net[0].weight]}], lr=0.1))
