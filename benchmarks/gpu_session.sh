@@ -10,6 +10,8 @@
 #   remat     benchmarks/remat.py: 1.3B at micro-batch 24 (issue 18 item 1)
 #   dynamic   benchmarks/dynamic_lengths.py, peers in the same run (issue 17); DYNAMIC_ARGS adds arguments
 #   attention benchmarks/attention_lengths.py: attention kernels and matmuls per length
+#   triton_attention  benchmarks/probe_triton_attention.py (stepfx's attention kernels against flash and
+#             cuDNN, block shapes swept), then their tests on CUDA and the symbolic-length step test
 # Usage (from the repository root, on the device machine):
 #   PARTS=tests,first bash benchmarks/gpu_session.sh
 set -u
@@ -34,6 +36,12 @@ for part in $(echo "${PARTS:-tests,first,remat,dynamic}" | tr ',' ' '); do
     dynamic)
       timeout "${DYNAMIC_S:-330}" python3 benchmarks/dynamic_lengths.py --out "$OUT" ${DYNAMIC_ARGS:-} >> "$OUT/dynamic.log" 2>&1
       note dynamic $? ;;
+    triton_attention)
+      timeout "${PROBE_S:-200}" python3 benchmarks/probe_triton_attention.py --out "$OUT" > "$OUT/probe_triton_attention.log" 2>&1
+      note probe $?
+      timeout "${TESTS_S:-150}" python3 -m pytest -q -s -p no:cacheprovider tests/codegen/test_attention_kernels.py \
+        "tests/gpu/test_cuda.py::test_symbolic_lengths_run_padded_cudnn_or_flash_attention" > "$OUT/attention_tests.log" 2>&1
+      note attention_tests $? ;;
     attention)
       timeout "${ATTENTION_S:-120}" python3 benchmarks/attention_lengths.py --out "$OUT" > "$OUT/attention.log" 2>&1
       note attention $? ;;

@@ -17,7 +17,8 @@ import torch
 
 __all__ = ["adam_step", "adam_step_reference", "sgd_step", "sgd_step_reference", "host_float", "sum_squares",
            "layer_norm", "layer_norm_backward", "cat_column_sum",
-           "linear_cross_entropy", "vocab_cross_entropy_stats", "vocab_cross_entropy_grads", "KERNELS_OF", "kernels_of"]
+           "linear_cross_entropy", "vocab_cross_entropy_stats", "vocab_cross_entropy_grads", "attention",
+           "attention_backward", "attention_cpu", "attention_cpu_backward", "KERNELS_OF", "kernels_of"]
 
 
 def host_float(value) -> float:
@@ -233,6 +234,42 @@ def cat_column_sum(parts, *, keepdim: bool):
     return _kernels("column_sum_kernels").cat_column_sum(parts, keepdim)
 
 
+def attention(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None,
+              out_order=None):
+    """``aten._scaled_dot_product_flash_attention``'s contract (no dropout, no debug mask) by stepfx's Triton
+    attention (``fuse_attention``): one compile for every length. The logsumexp slot holds base-2 log-sum-exps,
+    read only by :func:`attention_backward`; ``out_order`` is the memory order the graph recorded for the output."""
+    kernels = _kernels("attention_kernels")
+    out, lse = kernels.attention_forward(query, key, value, bool(is_causal), scale, out_order=out_order)
+    seed = torch.empty(2, dtype=torch.uint64, device=query.device)
+    offset = torch.empty((), dtype=torch.uint64, device=query.device)
+    return (out, lse, None, None, query.shape[2], key.shape[2], seed, offset,
+            torch.empty(0, dtype=query.dtype, device=query.device))
+
+
+def attention_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q=None, cum_seq_k=None, max_q=0,
+                       max_k=0, dropout_p=0.0, is_causal=False, philox_seed=None, philox_offset=None, *, scale=None,
+                       grad_orders=None):
+    """``aten._scaled_dot_product_flash_attention_backward``'s contract for :func:`attention`'s forward: the
+    query, key and value gradients, each in the memory order ``grad_orders`` gives (as the graph recorded)."""
+    return _kernels("attention_kernels").attention_backward(grad_out, query, key, value, out, logsumexp,
+                                                             bool(is_causal), scale, grad_orders=grad_orders)
+
+
+def attention_cpu(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None, out_order=None):
+    """``aten._scaled_dot_product_flash_attention_for_cpu``'s contract (no mask, no dropout) by the same kernels
+    (CPU: Triton's interpreter, for tests): (out, base-2 logsumexp)."""
+    return _kernels("attention_kernels").attention_forward(query, key, value, bool(is_causal), scale,
+                                                           out_order=out_order)
+
+
+def attention_cpu_backward(grad_out, query, key, value, out, logsumexp, dropout_p=0.0, is_causal=False, *,
+                           attn_mask=None, scale=None, grad_orders=None):
+    """``aten._scaled_dot_product_flash_attention_for_cpu_backward``'s contract for :func:`attention_cpu`."""
+    return _kernels("attention_kernels").attention_backward(grad_out, query, key, value, out, logsumexp,
+                                                             bool(is_causal), scale, grad_orders=grad_orders)
+
+
 # graph function -> (its kernel module, the registered kernels it launches), for explain() and the dumps
 KERNELS_OF = {
     adam_step: ("optimizer_kernels", ("adam_update",)),
@@ -247,6 +284,10 @@ KERNELS_OF = {
     add_layer_norm: ("norm_kernels", ("add_layer_norm_forward",)),
     layer_norm_backward: ("norm_kernels", ("layer_norm_backward",)),
     cat_column_sum: ("column_sum_kernels", ("cat_column_sum",)),
+    attention: ("attention_kernels", ("attention_forward",)),
+    attention_backward: ("attention_kernels", ("attention_backward",)),
+    attention_cpu: ("attention_kernels", ("attention_forward",)),
+    attention_cpu_backward: ("attention_kernels", ("attention_backward",)),
     linear_cross_entropy: ("cross_entropy_kernels", ("linear_cross_entropy",)),
     vocab_cross_entropy_stats: ("cross_entropy_kernels", ("vocab_cross_entropy_stats",)),
     vocab_cross_entropy_grads: ("cross_entropy_kernels", ("vocab_cross_entropy_grads",)),

@@ -287,7 +287,7 @@ class StepfxOptions:
         bucket instead of once per new length. The step is then bitwise
         equal to one captured per length (cuDNN on each); 0 (default) runs
         flash attention instead, which builds no plan and differs by bf16
-        rounding. Measured on the H200 (1.3B GPT, lengths uniform in
+        rounding (with codegen, stepfx's Triton attention: ``fuse_attention``). Measured on the H200 (1.3B GPT, lengths uniform in
         [1024, 2048]): padded cuDNN 0.889x the fixed-length step's tokens/s,
         flash 0.915x; cuDNN's kernel is faster (0.69 against 1.06 ms a layer
         at length 1678) but the padding and cutting copies cost more.

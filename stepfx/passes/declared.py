@@ -32,6 +32,7 @@ from .data_parallel.shard_optimizer_update import shard_optimizer_update
 from .data_parallel.shard_parameters import shard_parameters
 from .fusion.batch_optimizer_updates import batch_optimizer_updates
 from .fusion.batch_sum_squares import batch_sum_squares
+from .fusion.fuse_attention import fuse_attention
 from .fusion.fuse_bias_gradients import fuse_bias_gradients
 from .fusion.fuse_casts import fuse_casts
 from .fusion.fuse_column_sums import fuse_column_sums
@@ -231,6 +232,13 @@ PIPELINE: tuple[PipelineEntry, ...] = (
         "fuse_linear_cross_entropy",
         fuse_linear_cross_entropy,
         "codegen, first of the fusions: it removes the logits and their backward matmuls outright",
+        applies=codegen_enabled,
+    ),
+    PipelineEntry(
+        "fuse_attention",
+        fuse_attention,
+        "codegen, after choose_attention_kernels (its flash calls) and recompute_activations (recomputed attention "
+        "is taken with the rest): a swap by identity that changes no dependency",
         applies=codegen_enabled,
     ),
     PipelineEntry(

@@ -372,7 +372,8 @@ def test_symbolic_lengths_with_compiled_kernels_equal_one_capture_per_length():
 @pytest.mark.gpu
 def test_symbolic_lengths_run_padded_cudnn_or_flash_attention():
     """With symbolic lengths the step's causal cuDNN attention (forward and
-    backward) runs as flash attention (the default), or on cuDNN over the
+    backward) runs as flash attention, then with codegen as stepfx's Triton
+    attention (``fuse_attention``, the default), or on cuDNN over the
     length padded to a bucket (``attention_pad_multiple``): no cuDNN plan
     per new length. Both track the step that builds a cuDNN plan per length
     (padded: bitwise on the H200, 2026-12-05):
@@ -386,7 +387,9 @@ def test_symbolic_lengths_run_padded_cudnn_or_flash_attention():
     seqs = [33, 64, 17, 41]
     batches = [torch.randint(0, 256, (3, t + 1), generator=g).cuda() for t in seqs]
     runs = {}
-    variants = {"padded": ({"attention_pad_multiple": 16}, []), "flash": ({"attention_pad_multiple": 0}, []),
+    variants = {"padded": ({"attention_pad_multiple": 16}, []),
+                "flash": ({"attention_pad_multiple": 0}, ["fuse_attention"]),
+                "triton": ({"attention_pad_multiple": 0}, []),
                 "per-length cuDNN": ({}, ["choose_attention_kernels"])}
     for name, (extra, disable) in variants.items():
         torch.manual_seed(0)
@@ -401,13 +404,16 @@ def test_symbolic_lengths_run_padded_cudnn_or_flash_attention():
         runs[name] = (losses, updates, targets, len(step.plans))
     l1, u1, t1, n1 = runs["per-length cuDNN"]
     assert n1 == 1 and any("cudnn" in t for t in t1)
-    for name in ("padded", "flash"):
+    for name in ("padded", "flash", "triton"):
         l0, u0, t0, n0 = runs[name]
         worst = max(float((a - b).norm() / b.norm()) for a, b in zip(u0, u1) if b.norm() > 0)
         print(f"\n{name}: {sorted(set(t0))}; losses {l0} / {l1}; worst update difference {worst:.2e}")
         assert n0 == 1
         if name == "flash":
             assert not any("cudnn" in t for t in t0) and any("flash_attention_backward" in t for t in t0)
+        elif name == "triton":  # fuse_attention: stepfx's kernels, one compile for every length
+            assert not any("cudnn" in t or "aten" in t for t in t0)
+            assert any("function attention_backward" in t for t in t0)
         else:
             assert not any("flash" in t for t in t0) and any("cudnn_attention_backward" in t for t in t0)
         assert all(abs(a - b) <= 1e-3 * abs(b) for a, b in zip(l0, l1))

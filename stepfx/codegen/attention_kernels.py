@@ -1,0 +1,406 @@
+"""Scaled dot-product attention forward and backward in Triton, for any length without a per-length plan.
+
+Why: with symbolic sequence lengths cuDNN builds an execution plan per new length (~100 ms each, forward and
+backward), so ``choose_attention_kernels`` moves such calls to flash attention, which is 1.5-1.8x slower than
+cuDNN on the H200 (benchmarks/README.md, "Variable sequence lengths"). These kernels are the FlashAttention-2
+algorithm written for Triton, whose compile depends on the block shapes alone: one compile serves every length
+(lengths are ``do_not_specialize``).
+
+=========================  =========================================================================
+launcher                   computes
+=========================  =========================================================================
+``attention_forward``      ``(out, lse)``: softmax(q k^T * scale [+ causal mask]) v, and the rows'
+                           log-sum-exp in base 2 (fp32, [B, H, L_q])
+``attention_backward``     ``(grad_q, grad_k, grad_v)`` from ``grad_out``, q, k, v, out and lse
+=========================  =========================================================================
+
+q, k, v are [B, H, L, D] with any strides whose last one is 1 (slices of a fused projection are read in
+place); ``out`` and the gradients come out as flash attention's do: [B, H, L, D] over [B, L, H, D] memory, so
+the usual transpose and reshape after attention is a view. Heads of q, k and v are equal (no grouped K/V), D
+is 16..128 and a power of two, q/k/v are bf16 or fp16; ``unsupported_reason`` says what else is not taken.
+Statistics and accumulators are fp32. The causal mask is top-left aligned (query i reads keys 0..i), the
+meaning of ``is_causal`` in SDPA; it needs L_q == L_k.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .registry import register
+
+__all__ = ["attention_forward", "attention_backward", "unsupported_reason"]
+
+_LOG2E = 1.4426950408889634
+
+
+# ----------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------
+
+
+@triton.jit
+def _fwd_block(acc, m_i, l_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, LK, qk_scale,
+               MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+    cols = start_n + offs_n
+    if MASKED:
+        k = tl.load(k_ptrs, mask=cols[None, :] < LK, other=0.0)
+        v = tl.load(v_ptrs, mask=cols[:, None] < LK, other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    qk = tl.dot(q, k) * qk_scale
+    if MASKED:
+        keep = cols[None, :] < LK
+        if CAUSAL:
+            keep = keep & (cols[None, :] <= offs_m[:, None])
+        qk = tl.where(keep, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    p = tl.math.exp2(qk - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, m_new, l_i
+
+
+@triton.jit(do_not_specialize=["LQ", "LK"])  # lengths vary with the batch: one compile for all
+def _attn_fwd_kernel(Q, K, V, O, LSE, qk_scale,
+                     sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sob, soh, sol,
+                     H, LQ, LK,
+                     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    pid_m = tl.program_id(0)
+    if CAUSAL:  # the longest rows (the last blocks) first: the short ones fill in at the end
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sql + offs_d[None, :], mask=offs_m[:, None] < LQ, other=0.0)
+    k_ptrs = K + b * skb + h * skh + offs_n[None, :] * skl + offs_d[:, None]
+    v_ptrs = V + b * svb + h * svh + offs_n[:, None] * svl + offs_d[None, :]
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    if CAUSAL:
+        full = pid_m * BLOCK_M  # keys before this block's first query: every row reads them all
+        end = tl.minimum((pid_m + 1) * BLOCK_M, LK)
+    else:
+        full = (LK // BLOCK_N) * BLOCK_N
+        end = LK
+    for start_n in range(0, full, BLOCK_N):
+        acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptrs + start_n * skl, v_ptrs + start_n * svl, start_n,
+                                   offs_m, offs_n, LK, qk_scale, False, CAUSAL)
+    for start_n in range(full, end, BLOCK_N):
+        acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptrs + start_n * skl, v_ptrs + start_n * svl, start_n,
+                                   offs_m, offs_n, LK, qk_scale, True, CAUSAL)
+    acc = acc / l_i[:, None]
+    row_ok = offs_m < LQ
+    tl.store(O + b * sob + h * soh + offs_m[:, None] * sol + offs_d[None, :], acc.to(O.dtype.element_ty),
+             mask=row_ok[:, None])
+    tl.store(LSE + bh.to(tl.int64) * LQ + offs_m, m_i + tl.math.log2(l_i), mask=row_ok)
+
+
+@triton.jit(do_not_specialize=["LQ"])
+def _attn_bwd_delta_kernel(O, DO, DELTA, sob, soh, sol, sdb, sdh, sdl, H, LQ,
+                           D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """DELTA[b, h, i] = sum_d out[b, h, i, d] * grad_out[b, h, i, d] (fp32): the softmax backward's row term."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    ok = offs_m[:, None] < LQ
+    o = tl.load(O + b * sob + h * soh + offs_m[:, None] * sol + offs_d[None, :], mask=ok, other=0.0)
+    do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sdl + offs_d[None, :], mask=ok, other=0.0)
+    tl.store(DELTA + bh.to(tl.int64) * LQ + offs_m, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1),
+             mask=offs_m < LQ)
+
+
+@triton.jit
+def _dkdv_block(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, start_m, offs_m, offs_n, LQ, qk_scale,
+                sql, sdl, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+    rows = start_m + offs_m
+    if MASKED:
+        ok = rows < LQ
+        qT = tl.load(q_ptrs + start_m * sql, mask=ok[None, :], other=0.0)
+        do = tl.load(do_ptrs + start_m * sdl, mask=ok[:, None], other=0.0)
+        lse = tl.load(lse_ptrs + start_m, mask=ok, other=0.0)
+        delta = tl.load(delta_ptrs + start_m, mask=ok, other=0.0)
+    else:
+        qT = tl.load(q_ptrs + start_m * sql)
+        do = tl.load(do_ptrs + start_m * sdl)
+        lse = tl.load(lse_ptrs + start_m)
+        delta = tl.load(delta_ptrs + start_m)
+    pT = tl.math.exp2(tl.dot(k, qT) * qk_scale - lse[None, :])
+    if MASKED:
+        keep = ok[None, :]
+        if CAUSAL:
+            keep = keep & (rows[None, :] >= offs_n[:, None])
+        pT = tl.where(keep, pT, 0.0)
+    dv = tl.dot(pT.to(do.dtype), do, dv)
+    dpT = tl.dot(v, tl.trans(do))
+    dsT = pT * (dpT - delta[None, :])
+    dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk)
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=["LQ", "LK"])
+def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, qk_scale, sm_scale,
+                          sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sdb, sdh, sdl,
+                          sgkb, sgkh, sgkl, sgvb, sgvh, sgvl,
+                          H, LQ, LK,
+                          D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """One program: BLOCK_N keys of one (batch, head); walks the queries that read them."""
+    pid_n = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    start_n = pid_n * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    kv_ok = offs_n[:, None] < LK
+    k = tl.load(K + b * skb + h * skh + offs_n[:, None] * skl + offs_d[None, :], mask=kv_ok, other=0.0)
+    v = tl.load(V + b * svb + h * svh + offs_n[:, None] * svl + offs_d[None, :], mask=kv_ok, other=0.0)
+    q_ptrs = Q + b * sqb + h * sqh + offs_m[None, :] * sql + offs_d[:, None]
+    do_ptrs = DO + b * sdb + h * sdh + offs_m[:, None] * sdl + offs_d[None, :]
+    lse_ptrs = LSE + bh.to(tl.int64) * LQ + offs_m
+    delta_ptrs = DELTA + bh.to(tl.int64) * LQ + offs_m
+    dk = tl.zeros([BLOCK_N, D], tl.float32)
+    dv = tl.zeros([BLOCK_N, D], tl.float32)
+    if CAUSAL:
+        lo = start_n  # queries before this block's first key read none of it
+        diagonal = tl.minimum(start_n + BLOCK_N, LQ)  # BLOCK_N % BLOCK_M == 0
+    else:
+        lo = 0
+        diagonal = 0
+    full = (LQ // BLOCK_M) * BLOCK_M
+    for start_m in range(lo, diagonal, BLOCK_M):
+        dk, dv = _dkdv_block(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, start_m, offs_m, offs_n, LQ,
+                             qk_scale, sql, sdl, True, CAUSAL)
+    for start_m in range(tl.maximum(diagonal, lo), full, BLOCK_M):
+        dk, dv = _dkdv_block(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, start_m, offs_m, offs_n, LQ,
+                             qk_scale, sql, sdl, False, CAUSAL)
+    for start_m in range(tl.maximum(full, tl.maximum(diagonal, lo)), LQ, BLOCK_M):
+        dk, dv = _dkdv_block(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, start_m, offs_m, offs_n, LQ,
+                             qk_scale, sql, sdl, True, CAUSAL)
+    dk = dk * sm_scale
+    tl.store(DK + b * sgkb + h * sgkh + offs_n[:, None] * sgkl + offs_d[None, :], dk.to(DK.dtype.element_ty),
+             mask=kv_ok)
+    tl.store(DV + b * sgvb + h * sgvh + offs_n[:, None] * sgvl + offs_d[None, :], dv.to(DV.dtype.element_ty),
+             mask=kv_ok)
+
+
+@triton.jit
+def _dq_block(dq, q, do, lse, delta, k_ptrs, v_ptrs, start_n, offs_m, offs_n, LK, qk_scale, skl, svl,
+              MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+    cols = start_n + offs_n
+    if MASKED:
+        kT = tl.load(k_ptrs + start_n * skl, mask=cols[None, :] < LK, other=0.0)
+        vT = tl.load(v_ptrs + start_n * svl, mask=cols[None, :] < LK, other=0.0)
+    else:
+        kT = tl.load(k_ptrs + start_n * skl)
+        vT = tl.load(v_ptrs + start_n * svl)
+    p = tl.math.exp2(tl.dot(q, kT) * qk_scale - lse[:, None])
+    if MASKED:
+        keep = cols[None, :] < LK
+        if CAUSAL:
+            keep = keep & (cols[None, :] <= offs_m[:, None])
+        p = tl.where(keep, p, 0.0)
+    dp = tl.dot(do, vT)
+    ds = p * (dp - delta[:, None])
+    dq = tl.dot(ds.to(kT.dtype), tl.trans(kT), dq)
+    return dq
+
+
+@triton.jit(do_not_specialize=["LQ", "LK"])
+def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, qk_scale, sm_scale,
+                        sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sdb, sdh, sdl, sgqb, sgqh, sgql,
+                        H, LQ, LK,
+                        D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """One program: BLOCK_M queries of one (batch, head); walks the keys they read."""
+    pid_m = tl.program_id(0)
+    if CAUSAL:  # the longest rows first, as the forward
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    row_ok = offs_m < LQ
+    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sql + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sdl + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    lse = tl.load(LSE + bh.to(tl.int64) * LQ + offs_m, mask=row_ok, other=0.0)
+    delta = tl.load(DELTA + bh.to(tl.int64) * LQ + offs_m, mask=row_ok, other=0.0)
+    k_ptrs = K + b * skb + h * skh + offs_n[None, :] * skl + offs_d[:, None]
+    v_ptrs = V + b * svb + h * svh + offs_n[None, :] * svl + offs_d[:, None]
+    dq = tl.zeros([BLOCK_M, D], tl.float32)
+    if CAUSAL:
+        full = pid_m * BLOCK_M  # BLOCK_M % BLOCK_N == 0
+        end = tl.minimum((pid_m + 1) * BLOCK_M, LK)
+    else:
+        full = (LK // BLOCK_N) * BLOCK_N
+        end = LK
+    for start_n in range(0, full, BLOCK_N):
+        dq = _dq_block(dq, q, do, lse, delta, k_ptrs, v_ptrs, start_n, offs_m, offs_n, LK, qk_scale, skl, svl,
+                       False, CAUSAL)
+    for start_n in range(full, end, BLOCK_N):
+        dq = _dq_block(dq, q, do, lse, delta, k_ptrs, v_ptrs, start_n, offs_m, offs_n, LK, qk_scale, skl, svl,
+                       True, CAUSAL)
+    dq = dq * sm_scale
+    tl.store(DQ + b * sgqb + h * sgqh + offs_m[:, None] * sgql + offs_d[None, :], dq.to(DQ.dtype.element_ty),
+             mask=row_ok[:, None])
+
+
+# ----------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------
+
+#: Block shapes and launch settings: (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel, the fastest of
+#: benchmarks/probe_triton_attention.py's sweep (one H100, [4, 16, 1674, 128] bf16 causal, q/k/v slices of a
+#: fused projection, 2026-12-07; results/2026-12-07_probe_triton_attention_h100.jsonl): forward 0.217 ms
+#: (0.221 with 3 stages); the whole backward 0.634 ms with (32, 128, 8, 3) for the key/value gradients against
+#: 0.772 with (64, 128, 8, 2), and 0.715 ms with (128, 128, 8, 2) for the query gradient against 0.827 with
+#: (128, 64, 8, 2), each with the other kernel at the latter.
+FWD = (128, 64, 8, 4)
+BWD_DKDV = (32, 128, 8, 3)   # (BLOCK_M queries walked, BLOCK_N keys a program holds, ...)
+BWD_DQ = (128, 128, 8, 2)    # (BLOCK_M queries a program holds, BLOCK_N keys walked, ...)
+DELTA = (64, 4)
+
+
+def unsupported_reason(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, is_causal: bool = False,
+                       attn_mask=None, dropout_p: float = 0.0) -> str | None:
+    """Why these kernels cannot take the call, or None."""
+    if attn_mask is not None:
+        return "an attention mask"
+    if dropout_p:
+        return "dropout"
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        return "not [batch, heads, length, head_dim]"
+    if query.dtype not in (torch.bfloat16, torch.float16) or key.dtype != query.dtype or value.dtype != query.dtype:
+        return f"dtype {query.dtype} (bf16 or fp16 only)"
+    if query.dtype == torch.bfloat16 and query.device.type == "cpu":
+        return "bf16 on the CPU (Triton's interpreter multiplies bf16 matrices wrongly; fp16 is taken)"
+    d = query.shape[-1]
+    if key.shape[-1] != d or value.shape[-1] != d or not isinstance(d, int) or d < 16 or d > 128 or d & (d - 1):
+        return f"head_dim {d} (a power of two from 16 to 128, equal for q, k and v)"
+    if query.shape[1] != key.shape[1] or key.shape[1] != value.shape[1]:
+        return "grouped K/V heads"
+    if query.shape[0] != key.shape[0] or key.shape[2] != value.shape[2]:
+        return "batch or key/value lengths differ"
+    if is_causal and query.shape[2] != key.shape[2]:
+        return "causal with different query and key lengths"
+    if any(t.stride(-1) != 1 for t in (query, key, value)):
+        return "a head_dim stride other than 1"
+    return None
+
+
+#: [B, H, L, D] over [B, L, H, D] memory: flash attention's output layout on CUDA
+FLASH_ORDER = (0, 2, 1, 3)
+
+
+def _empty(like: torch.Tensor, order: tuple[int, ...] | None) -> torch.Tensor:
+    """An empty tensor of ``like``'s shape and dtype whose dims lie in memory in ``order`` (outermost first)."""
+    order = tuple(order) if order is not None else FLASH_ORDER
+    out = torch.empty([like.shape[i] for i in order], dtype=like.dtype, device=like.device)
+    return out.permute([order.index(i) for i in range(like.dim())])
+
+
+def _reference_forward(query, key, value, is_causal=False, scale=None, config=None, out_order=None):
+    """Eager PyTorch with :func:`attention_forward`'s contract (fp32 math, one rounding)."""
+    q, k, v = (t.float() for t in (query, key, value))
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    s = q @ k.transpose(-1, -2) * scale
+    if is_causal:
+        n = q.shape[2]
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    out = _empty(query, out_order)
+    out.copy_(torch.exp(s - lse[..., None]) @ v)
+    return out, lse * _LOG2E
+
+
+def _reference_backward(grad_out, query, key, value, out, lse, is_causal=False, scale=None, dkdv=None, dq=None,
+                        grad_orders=None):
+    """Eager PyTorch with :func:`attention_backward`'s contract (autograd over fp32 math)."""
+    q, k, v = (t.detach().float().requires_grad_(True) for t in (query, key, value))
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    with torch.enable_grad():
+        s = q @ k.transpose(-1, -2) * scale
+        if is_causal:
+            n = q.shape[2]
+            s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+        (torch.softmax(s, -1) @ v).backward(grad_out.float())
+    orders = grad_orders or (None, None, None)
+    grads = []
+    for t, g, o in zip((query, key, value), (q.grad, k.grad, v.grad), orders, strict=True):
+        grads.append(_empty(t, o).copy_(g))
+    return tuple(grads)
+
+
+@register("attention_forward", reference=_reference_forward, jit=(_fwd_block, _attn_fwd_kernel))
+def attention_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, is_causal: bool = False,
+                      scale: float | None = None, config: tuple[int, int, int, int] | None = None,
+                      out_order: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)``: attention of ``query`` over ``key``/``value``; lse is log2 of each row's softmax sum.
+    ``out`` lies in memory in ``out_order`` (default: flash's [B, L, H, D])."""
+    reason = unsupported_reason(query, key, value, is_causal)
+    if reason is not None:
+        raise ValueError(f"attention_forward: {reason}")
+    b, h, lq, d = query.shape
+    lk = key.shape[2]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    out = _empty(query, out_order)
+    lse = torch.empty(b, h, lq, dtype=torch.float32, device=query.device)
+    block_m, block_n, warps, stages = config or FWD
+    assert block_m % block_n == 0, "the forward's query block is a multiple of its key block"
+    grid = (triton.cdiv(lq, block_m), b * h)
+    _attn_fwd_kernel[grid](query, key, value, out, lse, scale * _LOG2E,
+                           *query.stride()[:3], *key.stride()[:3], *value.stride()[:3], *out.stride()[:3],
+                           h, lq, lk, D=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=bool(is_causal),
+                           num_warps=warps, num_stages=stages)
+    return out, lse
+
+
+@register("attention_backward", reference=_reference_backward,
+          jit=(_attn_bwd_delta_kernel, _dkdv_block, _attn_bwd_dkdv_kernel, _dq_block, _attn_bwd_dq_kernel))
+def attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       out: torch.Tensor, lse: torch.Tensor, is_causal: bool = False, scale: float | None = None,
+                       dkdv: tuple[int, int, int, int] | None = None, dq: tuple[int, int, int, int] | None = None,
+                       grad_orders=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(grad_query, grad_key, grad_value)`` of :func:`attention_forward`'s output, each in the memory order
+    ``grad_orders`` gives (default: flash's [B, L, H, D])."""
+    b, h, lq, d = query.shape
+    lk = key.shape[2]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    if grad_out.stride(-1) != 1:
+        grad_out = grad_out.contiguous()
+    delta = torch.empty(b, h, lq, dtype=torch.float32, device=query.device)
+    rows, warps = DELTA
+    _attn_bwd_delta_kernel[(triton.cdiv(lq, rows), b * h)](out, grad_out, delta, *out.stride()[:3],
+                                                            *grad_out.stride()[:3], h, lq, D=d, BLOCK_M=rows,
+                                                            num_warps=warps)
+    orders = grad_orders or (None, None, None)
+    grad_q, grad_k, grad_v = (_empty(t, o) for t, o in zip((query, key, value), orders, strict=True))
+    block_m, block_n, warps, stages = dkdv or BWD_DKDV
+    assert block_n % block_m == 0, "the key/value gradients' key block is a multiple of their query block"
+    _attn_bwd_dkdv_kernel[(triton.cdiv(lk, block_n), b * h)](
+        query, key, value, grad_out, lse, delta, grad_k, grad_v, scale * _LOG2E, scale,
+        *query.stride()[:3], *key.stride()[:3], *value.stride()[:3], *grad_out.stride()[:3],
+        *grad_k.stride()[:3], *grad_v.stride()[:3], h, lq, lk,
+        D=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=bool(is_causal), num_warps=warps, num_stages=stages)
+    block_m, block_n, warps, stages = dq or BWD_DQ
+    assert block_m % block_n == 0, "the query gradient's query block is a multiple of its key block"
+    _attn_bwd_dq_kernel[(triton.cdiv(lq, block_m), b * h)](
+        query, key, value, grad_out, lse, delta, grad_q, scale * _LOG2E, scale,
+        *query.stride()[:3], *key.stride()[:3], *value.stride()[:3], *grad_out.stride()[:3],
+        *grad_q.stride()[:3], h, lq, lk,
+        D=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=bool(is_causal), num_warps=warps, num_stages=stages)
+    return grad_q, grad_k, grad_v

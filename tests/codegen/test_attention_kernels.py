@@ -1,0 +1,108 @@
+"""stepfx's Triton attention against an fp64 exact, next to eager SDPA's own error (Triton's interpreter on CPU,
+fp16: its bf16 matrix products are wrong, so bf16 is refused there; on CUDA also bf16 and the GPT's sizes).
+
+Tolerance (as the norm kernels'): the kernel's largest error against the fp64 exact is at most 2x eager fp16
+SDPA's error against the same exact plus one fp16 ulp of the exact's largest magnitude, for the output and each
+gradient. The lengths are chosen to leave partial blocks at both block sizes (64 and 128 rows), and the
+inputs are also given as slices of one fused projection ([B, L, 3, H, D] memory) as the GPT step gives them."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from stepfx.codegen import KERNELS, available, kernel_source
+from stepfx.codegen import attention_kernels as ak
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(not available(DEVICE)[0], reason=available(DEVICE)[1])
+FACTOR = 2.0
+
+
+# bf16 where it can run (CUDA); D up to 128 there (the GPT's head size)
+DTYPES = [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+CASES = [(37, 16, True, False), (130, 32, True, True), (200, 16, True, True), (64, 16, False, False),
+         (150, 32, False, True)] + ([(1000, 128, True, True), (333, 64, False, False), (2048, 128, True, False)]
+                                    if DEVICE == "cuda" else [])
+
+
+def _inputs(b, h, n, d, fused, gen, dtype=torch.float16):
+    if fused:
+        qkv = torch.randn(b, n, 3, h, d, generator=gen).to(DEVICE, dtype)
+        return [qkv[:, :, i].transpose(1, 2) for i in range(3)]
+    return [torch.randn(b, h, n, d, generator=gen).to(DEVICE, dtype) for _ in range(3)]
+
+
+def _exact(q, k, v, grad, causal, scale):
+    q, k, v = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    s = q @ k.transpose(-1, -2) * scale
+    if causal:
+        n = q.shape[2]
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    out = torch.softmax(s, -1) @ v
+    out.backward(grad.double())
+    return out, q.grad, k.grad, v.grad
+
+
+def _eager(q, k, v, grad, causal, scale):
+    q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    out.backward(grad)
+    return out, q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n,d,causal,fused", CASES)
+def test_forward_and_backward_are_no_worse_than_eager(n, d, causal, fused, dtype):
+    """Eager is SDPA's own choice of kernel on the device (flash or cuDNN on CUDA, flash-for-CPU here)."""
+    gen = torch.Generator().manual_seed(n * d)
+    q, k, v = _inputs(2, 3, n, d, fused, gen, dtype)
+    grad = torch.randn(2, 3, n, d, generator=gen).to(DEVICE, dtype)
+    scale = 1.0 / math.sqrt(d) if n % 2 else 0.3
+    out, lse = ak.attention_forward(q, k, v, causal, scale)
+    ours = (out, *ak.attention_backward(grad, q, k, v, out, lse, causal, scale))
+    exact = _exact(q, k, v, grad, causal, scale)
+    eager = _eager(q, k, v, grad, causal, scale)
+    for name, got, ref, e in zip(("output", "grad_query", "grad_key", "grad_value"), ours, exact, eager):
+        assert got.shape == ref.shape and got.dtype == dtype
+        err_k = (got.double() - ref).abs().max().item()
+        err_e = (e.double() - ref).abs().max().item()
+        ulp = torch.finfo(dtype).eps * ref.abs().max().item()
+        assert err_k <= FACTOR * err_e + ulp, f"{name}: kernel error {err_k:.3g} > {FACTOR} x eager {err_e:.3g} + {ulp:.3g}"
+    # base-2 log-sum-exp of each row's scaled scores
+    s = q.double() @ k.double().transpose(-1, -2) * scale
+    if causal:
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    torch.testing.assert_close(lse.double(), torch.logsumexp(s, -1) / math.log(2), rtol=0, atol=1e-3)
+
+
+@pytest.mark.parametrize("order", [(0, 2, 1, 3), (0, 1, 2, 3), (2, 0, 1, 3)])
+def test_outputs_and_gradients_lie_in_the_memory_order_asked(order):
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = _inputs(2, 2, 40, 16, False, gen)
+    grad = torch.randn(2, 2, 40, 16, generator=gen).to(DEVICE, torch.float16)
+    out, lse = ak.attention_forward(q, k, v, True, out_order=order)
+    plain, _ = ak.attention_forward(q, k, v, True)
+    grads = ak.attention_backward(grad, q, k, v, out, lse, True, grad_orders=(order, order, order))
+    dense = ak.attention_backward(grad, q, k, v, plain, lse, True)
+    for got, ref in zip((out, *grads), (plain, *dense)):
+        assert [got.stride(i) for i in order] == list(torch.empty_permuted(got.shape, order).stride(i) for i in order)
+        assert torch.equal(got, ref)  # the layout changes where values are written, not what they are
+
+
+def test_unsupported_inputs_are_named():
+    q = torch.zeros(1, 2, 8, 16, dtype=torch.float16)
+    assert ak.unsupported_reason(q, q, q, attn_mask=torch.zeros(8, 8)) == "an attention mask"
+    assert ak.unsupported_reason(q, q, q, dropout_p=0.1) == "dropout"
+    assert "head_dim 24" in ak.unsupported_reason(*(torch.zeros(1, 2, 8, 24, dtype=torch.float16),) * 3)
+    assert "grouped" in ak.unsupported_reason(q, q[:, :1], q[:, :1])
+    assert "dtype torch.float32" in ak.unsupported_reason(q.float(), q.float(), q.float())
+    assert "causal" in ak.unsupported_reason(q, q[:, :, :4], q[:, :, :4], is_causal=True)
+    if DEVICE == "cpu":
+        assert "interpreter" in ak.unsupported_reason(q.bfloat16(), q.bfloat16(), q.bfloat16())
+    with pytest.raises(ValueError, match="attention_forward: head_dim"):
+        ak.attention_forward(q, q, q[:, :, :, :8])
+    assert "_attn_fwd_kernel" in kernel_source("attention_forward")
+    assert KERNELS["attention_backward"].reference is not None
