@@ -92,6 +92,22 @@ def test_outputs_and_gradients_lie_in_the_memory_order_asked(order):
         assert torch.equal(got, ref)  # the layout changes where values are written, not what they are
 
 
+def test_cross_attention_over_another_length():
+    """Queries over keys/values of another length (an encoder-decoder's cross-attention), not causal."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 2, 37, 16, generator=gen).to(DEVICE, torch.float16)
+    k, v = (torch.randn(2, 2, 83, 16, generator=gen).to(DEVICE, torch.float16) for _ in range(2))
+    grad = torch.randn(2, 2, 37, 16, generator=gen).to(DEVICE, torch.float16)
+    out, lse = ak.attention_forward(q, k, v, False)
+    ours = (out, *ak.attention_backward(grad, q, k, v, out, lse, False))
+    exact = _exact(q, k, v, grad, False, 0.25)
+    eager = _eager(q, k, v, grad, False, 0.25)
+    for got, ref, e in zip(ours, exact, eager):
+        assert got.shape == ref.shape
+        err_k, err_e = (got.double() - ref).abs().max().item(), (e.double() - ref).abs().max().item()
+        assert err_k <= FACTOR * err_e + torch.finfo(torch.float16).eps * ref.abs().max().item()
+
+
 def test_unsupported_inputs_are_named():
     q = torch.zeros(1, 2, 8, 16, dtype=torch.float16)
     assert ak.unsupported_reason(q, q, q, attn_mask=torch.zeros(8, 8)) == "an attention mask"

@@ -91,3 +91,27 @@ def test_fp16_step_with_triton_attention_over_varying_lengths_is_no_further_from
     assert graph_ops.attention_cpu not in [n.target for n in steps[1].plan.graph.gm.graph.nodes]
     assert len({id(p) for p in steps[0].plans}) <= 2
     assert max(errs[0]) <= 2 * max(errs[1]) + torch.finfo(torch.float16).eps, (errs[0], errs[1])
+
+
+def test_recomputed_attention_is_taken_too_and_changes_nothing():
+    """Under recompute_activations' level "all" the backward reads the recomputed q/k/v with the forward's own
+    statistics: every call is taken (none kept on flash), and the losses equal the step without recomputation
+    bitwise (the same kernels on the same values)."""
+    torch.manual_seed(0)
+    cfg = gpt_config("tiny", n_heads=2)
+    first = GPT(cfg)
+    losses, notes = [], []
+    for extra in ({"activation_memory_budget": 0.0}, {}):
+        model = GPT(cfg)
+        model.load_state_dict(first.state_dict())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        step = stepfx.parallelize({"gradient_clipping": 0, "fp16": {"enabled": True, "initial_scale_power": 8},
+                                   "stepfx": {"codegen": True, "dynamic": True, **extra}})(lm_step)
+        g = torch.Generator().manual_seed(1)
+        losses.append([step(model, opt, torch.randint(0, cfg.vocab_size, (2, n), generator=g)).item() for n in (16, 11, 13)])
+        text = step.explain()
+        notes.append(next(line for line in text.splitlines() if "fuse_attention" in line))
+        assert ("level 'all'" in text) == bool(extra)  # attention recomputed in the first
+        left = [n for n in step.plan.graph.gm.graph.nodes if "flash_attention" in str(n.target)]
+        assert not left and "kept on flash" not in notes[-1], notes[-1]
+    assert losses[0] == losses[1]

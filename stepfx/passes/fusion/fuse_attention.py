@@ -73,6 +73,18 @@ def memory_order(val: torch.Tensor) -> tuple[int, ...] | None:
     return order
 
 
+def _same_value_kind(a, b) -> bool:
+    """``a`` is ``b``, or a tensor of the same shape, strides and dtype (a recomputed copy of it)."""
+    if a is b:
+        return True
+    va, vb = (x.meta.get("val") if isinstance(x, fx.Node) else None for x in (a, b))
+    if not isinstance(va, torch.Tensor) or not isinstance(vb, torch.Tensor) or va.dtype != vb.dtype:
+        return False
+    exprs = [tuple(sympy.sympify(compat.size_expr(x)) for x in xs)
+             for xs in (va.shape, vb.shape, va.stride(), vb.stride())]
+    return exprs[0] == exprs[1] and exprs[2] == exprs[3]
+
+
 def _items(node: fx.Node) -> dict[int, list[fx.Node]] | None:
     items: dict[int, list[fx.Node]] = {}
     for user in node.users:
@@ -115,7 +127,9 @@ def _match(forward: fx.Node) -> tuple[list[fx.Node], tuple[int, ...], list[tuple
                 backwards.append(user)
     orders = []
     for backward in backwards:
-        same = all(_arg(backward, n) is _arg(forward, n) for n in ("query", "key", "value"))
+        # q/k/v may be other nodes of the same values (recompute_activations' copies): the same shapes suffice,
+        # as for flash, whose backward reads them as given; the statistics must be this forward's own (below)
+        same = all(_same_value_kind(_arg(backward, n), _arg(forward, n)) for n in ("query", "key", "value"))
         if not same or bool(_arg(backward, "is_causal")) != causal or _arg(backward, "scale") != _arg(forward, "scale"):
             return f"{backward.name} is not this forward's backward"
         if _arg(backward, "out") not in items[0] or _arg(backward, "logsumexp") not in items.get(1, ()):
