@@ -66,7 +66,7 @@ def test_memory_order_of_dense_and_strided_values():
 
 def test_fp16_step_with_triton_attention_over_varying_lengths_is_no_further_from_fp32_than_flash():
     """fp16 mixed precision, a new length at every step (one symbolic capture): the step with the Triton
-    attention's worst relative loss error against the fp32 step is at most twice that of the same step with
+    attention's worst relative loss error against the eager fp32 step is at most twice that of the same step with
     flash attention (``disable: fuse_attention``) plus one fp16 ulp; the Triton calls are in the graph."""
     torch.manual_seed(0)
     cfg = gpt_config("tiny", n_heads=2)  # head_dim 16: the kernels' smallest
@@ -78,10 +78,10 @@ def test_fp16_step_with_triton_attention_over_varying_lengths_is_no_further_from
     fp16 = {"fp16": {"enabled": True, "initial_scale_power": 8}}
     steps = [stepfx.parallelize({**base, **fp16})(lm_step),
              stepfx.parallelize({**base, **fp16, "stepfx": {**base["stepfx"], "disable": ["fuse_attention"]}})(lm_step),
-             stepfx.parallelize({**base, "stepfx": {"codegen": False, "dynamic": True}})(lm_step)]
+             lm_step]  # the fp32 reference: eager
     g = torch.Generator().manual_seed(5)
     errs = [[], []]
-    for length in (16, 11, 14, 9, 13):
+    for length in (16, 11, 13):
         batch = torch.randint(0, cfg.vocab_size, (2, length), generator=g)
         fused, plain, fp32 = (s(m, o, batch).item() for s, m, o in zip(steps, models, opts))
         errs[0].append(abs(fused - fp32) / abs(fp32))

@@ -139,10 +139,13 @@ def _match(forward: fx.Node) -> tuple[list[fx.Node], tuple[int, ...], list[tuple
             return f"{backward.name}'s gradients are read whole"
         order = []
         for index in range(3):
-            val = grads[index][0].meta.get("val") if index in grads else vals[index]
+            if index not in grads:
+                order.append(None)  # not read: the kernels' own layout
+                continue
+            val = grads[index][0].meta.get("val")
             order.append(memory_order(val) if isinstance(val, torch.Tensor) else None)
-        if any(o is None for o in order):
-            return f"{backward.name}'s gradients are not dense"
+            if order[-1] is None:
+                return f"{backward.name}'s gradient {index} is not dense"
         orders.append(tuple(order))
     return backwards, out_order, orders
 
