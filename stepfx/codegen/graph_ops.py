@@ -241,10 +241,21 @@ def attention(query, key, value, dropout_p=0.0, is_causal=False, return_debug_ma
     read only by :func:`attention_backward`; ``out_order`` is the memory order the graph recorded for the output."""
     kernels = _kernels("attention_kernels")
     out, lse = kernels.attention_forward(query, key, value, bool(is_causal), scale, out_order=out_order)
-    seed = torch.empty(2, dtype=torch.uint64, device=query.device)
-    offset = torch.empty((), dtype=torch.uint64, device=query.device)
-    return (out, lse, None, None, query.shape[2], key.shape[2], seed, offset,
-            torch.empty(0, dtype=query.dtype, device=query.device))
+    seed, offset, debug = _unused_attention_outputs(query.device, query.dtype)
+    return out, lse, None, None, query.shape[2], key.shape[2], seed, offset, debug
+
+
+_UNUSED: dict = {}
+
+
+def _unused_attention_outputs(device, dtype):
+    """Flash's random state and debug mask, which no dropout leaves unread: one set per device and dtype,
+    made once (nothing writes them), instead of three allocations a call."""
+    key = (device, dtype)
+    if key not in _UNUSED:
+        _UNUSED[key] = (torch.empty(2, dtype=torch.uint64, device=device),
+                        torch.empty((), dtype=torch.uint64, device=device), torch.empty(0, dtype=dtype, device=device))
+    return _UNUSED[key]
 
 
 def attention_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q=None, cum_seq_k=None, max_q=0,
