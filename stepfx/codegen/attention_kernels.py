@@ -42,6 +42,17 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _program_block(H, LONGEST_FIRST: tl.constexpr):
+    """This program's (row block, batch * heads index, batch, head) on the grid (row blocks, batch * heads);
+    with ``LONGEST_FIRST`` the last row block (under a causal mask the longest to walk) runs first."""
+    pid = tl.program_id(0)
+    if LONGEST_FIRST:
+        pid = tl.num_programs(0) - 1 - pid
+    bh = tl.program_id(1)
+    return pid, bh, (bh // H).to(tl.int64), (bh % H).to(tl.int64)
+
+
+@triton.jit
 def _fwd_block(acc, m_i, l_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, LK, qk_scale,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr):
     cols = start_n + offs_n
@@ -71,12 +82,7 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, qk_scale,
                      sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sob, soh, sol,
                      H, LQ, LK,
                      D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
-    pid_m = tl.program_id(0)
-    if CAUSAL:  # the longest rows (the last blocks) first: the short ones fill in at the end
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
+    pid_m, bh, b, h = _program_block(H, CAUSAL)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
@@ -109,10 +115,7 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, qk_scale,
 def _attn_bwd_delta_kernel(O, DO, DELTA, sob, soh, sol, sdb, sdh, sdl, H, LQ,
                            D: tl.constexpr, BLOCK_M: tl.constexpr):
     """DELTA[b, h, i] = sum_d out[b, h, i, d] * grad_out[b, h, i, d] (fp32): the softmax backward's row term."""
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
+    pid_m, bh, b, h = _program_block(H, False)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
     ok = offs_m[:, None] < LQ
@@ -157,10 +160,7 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, qk_scale, sm_scale,
                           H, LQ, LK,
                           D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
     """One program: BLOCK_N keys of one (batch, head); walks the queries that read them."""
-    pid_n = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
+    pid_n, bh, b, h = _program_block(H, False)  # the first key blocks are the longest to walk: first already
     start_n = pid_n * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -225,12 +225,7 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, qk_scale, sm_scale,
                         H, LQ, LK,
                         D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
     """One program: BLOCK_M queries of one (batch, head); walks the keys they read."""
-    pid_m = tl.program_id(0)
-    if CAUSAL:  # the longest rows first, as the forward
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
+    pid_m, bh, b, h = _program_block(H, CAUSAL)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
@@ -345,7 +340,7 @@ def _reference_backward(grad_out, query, key, value, out, lse, is_causal=False, 
     return tuple(grads)
 
 
-@register("attention_forward", reference=_reference_forward, jit=(_fwd_block, _attn_fwd_kernel))
+@register("attention_forward", reference=_reference_forward, jit=(_program_block, _fwd_block, _attn_fwd_kernel))
 def attention_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, is_causal: bool = False,
                       scale: float | None = None, config: tuple[int, int, int, int] | None = None,
                       out_order: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -370,7 +365,8 @@ def attention_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 
 
 @register("attention_backward", reference=_reference_backward,
-          jit=(_attn_bwd_delta_kernel, _dkdv_block, _attn_bwd_dkdv_kernel, _dq_block, _attn_bwd_dq_kernel))
+          jit=(_program_block, _attn_bwd_delta_kernel, _dkdv_block, _attn_bwd_dkdv_kernel, _dq_block,
+               _attn_bwd_dq_kernel))
 def attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        out: torch.Tensor, lse: torch.Tensor, is_causal: bool = False, scale: float | None = None,
                        dkdv: tuple[int, int, int, int] | None = None, dq: tuple[int, int, int, int] | None = None,
