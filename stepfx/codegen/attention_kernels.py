@@ -297,6 +297,22 @@ def unsupported_reason(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     return None
 
 
+#: the grid's second dimension (batch x heads) is at most this: larger batches launch in chunks of sequences
+_GRID_Y = 65535
+
+
+def _batch_chunks(b: int, h: int) -> list[slice | None]:
+    """The batch's chunks, one launch each: [None] (the whole batch, no slicing) when it fits the grid."""
+    if b * h <= _GRID_Y:
+        return [None]
+    step = max(1, _GRID_Y // h)
+    return [slice(i, min(b, i + step)) for i in range(0, b, step)]
+
+
+def _chunk(part: slice | None, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    return list(tensors) if part is None else [t[part] for t in tensors]
+
+
 #: [B, H, L, D] over [B, L, H, D] memory: flash attention's output layout on CUDA
 FLASH_ORDER = (0, 2, 1, 3)
 
@@ -356,11 +372,13 @@ def attention_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     lse = torch.empty(b, h, lq, dtype=torch.float32, device=query.device)
     block_m, block_n, warps, stages = config or FWD
     assert block_m % block_n == 0, "the forward's query block is a multiple of its key block"
-    grid = (triton.cdiv(lq, block_m), b * h)
-    _attn_fwd_kernel[grid](query, key, value, out, lse, scale * _LOG2E,
-                           *query.stride()[:3], *key.stride()[:3], *value.stride()[:3], *out.stride()[:3],
-                           h, lq, lk, D=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=bool(is_causal),
-                           num_warps=warps, num_stages=stages)
+    for part in _batch_chunks(b, h):
+        q, k, v, o, ls = _chunk(part, query, key, value, out, lse)
+        grid = (triton.cdiv(lq, block_m), q.shape[0] * h)
+        _attn_fwd_kernel[grid](q, k, v, o, ls, scale * _LOG2E,
+                               *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
+                               h, lq, lk, D=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=bool(is_causal),
+                               num_warps=warps, num_stages=stages)
     return out, lse
 
 
@@ -379,24 +397,27 @@ def attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.T
     if grad_out.stride(-1) != 1:
         grad_out = grad_out.contiguous()
     delta = torch.empty(b, h, lq, dtype=torch.float32, device=query.device)
-    rows, warps = DELTA
-    _attn_bwd_delta_kernel[(triton.cdiv(lq, rows), b * h)](out, grad_out, delta, *out.stride()[:3],
-                                                            *grad_out.stride()[:3], h, lq, D=d, BLOCK_M=rows,
-                                                            num_warps=warps)
     orders = grad_orders or (None, None, None)
     grad_q, grad_k, grad_v = (_empty(t, o) for t, o in zip((query, key, value), orders, strict=True))
-    block_m, block_n, warps, stages = dkdv or BWD_DKDV
-    assert block_n % block_m == 0, "the key/value gradients' key block is a multiple of their query block"
-    _attn_bwd_dkdv_kernel[(triton.cdiv(lk, block_n), b * h)](
-        query, key, value, grad_out, lse, delta, grad_k, grad_v, scale * _LOG2E, scale,
-        *query.stride()[:3], *key.stride()[:3], *value.stride()[:3], *grad_out.stride()[:3],
-        *grad_k.stride()[:3], *grad_v.stride()[:3], h, lq, lk,
-        D=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=bool(is_causal), num_warps=warps, num_stages=stages)
-    block_m, block_n, warps, stages = dq or BWD_DQ
-    assert block_m % block_n == 0, "the query gradient's query block is a multiple of its key block"
-    _attn_bwd_dq_kernel[(triton.cdiv(lq, block_m), b * h)](
-        query, key, value, grad_out, lse, delta, grad_q, scale * _LOG2E, scale,
-        *query.stride()[:3], *key.stride()[:3], *value.stride()[:3], *grad_out.stride()[:3],
-        *grad_q.stride()[:3], h, lq, lk,
-        D=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=bool(is_causal), num_warps=warps, num_stages=stages)
+    kv_m, kv_n, kv_warps, kv_stages = dkdv or BWD_DKDV
+    assert kv_n % kv_m == 0, "the key/value gradients' key block is a multiple of their query block"
+    q_m, q_n, q_warps, q_stages = dq or BWD_DQ
+    assert q_m % q_n == 0, "the query gradient's query block is a multiple of its key block"
+    rows, warps = DELTA
+    for part in _batch_chunks(b, h):
+        q, k, v, o, g, dl, gq, gk, gv, ls = _chunk(part, query, key, value, out, grad_out, delta, grad_q, grad_k,
+                                                    grad_v, lse)
+        n = q.shape[0] * h
+        _attn_bwd_delta_kernel[(triton.cdiv(lq, rows), n)](o, g, dl, *o.stride()[:3], *g.stride()[:3], h, lq,
+                                                           D=d, BLOCK_M=rows, num_warps=warps)
+        _attn_bwd_dkdv_kernel[(triton.cdiv(lk, kv_n), n)](
+            q, k, v, g, ls, dl, gk, gv, scale * _LOG2E, scale,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *g.stride()[:3], *gk.stride()[:3], *gv.stride()[:3],
+            h, lq, lk, D=d, BLOCK_M=kv_m, BLOCK_N=kv_n, CAUSAL=bool(is_causal), num_warps=kv_warps,
+            num_stages=kv_stages)
+        _attn_bwd_dq_kernel[(triton.cdiv(lq, q_m), n)](
+            q, k, v, g, ls, dl, gq, scale * _LOG2E, scale,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *g.stride()[:3], *gq.stride()[:3],
+            h, lq, lk, D=d, BLOCK_M=q_m, BLOCK_N=q_n, CAUSAL=bool(is_causal), num_warps=q_warps,
+            num_stages=q_stages)
     return grad_q, grad_k, grad_v

@@ -108,6 +108,24 @@ def test_cross_attention_over_another_length():
         assert err_k <= FACTOR * err_e + torch.finfo(torch.float16).eps * ref.abs().max().item()
 
 
+def test_batches_wider_than_the_grid_launch_in_chunks(monkeypatch):
+    """batch x heads above the grid's second dimension (65,535 on CUDA) runs in chunks of sequences: here the
+    limit is lowered to 5 so that 3 sequences x 2 heads take three launches, the last one partial."""
+    monkeypatch.setattr(ak, "_GRID_Y", 5)
+    assert [(p.start, p.stop) for p in ak._batch_chunks(3, 2)] == [(0, 2), (2, 3)]
+    assert ak._batch_chunks(2, 2) == [None]  # fits: the tensors as given
+    monkeypatch.setattr(ak, "_GRID_Y", 2)
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = _inputs(3, 2, 29, 16, True, gen)
+    grad = torch.randn(3, 2, 29, 16, generator=gen).to(DEVICE, torch.float16)
+    out, lse = ak.attention_forward(q, k, v, True)
+    ours = (out, *ak.attention_backward(grad, q, k, v, out, lse, True))
+    monkeypatch.setattr(ak, "_GRID_Y", 65535)
+    whole, lse_whole = ak.attention_forward(q, k, v, True)
+    for got, ref in zip(ours, (whole, *ak.attention_backward(grad, q, k, v, whole, lse_whole, True))):
+        assert torch.equal(got, ref)
+
+
 def test_unsupported_inputs_are_named():
     q = torch.zeros(1, 2, 8, 16, dtype=torch.float16)
     assert ak.unsupported_reason(q, q, q, attn_mask=torch.zeros(8, 8)) == "an attention mask"
