@@ -359,10 +359,12 @@ def _reference_backward(grad_out, query, key, value, out, lse, is_causal=False, 
 @register("attention_forward", reference=_reference_forward, jit=(_program_block, _fwd_block, _attn_fwd_kernel))
 def attention_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, is_causal: bool = False,
                       scale: float | None = None, config: tuple[int, int, int, int] | None = None,
-                      out_order: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      out_order: tuple[int, ...] | None = None, check: bool = True
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)``: attention of ``query`` over ``key``/``value``; lse is log2 of each row's softmax sum.
-    ``out`` lies in memory in ``out_order`` (default: flash's [B, L, H, D])."""
-    reason = unsupported_reason(query, key, value, is_causal)
+    ``out`` lies in memory in ``out_order`` (default: flash's [B, L, H, D]). ``check=False``: the caller checked
+    :func:`unsupported_reason` already (``fuse_attention`` at capture), so a step's calls skip it."""
+    reason = unsupported_reason(query, key, value, is_causal) if check else None
     if reason is not None:
         raise ValueError(f"attention_forward: {reason}")
     b, h, lq, d = query.shape

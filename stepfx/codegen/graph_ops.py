@@ -240,7 +240,8 @@ def attention(query, key, value, dropout_p=0.0, is_causal=False, return_debug_ma
     attention (``fuse_attention``): one compile for every length. The logsumexp slot holds base-2 log-sum-exps,
     read only by :func:`attention_backward`; ``out_order`` is the memory order the graph recorded for the output."""
     kernels = _kernels("attention_kernels")
-    out, lse = kernels.attention_forward(query, key, value, bool(is_causal), scale, out_order=out_order)
+    out, lse = kernels.attention_forward(query, key, value, bool(is_causal), scale, out_order=out_order,
+                                         check=False)  # fuse_attention checked the call at capture
     seed, offset, debug = _unused_attention_outputs(query.device, query.dtype)
     return out, lse, None, None, query.shape[2], key.shape[2], seed, offset, debug
 
@@ -271,7 +272,7 @@ def attention_cpu(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mas
     """``aten._scaled_dot_product_flash_attention_for_cpu``'s contract (no mask, no dropout) by the same kernels
     (CPU: Triton's interpreter, for tests): (out, base-2 logsumexp)."""
     return _kernels("attention_kernels").attention_forward(query, key, value, bool(is_causal), scale,
-                                                           out_order=out_order)
+                                                           out_order=out_order, check=False)
 
 
 def attention_cpu_backward(grad_out, query, key, value, out, logsumexp, dropout_p=0.0, is_causal=False, *,
