@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import stepfx  # noqa: E402
-from benchmarks.single_gpu import PEAK_FLOPS, eager_step, stepfx_step, sync, timed  # noqa: E402
+from benchmarks.single_gpu import PEAK_FLOPS, apply_settings, eager_step, stepfx_step, sync, timed  # noqa: E402
 from stepfx.testing.models import GPT, gpt_config  # noqa: E402
 
 
@@ -179,8 +179,11 @@ def main() -> None:
     ap.add_argument("--same-process", action="store_true", help="run every system in this process (cuDNN's plan cache is then shared)")
     ap.add_argument("--profile-call", type=int, default=-1, help="host profile (torch.profiler, CPU) of this call, counting warm-up calls")
     ap.add_argument("--log-compiles", action="store_true", help="record Triton compiles and torch.compile recompiles per call")
+    ap.add_argument("--set", default="", metavar="MODULE.NAME=VALUE,...",
+                    help="override stepfx.codegen module constants for this run (single_gpu.py's --set)")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args()
+    apply_settings(args.set)
     if args.log_compiles:
         log_compiles()
     args.dynamic = {"true": True, "false": False}.get(args.dynamic, args.dynamic)
@@ -190,7 +193,8 @@ def main() -> None:
     meta = {"date": datetime.date.today().isoformat(), "gpu": gpu, "torch": torch.__version__,
             "command": f"python3 benchmarks/dynamic_lengths.py --size {args.size} --systems {args.systems} "
                        f"--min-seq {args.min_seq} --seq {args.seq} --attention-pad-multiple {args.attention_pad_multiple}"
-                       + (f" --disable {args.disable}" if args.disable else "")}
+                       + (f" --disable {args.disable}" if args.disable else "")
+                       + (f" --set '{args.set}'" if args.set else "")}
     rows = []
     systems = args.systems.split(",")
     if len(systems) > 1 and not args.same_process:
@@ -207,7 +211,7 @@ def main() -> None:
                    "--disable", args.disable]
             if args.log_compiles:
                 cmd.append("--log-compiles")
-            cmd += ["--profile-call", str(args.profile_call)]
+            cmd += ["--profile-call", str(args.profile_call), "--set", args.set]
             if args.out:
                 cmd += ["--out", args.out]
             subprocess.run(cmd, check=False)

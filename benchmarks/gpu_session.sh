@@ -10,6 +10,8 @@
 #   remat     benchmarks/remat.py: 1.3B at micro-batch 24 (issue 18 item 1)
 #   dynamic   benchmarks/dynamic_lengths.py, peers in the same run (issue 17); DYNAMIC_ARGS adds arguments
 #   attention benchmarks/attention_lengths.py: attention kernels and matmuls per length
+#   tma       the attention kernels' tests, their sweep (pointers and TMA descriptors), then dynamic_lengths.py
+#             (peers in the same run) with the fastest settings (--set)
 #   triton_attention  benchmarks/probe_triton_attention.py (stepfx's attention kernels against flash and
 #             cuDNN, block shapes swept), then their tests on CUDA and the symbolic-length step test
 # Usage (from the repository root, on the device machine):
@@ -42,6 +44,16 @@ for part in $(echo "${PARTS:-tests,first,remat,dynamic}" | tr ',' ' '); do
       timeout "${TESTS_S:-150}" python3 -m pytest -q -s -p no:cacheprovider tests/codegen/test_attention_kernels.py \
         "tests/gpu/test_cuda.py::test_symbolic_lengths_run_padded_cudnn_or_flash_attention" > "$OUT/attention_tests.log" 2>&1
       note attention_tests $? ;;
+    tma)
+      # the attention kernels through TMA descriptors: their tests, the sweep (pointers and TMA), then the
+      # varying-length step with the fastest settings against its fixed-length step, eager and torch.compile
+      timeout "${TESTS_S:-120}" python3 -m pytest -q -p no:cacheprovider tests/codegen/test_attention_kernels.py > "$OUT/attention_tests.log" 2>&1
+      note attention_tests $?
+      timeout "${PROBE_S:-200}" python3 benchmarks/probe_triton_attention.py --lengths 1674,2048 --settings-file "$OUT/settings.txt" --out "$OUT" > "$OUT/probe_triton_attention.log" 2>&1
+      note probe $?
+      timeout "${DYNAMIC_S:-260}" python3 benchmarks/dynamic_lengths.py --out "$OUT" --systems stepfx-codegen,stepfx-codegen-fixed,eager,compile \
+        --attention-pad-multiple 0 --log-compiles --set "$(cat "$OUT/settings.txt" 2>/dev/null)" ${DYNAMIC_ARGS:-} >> "$OUT/dynamic.log" 2>&1
+      note dynamic $? ;;
     attention)
       timeout "${ATTENTION_S:-120}" python3 benchmarks/attention_lengths.py --out "$OUT" > "$OUT/attention.log" 2>&1
       note attention $? ;;

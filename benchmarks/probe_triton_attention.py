@@ -4,7 +4,7 @@ inputs and slices of a fused [B, L, 3, H, D] projection. Sweeps each kernel's bl
 
     python3 benchmarks/probe_triton_attention.py --out $OUT
 
-Milliseconds a call (median of CUDA-event timings), TFLOP/s on the causal FLOPs (forward 2 matmuls, backward
+Milliseconds a call (calls queued back to back between CUDA events, median of 5 runs), TFLOP/s on the causal FLOPs (forward 2 matmuls, backward
 5, half of each square), and each kernel's largest difference from an fp32 reference next to flash's.
 """
 from __future__ import annotations
@@ -22,11 +22,28 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.kernels import time_ms  # noqa: E402
 from stepfx.codegen import attention_kernels as ak  # noqa: E402
 
+
+def time_ms(fn, warmup: int, iters: int, reps: int = 5) -> float:
+    """Milliseconds a call: ``iters`` calls queued back to back between two events (as the step queues them:
+    the host's launch cost hides behind the device's work), median of ``reps`` such runs."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    runs = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+        runs.append(start.elapsed_time(end) / iters)
+    return sorted(runs)[len(runs) // 2]
+
 FWD = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 8, 4),
-       (128, 32, 4, 3)]
+       (128, 32, 4, 3), (128, 64, 8, 5), (128, 64, 4, 4)]
 DKDV = [(64, 128, 8, 2), (32, 128, 8, 3), (64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3), (32, 64, 4, 3),
         (16, 128, 8, 3), (64, 128, 4, 2)]
 DQ = [(128, 64, 8, 2), (128, 32, 8, 3), (128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 3),
@@ -76,8 +93,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--reps", type=int, default=20, help="calls per timed run")
     ap.add_argument("--sweep-length", type=int, default=1674)
+    ap.add_argument("--settings-file", default="",
+                    help="write the fastest kernels' settings here, as dynamic_lengths.py's --set takes them")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args()
     b, h, d = args.batch, args.heads, args.head_dim
@@ -93,24 +112,31 @@ def main() -> None:
     grad = torch.randn(b, h, args.sweep_length, d, device="cuda", dtype=torch.bfloat16)
     out, lse = ak.attention_forward(q, k, v, True)
     best = {}
+    tmas = (False, True) if ak._use_tma(True, q, k, v) else (False,)
     for name, configs in (("fwd", FWD), ("dkdv", DKDV), ("dq", DQ)):
         timings = {}
-        for cfg in configs:
+        for cfg, tma in itertools.product(configs, tmas):
             if name == "fwd":
-                fn = lambda cfg=cfg: ak.attention_forward(q, k, v, True, config=cfg)
+                fn = lambda cfg=cfg, tma=tma: ak.attention_forward(q, k, v, True, config=cfg, tma=tma)
             elif name == "dkdv":
-                fn = lambda cfg=cfg: ak.attention_backward(grad, q, k, v, out, lse, True, dkdv=cfg, dq=DQ[0])
+                fn = lambda cfg=cfg, tma=tma: ak.attention_backward(grad, q, k, v, out, lse, True, dkdv=cfg,
+                                                                    dq=ak.BWD_DQ, tma=tma)
             else:
-                fn = lambda cfg=cfg: ak.attention_backward(grad, q, k, v, out, lse, True, dkdv=DKDV[0], dq=cfg)
+                fn = lambda cfg=cfg, tma=tma: ak.attention_backward(grad, q, k, v, out, lse, True, dkdv=ak.BWD_DKDV,
+                                                                    dq=cfg, tma=tma)
             try:
-                timings[cfg] = time_ms(fn, 3, args.reps)
+                timings[cfg, tma] = time_ms(fn, 3, args.reps)
             except Exception as exc:  # noqa: BLE001 - a config that does not compile (shared memory) is skipped
-                timings[cfg] = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
-        ok = {c: t for c, t in timings.items() if isinstance(t, float)}
-        best[name] = min(ok, key=ok.get)
+                timings[cfg, tma] = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
+        for tma in tmas:
+            ok = {c: t for (c, m), t in timings.items() if m == tma and isinstance(t, float)}
+            if ok:
+                best[name, tma] = min(ok, key=ok.get)
         emit({"sweep": name, "length": args.sweep_length,
-              "ms": {",".join(map(str, c)): (round(t, 4) if isinstance(t, float) else t) for c, t in timings.items()},
-              "best": best[name]})
+              "ms": {",".join(map(str, c)) + (" tma" if m else ""): (round(t, 4) if isinstance(t, float) else t)
+                     for (c, m), t in timings.items()},
+              "best": {("tma" if m else "pointers"): best.get((name, m)) for m in tmas}})
+    tmas = tuple(m for m in tmas if all((name, m) in best for name in ("fwd", "dkdv", "dq")))
 
     # 2. per length: flash, cuDNN, Triton (best configs), dense and fused layouts
     for t, fused in itertools.product((int(x) for x in args.lengths.split(",")), (False, True)):
@@ -125,21 +151,39 @@ def main() -> None:
             row[f"{name}_fwd_ms"] = round(time_ms(fwd, 3, args.reps), 4)
             row[f"{name}_fwd_bwd_ms"] = round(time_ms(both, 3, args.reps), 4)
 
-        def triton_fwd():
-            return ak.attention_forward(q, k, v, True, config=best["fwd"])
+        names = ["flash", "cudnn"]
+        for tma in tmas:
+            name = "triton_tma" if tma else "triton"
+            names.append(name)
 
-        def triton_both():
-            o, l = triton_fwd()
-            return ak.attention_backward(grad, q, k, v, o, l, True, dkdv=best["dkdv"], dq=best["dq"])
-        o, _ = triton_fwd()
-        row["triton_err"] = round(err((o, *triton_both()), ref), 5)
-        row["triton_fwd_ms"] = round(time_ms(triton_fwd, 3, args.reps), 4)
-        row["triton_fwd_bwd_ms"] = round(time_ms(triton_both, 3, args.reps), 4)
-        for name in ("flash", "cudnn", "triton"):
+            def triton_fwd(tma=tma):
+                return ak.attention_forward(q, k, v, True, config=best["fwd", tma], tma=tma)
+
+            def triton_both(tma=tma):
+                o, l = triton_fwd()
+                return ak.attention_backward(grad, q, k, v, o, l, True, dkdv=best["dkdv", tma], dq=best["dq", tma],
+                                             tma=tma)
+            o, _ = triton_fwd()
+            row[f"{name}_err"] = round(err((o, *triton_both()), ref), 5)
+            row[f"{name}_fwd_ms"] = round(time_ms(triton_fwd, 3, args.reps), 4)
+            row[f"{name}_fwd_bwd_ms"] = round(time_ms(triton_both, 3, args.reps), 4)
+            row[f"{name}_over_flash"] = round(row["flash_fwd_bwd_ms"] / row[f"{name}_fwd_bwd_ms"], 3)
+            row[f"{name}_over_cudnn"] = round(row["cudnn_fwd_bwd_ms"] / row[f"{name}_fwd_bwd_ms"], 3)
+        for name in names:
             row[f"{name}_tflops"] = round(3.5 * flops_fwd / row[f"{name}_fwd_bwd_ms"] / 1e9, 1)
-        row["triton_over_flash"] = round(row["flash_fwd_bwd_ms"] / row["triton_fwd_bwd_ms"], 3)
         emit(row)
         torch.cuda.empty_cache()
+    if args.settings_file:
+        # pointers or TMA: the one whose forward + backward (fused layout) is faster over the lengths probed
+        total = {tma: sum(r[f"triton{'_tma' if tma else ''}_fwd_bwd_ms"] for r in rows
+                          if r.get("layout") == "fused") for tma in tmas}
+        tma = min(total, key=total.get)
+        fmt = lambda c: "(" + ",".join(map(str, c)) + ")"  # noqa: E731
+        text = (f"attention_kernels.TMA={tma},attention_kernels.FWD={fmt(best['fwd', tma])},"
+                f"attention_kernels.BWD_DKDV={fmt(best['dkdv', tma])},attention_kernels.BWD_DQ={fmt(best['dq', tma])}")
+        emit({"settings": text, "fwd_bwd_ms_summed": {str(k): round(v, 4) for k, v in total.items()}})
+        with open(args.settings_file, "w") as f:
+            f.write(text)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "probe_triton_attention.jsonl"), "a") as f:

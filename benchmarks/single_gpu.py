@@ -22,6 +22,7 @@ peak memory is reset after warm-up. MFU = (6N + 12 L d seq) x tokens/s /
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import datetime
 import functools
@@ -30,6 +31,7 @@ import gzip
 import importlib
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -240,17 +242,18 @@ def run(kind: str, args) -> dict:
 
 
 def apply_settings(text: str) -> None:
-    """``--set MODULE.NAME=INT,...``: override stepfx.codegen module constants (launch geometries) for this
-    process, before any step (the launchers read them at each call)."""
-    for item in filter(None, text.split(",")):
+    """``--set MODULE.NAME=VALUE,...``: override stepfx.codegen module constants (launch geometries) for this
+    process, before any step (the launchers read them at each call). A value is a Python literal (``1``,
+    ``(128,64,8,4)``, ``True``, ``None``); items are separated by the commas before ``MODULE.NAME=``."""
+    for item in filter(None, re.split(r",(?=[A-Za-z_][\w]*\.[A-Za-z_]\w*=)", text)):
         name, _, value = item.partition("=")
         module, _, const = name.rpartition(".")
         try:
             target = importlib.import_module(f"stepfx.codegen.{module}")
             getattr(target, const)
-            setattr(target, const, int(value))
-        except (ImportError, AttributeError, ValueError) as exc:
-            raise SystemExit(f"--set {item!r}: expected stepfx.codegen MODULE.NAME=INT of an existing constant ({exc})")
+            setattr(target, const, ast.literal_eval(value))
+        except (ImportError, AttributeError, ValueError, SyntaxError) as exc:
+            raise SystemExit(f"--set {item!r}: expected stepfx.codegen MODULE.NAME=LITERAL of an existing constant ({exc})")
 
 def main() -> None:
     ap = argparse.ArgumentParser()

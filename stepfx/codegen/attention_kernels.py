@@ -20,6 +20,10 @@ the usual transpose and reshape after attention is a view. Heads of q, k and v a
 is 16..128 and a power of two, q/k/v are bf16 or fp16; ``unsupported_reason`` says what else is not taken.
 Statistics and accumulators are fp32. The causal mask is top-left aligned (query i reads keys 0..i), the
 meaning of ``is_causal`` in SDPA; it needs L_q == L_k.
+
+On Hopper and newer (compute capability 9+) the kernels read q, k, v and grad_out through TMA tensor
+descriptors where the strides allow (16-byte aligned; :data:`TMA`); elsewhere, and in Triton's interpreter
+unless asked, through pointers. Both compute the same values (bitwise in the interpreter).
 """
 from __future__ import annotations
 
@@ -29,7 +33,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .registry import register
+from .registry import interpreting, register
+
+try:  # Triton >= 3.4: host-side TMA descriptors
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton: the pointer kernels only
+    TensorDescriptor = None
 
 __all__ = ["attention_forward", "attention_backward", "unsupported_reason"]
 
@@ -254,19 +263,198 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, qk_scale, sm_scale,
              mask=row_ok[:, None])
 
 
+# The same three kernels reading q, k, v and grad_out through TMA tensor descriptors (Hopper's bulk copy
+# engine: rows past the length come back as zeros, so the loads need no masks, and a block's copy runs beside
+# the matmuls). The descriptors describe [B, H, L, D] with the tensors' own strides; a program's block is
+# [1, 1, rows, D], reshaped to [rows, D].
+
+
+@triton.jit
+def _fwd_tma_block(acc, m_i, l_i, q, k_desc, v_desc, b, h, start_n, offs_m, offs_n, LK, qk_scale,
+                   BLOCK_N: tl.constexpr, D: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+    k = k_desc.load([b, h, start_n, 0]).reshape(BLOCK_N, D)
+    v = v_desc.load([b, h, start_n, 0]).reshape(BLOCK_N, D)
+    qk = tl.dot(q, tl.trans(k)) * qk_scale
+    if MASKED:
+        cols = start_n + offs_n
+        keep = cols[None, :] < LK
+        if CAUSAL:
+            keep = keep & (cols[None, :] <= offs_m[:, None])
+        qk = tl.where(keep, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    p = tl.math.exp2(qk - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, m_new, l_i
+
+
+@triton.jit(do_not_specialize=["LQ", "LK"])
+def _attn_fwd_tma_kernel(q_desc, k_desc, v_desc, O, LSE, qk_scale, sob, soh, sol, H, LQ, LK,
+                         D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    pid_m, bh, b, h = _program_block(H, CAUSAL)
+    b32 = b.to(tl.int32)
+    h32 = h.to(tl.int32)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    q = q_desc.load([b32, h32, pid_m * BLOCK_M, 0]).reshape(BLOCK_M, D)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    if CAUSAL:
+        full = pid_m * BLOCK_M
+        end = tl.minimum((pid_m + 1) * BLOCK_M, LK)
+    else:
+        full = (LK // BLOCK_N) * BLOCK_N
+        end = LK
+    for start_n in range(0, full, BLOCK_N):
+        acc, m_i, l_i = _fwd_tma_block(acc, m_i, l_i, q, k_desc, v_desc, b32, h32, start_n, offs_m, offs_n, LK,
+                                       qk_scale, BLOCK_N, D, False, CAUSAL)
+    for start_n in range(full, end, BLOCK_N):
+        acc, m_i, l_i = _fwd_tma_block(acc, m_i, l_i, q, k_desc, v_desc, b32, h32, start_n, offs_m, offs_n, LK,
+                                       qk_scale, BLOCK_N, D, True, CAUSAL)
+    acc = acc / l_i[:, None]
+    row_ok = offs_m < LQ
+    tl.store(O + b * sob + h * soh + offs_m[:, None] * sol + offs_d[None, :], acc.to(O.dtype.element_ty),
+             mask=row_ok[:, None])
+    tl.store(LSE + bh.to(tl.int64) * LQ + offs_m, m_i + tl.math.log2(l_i), mask=row_ok)
+
+
+@triton.jit
+def _dkdv_tma_block(dk, dv, k, v, q_desc, do_desc, lse_ptrs, delta_ptrs, b, h, start_m, offs_m, offs_n, LQ,
+                    qk_scale, BLOCK_M: tl.constexpr, D: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+    rows = start_m + offs_m
+    q = q_desc.load([b, h, start_m, 0]).reshape(BLOCK_M, D)
+    do = do_desc.load([b, h, start_m, 0]).reshape(BLOCK_M, D)
+    if MASKED:
+        ok = rows < LQ
+        lse = tl.load(lse_ptrs + start_m, mask=ok, other=0.0)
+        delta = tl.load(delta_ptrs + start_m, mask=ok, other=0.0)
+    else:
+        lse = tl.load(lse_ptrs + start_m)
+        delta = tl.load(delta_ptrs + start_m)
+    qT = tl.trans(q)
+    pT = tl.math.exp2(tl.dot(k, qT) * qk_scale - lse[None, :])
+    if MASKED:
+        keep = ok[None, :]
+        if CAUSAL:
+            keep = keep & (rows[None, :] >= offs_n[:, None])
+        pT = tl.where(keep, pT, 0.0)
+    dv = tl.dot(pT.to(do.dtype), do, dv)
+    dpT = tl.dot(v, tl.trans(do))
+    dsT = pT * (dpT - delta[None, :])
+    dk = tl.dot(dsT.to(q.dtype), q, dk)
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=["LQ", "LK"])
+def _attn_bwd_dkdv_tma_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK, DV, qk_scale, sm_scale,
+                              sgkb, sgkh, sgkl, sgvb, sgvh, sgvl, H, LQ, LK,
+                              D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    pid_n, bh, b, h = _program_block(H, False)
+    b32 = b.to(tl.int32)
+    h32 = h.to(tl.int32)
+    start_n = pid_n * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    k = k_desc.load([b32, h32, start_n, 0]).reshape(BLOCK_N, D)
+    v = v_desc.load([b32, h32, start_n, 0]).reshape(BLOCK_N, D)
+    lse_ptrs = LSE + bh.to(tl.int64) * LQ + offs_m
+    delta_ptrs = DELTA + bh.to(tl.int64) * LQ + offs_m
+    dk = tl.zeros([BLOCK_N, D], tl.float32)
+    dv = tl.zeros([BLOCK_N, D], tl.float32)
+    if CAUSAL:
+        lo = start_n
+        diagonal = tl.minimum(start_n + BLOCK_N, LQ)
+    else:
+        lo = 0
+        diagonal = 0
+    full = (LQ // BLOCK_M) * BLOCK_M
+    for start_m in range(lo, diagonal, BLOCK_M):
+        dk, dv = _dkdv_tma_block(dk, dv, k, v, q_desc, do_desc, lse_ptrs, delta_ptrs, b32, h32, start_m, offs_m,
+                                 offs_n, LQ, qk_scale, BLOCK_M, D, True, CAUSAL)
+    for start_m in range(tl.maximum(diagonal, lo), full, BLOCK_M):
+        dk, dv = _dkdv_tma_block(dk, dv, k, v, q_desc, do_desc, lse_ptrs, delta_ptrs, b32, h32, start_m, offs_m,
+                                 offs_n, LQ, qk_scale, BLOCK_M, D, False, CAUSAL)
+    for start_m in range(tl.maximum(full, tl.maximum(diagonal, lo)), LQ, BLOCK_M):
+        dk, dv = _dkdv_tma_block(dk, dv, k, v, q_desc, do_desc, lse_ptrs, delta_ptrs, b32, h32, start_m, offs_m,
+                                 offs_n, LQ, qk_scale, BLOCK_M, D, True, CAUSAL)
+    dk = dk * sm_scale
+    kv_ok = offs_n[:, None] < LK
+    tl.store(DK + b * sgkb + h * sgkh + offs_n[:, None] * sgkl + offs_d[None, :], dk.to(DK.dtype.element_ty),
+             mask=kv_ok)
+    tl.store(DV + b * sgvb + h * sgvh + offs_n[:, None] * sgvl + offs_d[None, :], dv.to(DV.dtype.element_ty),
+             mask=kv_ok)
+
+
+@triton.jit
+def _dq_tma_block(dq, q, do, lse, delta, k_desc, v_desc, b, h, start_n, offs_m, offs_n, LK, qk_scale,
+                  BLOCK_N: tl.constexpr, D: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+    k = k_desc.load([b, h, start_n, 0]).reshape(BLOCK_N, D)
+    v = v_desc.load([b, h, start_n, 0]).reshape(BLOCK_N, D)
+    p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
+    if MASKED:
+        cols = start_n + offs_n
+        keep = cols[None, :] < LK
+        if CAUSAL:
+            keep = keep & (cols[None, :] <= offs_m[:, None])
+        p = tl.where(keep, p, 0.0)
+    dp = tl.dot(do, tl.trans(v))
+    ds = p * (dp - delta[:, None])
+    dq = tl.dot(ds.to(k.dtype), k, dq)
+    return dq
+
+
+@triton.jit(do_not_specialize=["LQ", "LK"])
+def _attn_bwd_dq_tma_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DQ, qk_scale, sm_scale,
+                            sgqb, sgqh, sgql, H, LQ, LK,
+                            D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    pid_m, bh, b, h = _program_block(H, CAUSAL)
+    b32 = b.to(tl.int32)
+    h32 = h.to(tl.int32)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    row_ok = offs_m < LQ
+    q = q_desc.load([b32, h32, pid_m * BLOCK_M, 0]).reshape(BLOCK_M, D)
+    do = do_desc.load([b32, h32, pid_m * BLOCK_M, 0]).reshape(BLOCK_M, D)
+    lse = tl.load(LSE + bh.to(tl.int64) * LQ + offs_m, mask=row_ok, other=0.0)
+    delta = tl.load(DELTA + bh.to(tl.int64) * LQ + offs_m, mask=row_ok, other=0.0)
+    dq = tl.zeros([BLOCK_M, D], tl.float32)
+    if CAUSAL:
+        full = pid_m * BLOCK_M
+        end = tl.minimum((pid_m + 1) * BLOCK_M, LK)
+    else:
+        full = (LK // BLOCK_N) * BLOCK_N
+        end = LK
+    for start_n in range(0, full, BLOCK_N):
+        dq = _dq_tma_block(dq, q, do, lse, delta, k_desc, v_desc, b32, h32, start_n, offs_m, offs_n, LK, qk_scale,
+                           BLOCK_N, D, False, CAUSAL)
+    for start_n in range(full, end, BLOCK_N):
+        dq = _dq_tma_block(dq, q, do, lse, delta, k_desc, v_desc, b32, h32, start_n, offs_m, offs_n, LK, qk_scale,
+                           BLOCK_N, D, True, CAUSAL)
+    dq = dq * sm_scale
+    tl.store(DQ + b * sgqb + h * sgqh + offs_m[:, None] * sgql + offs_d[None, :], dq.to(DQ.dtype.element_ty),
+             mask=row_ok[:, None])
+
+
 # ----------------------------------------------------------------------------
 # Launchers
 # ----------------------------------------------------------------------------
 
 #: Block shapes and launch settings: (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel, the fastest of
 #: benchmarks/probe_triton_attention.py's sweep (one H100, [4, 16, 1674, 128] bf16 causal, q/k/v slices of a
-#: fused projection, 2026-12-07; results/2026-12-07_probe_triton_attention_h100.jsonl): forward 0.217 ms
-#: (0.221 with 3 stages); the whole backward 0.634 ms with (32, 128, 8, 3) for the key/value gradients against
-#: 0.772 with (64, 128, 8, 2), and 0.715 ms with (128, 128, 8, 2) for the query gradient against 0.827 with
-#: (128, 64, 8, 2), each with the other kernel at the latter.
-FWD = (128, 64, 8, 4)
-BWD_DKDV = (32, 128, 8, 3)   # (BLOCK_M queries walked, BLOCK_N keys a program holds, ...)
-BWD_DQ = (128, 128, 8, 2)    # (BLOCK_M queries a program holds, BLOCK_N keys walked, ...)
+#: fused projection, calls queued back to back, 2026-12-07; results/2026-12-07_probe_triton_attention_tma_h100.jsonl),
+#: through TMA descriptors: forward 0.127 ms (0.151 with (128, 128, 8, 3)); the whole backward 0.472 ms with
+#: these key/value gradient shapes (0.550 with (32, 128, 8, 3)) and 0.513 with these query gradient shapes (0.522
+#: with (128, 64, 8, 3)), each with the other kernel at its earlier shapes. Through pointers the same shapes are
+#: the fastest or within 1.3% (query gradient: (128, 64, 8, 3) 0.523 ms, these 0.530).
+FWD = (64, 64, 4, 3)
+BWD_DKDV = (32, 64, 4, 3)   # (BLOCK_M queries walked, BLOCK_N keys a program holds, ...)
+BWD_DQ = (64, 32, 4, 3)     # (BLOCK_M queries a program holds, BLOCK_N keys walked, ...)
 DELTA = (64, 4)
 
 
@@ -295,6 +483,34 @@ def unsupported_reason(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     if any(t.stride(-1) != 1 for t in (query, key, value)):
         return "a head_dim stride other than 1"
     return None
+
+
+#: read q, k, v and grad_out through TMA descriptors: None = where the device has them (compute capability 9+)
+#: and the layout allows (16-byte aligned base and strides); False = never; True = also in Triton's interpreter
+TMA: bool | None = None
+
+
+def _use_tma(tma: bool | None, *tensors: torch.Tensor) -> bool:
+    """Whether this launch reads through TMA descriptors (``tma``: the caller's choice, None = :data:`TMA`)."""
+    tma = TMA if tma is None else tma
+    if tma is False or TensorDescriptor is None:
+        return False
+    device = tensors[0].device
+    if device.type == "cuda":
+        if torch.cuda.get_device_capability(device)[0] < 9:
+            return False
+    elif not (tma and interpreting()):
+        return False
+    for t in tensors:
+        size = t.element_size()
+        if t.data_ptr() % 16 or t.stride(-1) != 1 or any(s <= 0 or s * size % 16 for s in t.stride()[:-1]):
+            return False
+    return True
+
+
+def _desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
+    """A [B, H, L, D] tensor's TMA descriptor, a block being ``rows`` rows of one (batch, head)."""
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, t.shape[-1]])
 
 
 #: the grid's second dimension (batch x heads) is at most this: larger batches launch in chunks of sequences
@@ -356,10 +572,11 @@ def _reference_backward(grad_out, query, key, value, out, lse, is_causal=False, 
     return tuple(grads)
 
 
-@register("attention_forward", reference=_reference_forward, jit=(_program_block, _fwd_block, _attn_fwd_kernel))
+@register("attention_forward", reference=_reference_forward,
+          jit=(_program_block, _fwd_block, _attn_fwd_kernel, _fwd_tma_block, _attn_fwd_tma_kernel))
 def attention_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, is_causal: bool = False,
                       scale: float | None = None, config: tuple[int, int, int, int] | None = None,
-                      out_order: tuple[int, ...] | None = None, check: bool = True
+                      out_order: tuple[int, ...] | None = None, check: bool = True, tma: bool | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)``: attention of ``query`` over ``key``/``value``; lse is log2 of each row's softmax sum.
     ``out`` lies in memory in ``out_order`` (default: flash's [B, L, H, D]). ``check=False``: the caller checked
@@ -374,9 +591,15 @@ def attention_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     lse = torch.empty(b, h, lq, dtype=torch.float32, device=query.device)
     block_m, block_n, warps, stages = config or FWD
     assert block_m % block_n == 0, "the forward's query block is a multiple of its key block"
+    use_tma = _use_tma(tma, query, key, value)
     for part in _batch_chunks(b, h):
         q, k, v, o, ls = _chunk(part, query, key, value, out, lse)
         grid = (triton.cdiv(lq, block_m), q.shape[0] * h)
+        if use_tma:
+            _attn_fwd_tma_kernel[grid](_desc(q, block_m), _desc(k, block_n), _desc(v, block_n), o, ls,
+                                       scale * _LOG2E, *o.stride()[:3], h, lq, lk, D=d, BLOCK_M=block_m,
+                                       BLOCK_N=block_n, CAUSAL=bool(is_causal), num_warps=warps, num_stages=stages)
+            continue
         _attn_fwd_kernel[grid](q, k, v, o, ls, scale * _LOG2E,
                                *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
                                h, lq, lk, D=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=bool(is_causal),
@@ -386,11 +609,12 @@ def attention_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 
 @register("attention_backward", reference=_reference_backward,
           jit=(_program_block, _attn_bwd_delta_kernel, _dkdv_block, _attn_bwd_dkdv_kernel, _dq_block,
-               _attn_bwd_dq_kernel))
+               _attn_bwd_dq_kernel, _dkdv_tma_block, _attn_bwd_dkdv_tma_kernel, _dq_tma_block,
+               _attn_bwd_dq_tma_kernel))
 def attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        out: torch.Tensor, lse: torch.Tensor, is_causal: bool = False, scale: float | None = None,
                        dkdv: tuple[int, int, int, int] | None = None, dq: tuple[int, int, int, int] | None = None,
-                       grad_orders=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       grad_orders=None, tma: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(grad_query, grad_key, grad_value)`` of :func:`attention_forward`'s output, each in the memory order
     ``grad_orders`` gives (default: flash's [B, L, H, D])."""
     b, h, lq, d = query.shape
@@ -406,12 +630,23 @@ def attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.T
     q_m, q_n, q_warps, q_stages = dq or BWD_DQ
     assert q_m % q_n == 0, "the query gradient's query block is a multiple of its key block"
     rows, warps = DELTA
+    use_tma = _use_tma(tma, query, key, value, grad_out)
     for part in _batch_chunks(b, h):
         q, k, v, o, g, dl, gq, gk, gv, ls = _chunk(part, query, key, value, out, grad_out, delta, grad_q, grad_k,
                                                     grad_v, lse)
         n = q.shape[0] * h
         _attn_bwd_delta_kernel[(triton.cdiv(lq, rows), n)](o, g, dl, *o.stride()[:3], *g.stride()[:3], h, lq,
                                                            D=d, BLOCK_M=rows, num_warps=warps)
+        if use_tma:
+            _attn_bwd_dkdv_tma_kernel[(triton.cdiv(lk, kv_n), n)](
+                _desc(q, kv_m), _desc(k, kv_n), _desc(v, kv_n), _desc(g, kv_m), ls, dl, gk, gv, scale * _LOG2E,
+                scale, *gk.stride()[:3], *gv.stride()[:3], h, lq, lk, D=d, BLOCK_M=kv_m, BLOCK_N=kv_n,
+                CAUSAL=bool(is_causal), num_warps=kv_warps, num_stages=kv_stages)
+            _attn_bwd_dq_tma_kernel[(triton.cdiv(lq, q_m), n)](
+                _desc(q, q_m), _desc(k, q_n), _desc(v, q_n), _desc(g, q_m), ls, dl, gq, scale * _LOG2E, scale,
+                *gq.stride()[:3], h, lq, lk, D=d, BLOCK_M=q_m, BLOCK_N=q_n, CAUSAL=bool(is_causal),
+                num_warps=q_warps, num_stages=q_stages)
+            continue
         _attn_bwd_dkdv_kernel[(triton.cdiv(lk, kv_n), n)](
             q, k, v, g, ls, dl, gk, gv, scale * _LOG2E, scale,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *g.stride()[:3], *gk.stride()[:3], *gv.stride()[:3],

@@ -126,6 +126,36 @@ def test_batches_wider_than_the_grid_launch_in_chunks(monkeypatch):
         assert torch.equal(got, ref)
 
 
+@pytest.mark.parametrize("n,d,causal,fused", [(37, 16, True, False), (130, 32, True, True), (150, 32, False, True)])
+def test_tma_descriptors_compute_what_pointer_loads_compute(n, d, causal, fused):
+    """The kernels reading through TMA descriptors (Hopper; rows past the length come back as zeros, no masks)
+    against the pointer kernels: the same values (bitwise in the interpreter, where both load the same numbers
+    into the same arithmetic; on CUDA the matmuls may take their operands in another layout, so there: no worse
+    than eager, as every kernel here). Descriptors need 16-byte aligned strides: an odd stride is not taken."""
+    if DEVICE == "cuda" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA needs compute capability 9")
+    gen = torch.Generator().manual_seed(n + d)
+    q, k, v = _inputs(2, 3, n, d, fused, gen)
+    grad = torch.randn(2, 3, n, d, generator=gen).to(DEVICE, torch.float16)
+    assert ak._use_tma(True, q, k, v, grad)
+    assert not ak._use_tma(False, q, k, v, grad)
+    assert not ak._use_tma(True, torch.zeros(2, 3, n, d + 1, dtype=torch.float16, device=DEVICE)[..., :d], k, v)
+    runs = []
+    for tma in (False, True):
+        out, lse = ak.attention_forward(q, k, v, causal, tma=tma)
+        runs.append((out, lse, *ak.attention_backward(grad, q, k, v, out, lse, causal, tma=tma)))
+    if DEVICE == "cpu":
+        for pointers, tma in zip(*runs):
+            assert torch.equal(pointers, tma)
+        return
+    exact = _exact(q, k, v, grad, causal, 1.0 / math.sqrt(d))
+    eager = _eager(q, k, v, grad, causal, 1.0 / math.sqrt(d))
+    got = (runs[1][0], *runs[1][2:])
+    for g, ref, e in zip(got, exact, eager):
+        err_k, err_e = (g.double() - ref).abs().max().item(), (e.double() - ref).abs().max().item()
+        assert err_k <= FACTOR * err_e + torch.finfo(torch.float16).eps * ref.abs().max().item()
+
+
 def test_unsupported_inputs_are_named():
     q = torch.zeros(1, 2, 8, 16, dtype=torch.float16)
     assert ak.unsupported_reason(q, q, q, attn_mask=torch.zeros(8, 8)) == "an attention mask"
