@@ -95,6 +95,7 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--reps", type=int, default=20, help="calls per timed run")
     ap.add_argument("--sweep-length", type=int, default=1674)
+    ap.add_argument("--no-sweep", action="store_true", help="time the launchers' default shapes only")
     ap.add_argument("--settings-file", default="",
                     help="write the fastest kernels' settings here, as dynamic_lengths.py's --set takes them")
     ap.add_argument("--out", default=os.environ.get("OUT"))
@@ -113,7 +114,10 @@ def main() -> None:
     out, lse = ak.attention_forward(q, k, v, True)
     best = {}
     tmas = (False, True) if ak._use_tma(True, q, k, v) else (False,)
-    for name, configs in (("fwd", FWD), ("dkdv", DKDV), ("dq", DQ)):
+    if args.no_sweep:  # the launchers' defaults, both ways of reading
+        best.update({(name, m): cfg for name, cfg in (("fwd", ak.FWD), ("dkdv", ak.BWD_DKDV), ("dq", ak.BWD_DQ))
+                     for m in tmas})
+    for name, configs in () if args.no_sweep else (("fwd", FWD), ("dkdv", DKDV), ("dq", DQ)):
         timings = {}
         for cfg, tma in itertools.product(configs, tmas):
             if name == "fwd":

@@ -27,6 +27,7 @@ unless asked, through pointers. Both compute the same values (bitwise in the int
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -61,18 +62,47 @@ def _program_block(H, LONGEST_FIRST: tl.constexpr):
     return pid, bh, (bh // H).to(tl.int64), (bh % H).to(tl.int64)
 
 
+# Each kernel reads q, k, v and grad_out one of two ways, chosen by the constexpr TMA (each way its own compile):
+# through pointers (masked loads past the length), or through TMA tensor descriptors given in place of the
+# pointers (Hopper's bulk copies: a block is [1, 1, rows, D] of the [B, H, L, D] descriptor, rows past the
+# length come back as zeros, so no masks). Both load the same numbers into the same arithmetic.
+
+
 @triton.jit
-def _fwd_block(acc, m_i, l_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, LK, qk_scale,
-               MASKED: tl.constexpr, CAUSAL: tl.constexpr):
-    cols = start_n + offs_n
-    if MASKED:
-        k = tl.load(k_ptrs, mask=cols[None, :] < LK, other=0.0)
-        v = tl.load(v_ptrs, mask=cols[:, None] < LK, other=0.0)
+def _rows(T, ptrs, b, h, start, offs, L, stride, ROWS: tl.constexpr, D: tl.constexpr, TMA: tl.constexpr,
+          MASKED: tl.constexpr):
+    """``ROWS`` rows of one (batch, head) from row ``start``, [ROWS, D] (pointer path: ``ptrs`` + start rows)."""
+    if TMA:
+        x = T.load([b.to(tl.int32), h.to(tl.int32), start, 0]).reshape(ROWS, D)
+    elif MASKED:
+        x = tl.load(ptrs + start * stride, mask=(start + offs)[:, None] < L, other=0.0)
     else:
-        k = tl.load(k_ptrs)
-        v = tl.load(v_ptrs)
+        x = tl.load(ptrs + start * stride)
+    return x
+
+
+@triton.jit
+def _cols(T, ptrs, b, h, start, offs, L, stride, ROWS: tl.constexpr, D: tl.constexpr, TMA: tl.constexpr,
+          MASKED: tl.constexpr):
+    """The same rows transposed, [D, ROWS] (pointer path: ``ptrs`` laid out [D, ROWS], read as such)."""
+    if TMA:
+        x = tl.trans(T.load([b.to(tl.int32), h.to(tl.int32), start, 0]).reshape(ROWS, D))
+    elif MASKED:
+        x = tl.load(ptrs + start * stride, mask=(start + offs)[None, :] < L, other=0.0)
+    else:
+        x = tl.load(ptrs + start * stride)
+    return x
+
+
+@triton.jit
+def _fwd_block(acc, m_i, l_i, q, K, V, k_ptrs, v_ptrs, b, h, start_n, offs_m, offs_n, LK, qk_scale, skl, svl,
+               BLOCK_N: tl.constexpr, D: tl.constexpr, TMA: tl.constexpr, MASKED: tl.constexpr,
+               CAUSAL: tl.constexpr):
+    k = _cols(K, k_ptrs, b, h, start_n, offs_n, LK, skl, BLOCK_N, D, TMA, MASKED)
+    v = _rows(V, v_ptrs, b, h, start_n, offs_n, LK, svl, BLOCK_N, D, TMA, MASKED)
     qk = tl.dot(q, k) * qk_scale
     if MASKED:
+        cols = start_n + offs_n
         keep = cols[None, :] < LK
         if CAUSAL:
             keep = keep & (cols[None, :] <= offs_m[:, None])
@@ -90,29 +120,37 @@ def _fwd_block(acc, m_i, l_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, LK, qk
 def _attn_fwd_kernel(Q, K, V, O, LSE, qk_scale,
                      sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sob, soh, sol,
                      H, LQ, LK,
-                     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+                     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                     TMA: tl.constexpr):
     pid_m, bh, b, h = _program_block(H, CAUSAL)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
-    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sql + offs_d[None, :], mask=offs_m[:, None] < LQ, other=0.0)
-    k_ptrs = K + b * skb + h * skh + offs_n[None, :] * skl + offs_d[:, None]
-    v_ptrs = V + b * svb + h * svh + offs_n[:, None] * svl + offs_d[None, :]
+    if TMA:  # the descriptors stand for the pointers; these are unused
+        q_ptrs = Q
+        k_ptrs = K
+        v_ptrs = V
+    else:
+        q_ptrs = Q + b * sqb + h * sqh + tl.arange(0, BLOCK_M)[:, None] * sql + offs_d[None, :]
+        k_ptrs = K + b * skb + h * skh + offs_n[None, :] * skl + offs_d[:, None]
+        v_ptrs = V + b * svb + h * svh + offs_n[:, None] * svl + offs_d[None, :]
+    q = _rows(Q, q_ptrs, b, h, start_m, tl.arange(0, BLOCK_M), LQ, sql, BLOCK_M, D, TMA, True)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     if CAUSAL:
-        full = pid_m * BLOCK_M  # keys before this block's first query: every row reads them all
-        end = tl.minimum((pid_m + 1) * BLOCK_M, LK)
+        full = start_m  # keys before this block's first query: every row reads them all
+        end = tl.minimum(start_m + BLOCK_M, LK)
     else:
         full = (LK // BLOCK_N) * BLOCK_N
         end = LK
     for start_n in range(0, full, BLOCK_N):
-        acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptrs + start_n * skl, v_ptrs + start_n * svl, start_n,
-                                   offs_m, offs_n, LK, qk_scale, False, CAUSAL)
+        acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, K, V, k_ptrs, v_ptrs, b, h, start_n, offs_m, offs_n, LK,
+                                   qk_scale, skl, svl, BLOCK_N, D, TMA, False, CAUSAL)
     for start_n in range(full, end, BLOCK_N):
-        acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptrs + start_n * skl, v_ptrs + start_n * svl, start_n,
-                                   offs_m, offs_n, LK, qk_scale, True, CAUSAL)
+        acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, K, V, k_ptrs, v_ptrs, b, h, start_n, offs_m, offs_n, LK,
+                                   qk_scale, skl, svl, BLOCK_N, D, TMA, True, CAUSAL)
     acc = acc / l_i[:, None]
     row_ok = offs_m < LQ
     tl.store(O + b * sob + h * soh + offs_m[:, None] * sol + offs_d[None, :], acc.to(O.dtype.element_ty),
@@ -135,199 +173,17 @@ def _attn_bwd_delta_kernel(O, DO, DELTA, sob, soh, sol, sdb, sdh, sdl, H, LQ,
 
 
 @triton.jit
-def _dkdv_block(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, start_m, offs_m, offs_n, LQ, qk_scale,
-                sql, sdl, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+def _dkdv_block(dk, dv, k, v, Q, DO, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, b, h, start_m, offs_m, offs_n, LQ,
+                qk_scale, sql, sdl, BLOCK_M: tl.constexpr, D: tl.constexpr, TMA: tl.constexpr,
+                MASKED: tl.constexpr, CAUSAL: tl.constexpr):
     rows = start_m + offs_m
-    if MASKED:
-        ok = rows < LQ
-        qT = tl.load(q_ptrs + start_m * sql, mask=ok[None, :], other=0.0)
-        do = tl.load(do_ptrs + start_m * sdl, mask=ok[:, None], other=0.0)
-        lse = tl.load(lse_ptrs + start_m, mask=ok, other=0.0)
-        delta = tl.load(delta_ptrs + start_m, mask=ok, other=0.0)
+    if TMA:  # q as rows too: dk's product takes them as they are, not transposed back
+        q = _rows(Q, q_ptrs, b, h, start_m, offs_m, LQ, sql, BLOCK_M, D, TMA, MASKED)
+        qT = tl.trans(q)
     else:
-        qT = tl.load(q_ptrs + start_m * sql)
-        do = tl.load(do_ptrs + start_m * sdl)
-        lse = tl.load(lse_ptrs + start_m)
-        delta = tl.load(delta_ptrs + start_m)
-    pT = tl.math.exp2(tl.dot(k, qT) * qk_scale - lse[None, :])
-    if MASKED:
-        keep = ok[None, :]
-        if CAUSAL:
-            keep = keep & (rows[None, :] >= offs_n[:, None])
-        pT = tl.where(keep, pT, 0.0)
-    dv = tl.dot(pT.to(do.dtype), do, dv)
-    dpT = tl.dot(v, tl.trans(do))
-    dsT = pT * (dpT - delta[None, :])
-    dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk)
-    return dk, dv
-
-
-@triton.jit(do_not_specialize=["LQ", "LK"])
-def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, qk_scale, sm_scale,
-                          sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sdb, sdh, sdl,
-                          sgkb, sgkh, sgkl, sgvb, sgvh, sgvl,
-                          H, LQ, LK,
-                          D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
-    """One program: BLOCK_N keys of one (batch, head); walks the queries that read them."""
-    pid_n, bh, b, h = _program_block(H, False)  # the first key blocks are the longest to walk: first already
-    start_n = pid_n * BLOCK_N
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, D)
-    kv_ok = offs_n[:, None] < LK
-    k = tl.load(K + b * skb + h * skh + offs_n[:, None] * skl + offs_d[None, :], mask=kv_ok, other=0.0)
-    v = tl.load(V + b * svb + h * svh + offs_n[:, None] * svl + offs_d[None, :], mask=kv_ok, other=0.0)
-    q_ptrs = Q + b * sqb + h * sqh + offs_m[None, :] * sql + offs_d[:, None]
-    do_ptrs = DO + b * sdb + h * sdh + offs_m[:, None] * sdl + offs_d[None, :]
-    lse_ptrs = LSE + bh.to(tl.int64) * LQ + offs_m
-    delta_ptrs = DELTA + bh.to(tl.int64) * LQ + offs_m
-    dk = tl.zeros([BLOCK_N, D], tl.float32)
-    dv = tl.zeros([BLOCK_N, D], tl.float32)
-    if CAUSAL:
-        lo = start_n  # queries before this block's first key read none of it
-        diagonal = tl.minimum(start_n + BLOCK_N, LQ)  # BLOCK_N % BLOCK_M == 0
-    else:
-        lo = 0
-        diagonal = 0
-    full = (LQ // BLOCK_M) * BLOCK_M
-    for start_m in range(lo, diagonal, BLOCK_M):
-        dk, dv = _dkdv_block(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, start_m, offs_m, offs_n, LQ,
-                             qk_scale, sql, sdl, True, CAUSAL)
-    for start_m in range(tl.maximum(diagonal, lo), full, BLOCK_M):
-        dk, dv = _dkdv_block(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, start_m, offs_m, offs_n, LQ,
-                             qk_scale, sql, sdl, False, CAUSAL)
-    for start_m in range(tl.maximum(full, tl.maximum(diagonal, lo)), LQ, BLOCK_M):
-        dk, dv = _dkdv_block(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, start_m, offs_m, offs_n, LQ,
-                             qk_scale, sql, sdl, True, CAUSAL)
-    dk = dk * sm_scale
-    tl.store(DK + b * sgkb + h * sgkh + offs_n[:, None] * sgkl + offs_d[None, :], dk.to(DK.dtype.element_ty),
-             mask=kv_ok)
-    tl.store(DV + b * sgvb + h * sgvh + offs_n[:, None] * sgvl + offs_d[None, :], dv.to(DV.dtype.element_ty),
-             mask=kv_ok)
-
-
-@triton.jit
-def _dq_block(dq, q, do, lse, delta, k_ptrs, v_ptrs, start_n, offs_m, offs_n, LK, qk_scale, skl, svl,
-              MASKED: tl.constexpr, CAUSAL: tl.constexpr):
-    cols = start_n + offs_n
-    if MASKED:
-        kT = tl.load(k_ptrs + start_n * skl, mask=cols[None, :] < LK, other=0.0)
-        vT = tl.load(v_ptrs + start_n * svl, mask=cols[None, :] < LK, other=0.0)
-    else:
-        kT = tl.load(k_ptrs + start_n * skl)
-        vT = tl.load(v_ptrs + start_n * svl)
-    p = tl.math.exp2(tl.dot(q, kT) * qk_scale - lse[:, None])
-    if MASKED:
-        keep = cols[None, :] < LK
-        if CAUSAL:
-            keep = keep & (cols[None, :] <= offs_m[:, None])
-        p = tl.where(keep, p, 0.0)
-    dp = tl.dot(do, vT)
-    ds = p * (dp - delta[:, None])
-    dq = tl.dot(ds.to(kT.dtype), tl.trans(kT), dq)
-    return dq
-
-
-@triton.jit(do_not_specialize=["LQ", "LK"])
-def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, qk_scale, sm_scale,
-                        sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sdb, sdh, sdl, sgqb, sgqh, sgql,
-                        H, LQ, LK,
-                        D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
-    """One program: BLOCK_M queries of one (batch, head); walks the keys they read."""
-    pid_m, bh, b, h = _program_block(H, CAUSAL)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, D)
-    row_ok = offs_m < LQ
-    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sql + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sdl + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    lse = tl.load(LSE + bh.to(tl.int64) * LQ + offs_m, mask=row_ok, other=0.0)
-    delta = tl.load(DELTA + bh.to(tl.int64) * LQ + offs_m, mask=row_ok, other=0.0)
-    k_ptrs = K + b * skb + h * skh + offs_n[None, :] * skl + offs_d[:, None]
-    v_ptrs = V + b * svb + h * svh + offs_n[None, :] * svl + offs_d[:, None]
-    dq = tl.zeros([BLOCK_M, D], tl.float32)
-    if CAUSAL:
-        full = pid_m * BLOCK_M  # BLOCK_M % BLOCK_N == 0
-        end = tl.minimum((pid_m + 1) * BLOCK_M, LK)
-    else:
-        full = (LK // BLOCK_N) * BLOCK_N
-        end = LK
-    for start_n in range(0, full, BLOCK_N):
-        dq = _dq_block(dq, q, do, lse, delta, k_ptrs, v_ptrs, start_n, offs_m, offs_n, LK, qk_scale, skl, svl,
-                       False, CAUSAL)
-    for start_n in range(full, end, BLOCK_N):
-        dq = _dq_block(dq, q, do, lse, delta, k_ptrs, v_ptrs, start_n, offs_m, offs_n, LK, qk_scale, skl, svl,
-                       True, CAUSAL)
-    dq = dq * sm_scale
-    tl.store(DQ + b * sgqb + h * sgqh + offs_m[:, None] * sgql + offs_d[None, :], dq.to(DQ.dtype.element_ty),
-             mask=row_ok[:, None])
-
-
-# The same three kernels reading q, k, v and grad_out through TMA tensor descriptors (Hopper's bulk copy
-# engine: rows past the length come back as zeros, so the loads need no masks, and a block's copy runs beside
-# the matmuls). The descriptors describe [B, H, L, D] with the tensors' own strides; a program's block is
-# [1, 1, rows, D], reshaped to [rows, D].
-
-
-@triton.jit
-def _fwd_tma_block(acc, m_i, l_i, q, k_desc, v_desc, b, h, start_n, offs_m, offs_n, LK, qk_scale,
-                   BLOCK_N: tl.constexpr, D: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
-    k = k_desc.load([b, h, start_n, 0]).reshape(BLOCK_N, D)
-    v = v_desc.load([b, h, start_n, 0]).reshape(BLOCK_N, D)
-    qk = tl.dot(q, tl.trans(k)) * qk_scale
-    if MASKED:
-        cols = start_n + offs_n
-        keep = cols[None, :] < LK
-        if CAUSAL:
-            keep = keep & (cols[None, :] <= offs_m[:, None])
-        qk = tl.where(keep, qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    p = tl.math.exp2(qk - m_new[:, None])
-    alpha = tl.math.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(v.dtype), v, acc)
-    return acc, m_new, l_i
-
-
-@triton.jit(do_not_specialize=["LQ", "LK"])
-def _attn_fwd_tma_kernel(q_desc, k_desc, v_desc, O, LSE, qk_scale, sob, soh, sol, H, LQ, LK,
-                         D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
-    pid_m, bh, b, h = _program_block(H, CAUSAL)
-    b32 = b.to(tl.int32)
-    h32 = h.to(tl.int32)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, D)
-    q = q_desc.load([b32, h32, pid_m * BLOCK_M, 0]).reshape(BLOCK_M, D)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D], tl.float32)
-    if CAUSAL:
-        full = pid_m * BLOCK_M
-        end = tl.minimum((pid_m + 1) * BLOCK_M, LK)
-    else:
-        full = (LK // BLOCK_N) * BLOCK_N
-        end = LK
-    for start_n in range(0, full, BLOCK_N):
-        acc, m_i, l_i = _fwd_tma_block(acc, m_i, l_i, q, k_desc, v_desc, b32, h32, start_n, offs_m, offs_n, LK,
-                                       qk_scale, BLOCK_N, D, False, CAUSAL)
-    for start_n in range(full, end, BLOCK_N):
-        acc, m_i, l_i = _fwd_tma_block(acc, m_i, l_i, q, k_desc, v_desc, b32, h32, start_n, offs_m, offs_n, LK,
-                                       qk_scale, BLOCK_N, D, True, CAUSAL)
-    acc = acc / l_i[:, None]
-    row_ok = offs_m < LQ
-    tl.store(O + b * sob + h * soh + offs_m[:, None] * sol + offs_d[None, :], acc.to(O.dtype.element_ty),
-             mask=row_ok[:, None])
-    tl.store(LSE + bh.to(tl.int64) * LQ + offs_m, m_i + tl.math.log2(l_i), mask=row_ok)
-
-
-@triton.jit
-def _dkdv_tma_block(dk, dv, k, v, q_desc, do_desc, lse_ptrs, delta_ptrs, b, h, start_m, offs_m, offs_n, LQ,
-                    qk_scale, BLOCK_M: tl.constexpr, D: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
-    rows = start_m + offs_m
-    q = q_desc.load([b, h, start_m, 0]).reshape(BLOCK_M, D)
-    do = do_desc.load([b, h, start_m, 0]).reshape(BLOCK_M, D)
+        qT = _cols(Q, q_ptrs, b, h, start_m, offs_m, LQ, sql, BLOCK_M, D, TMA, MASKED)
+        q = tl.trans(qT)
+    do = _rows(DO, do_ptrs, b, h, start_m, offs_m, LQ, sdl, BLOCK_M, D, TMA, MASKED)
     if MASKED:
         ok = rows < LQ
         lse = tl.load(lse_ptrs + start_m, mask=ok, other=0.0)
@@ -335,7 +191,6 @@ def _dkdv_tma_block(dk, dv, k, v, q_desc, do_desc, lse_ptrs, delta_ptrs, b, h, s
     else:
         lse = tl.load(lse_ptrs + start_m)
         delta = tl.load(delta_ptrs + start_m)
-    qT = tl.trans(q)
     pT = tl.math.exp2(tl.dot(k, qT) * qk_scale - lse[None, :])
     if MASKED:
         keep = ok[None, :]
@@ -350,38 +205,50 @@ def _dkdv_tma_block(dk, dv, k, v, q_desc, do_desc, lse_ptrs, delta_ptrs, b, h, s
 
 
 @triton.jit(do_not_specialize=["LQ", "LK"])
-def _attn_bwd_dkdv_tma_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK, DV, qk_scale, sm_scale,
-                              sgkb, sgkh, sgkl, sgvb, sgvh, sgvl, H, LQ, LK,
-                              D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
-    pid_n, bh, b, h = _program_block(H, False)
-    b32 = b.to(tl.int32)
-    h32 = h.to(tl.int32)
+def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, qk_scale, sm_scale,
+                          sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sdb, sdh, sdl,
+                          sgkb, sgkh, sgkl, sgvb, sgvh, sgvl,
+                          H, LQ, LK,
+                          D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                          TMA: tl.constexpr):
+    """One program: BLOCK_N keys of one (batch, head); walks the queries that read them."""
+    pid_n, bh, b, h = _program_block(H, False)  # the first key blocks are the longest to walk: first already
     start_n = pid_n * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
-    k = k_desc.load([b32, h32, start_n, 0]).reshape(BLOCK_N, D)
-    v = v_desc.load([b32, h32, start_n, 0]).reshape(BLOCK_N, D)
+    if TMA:  # the descriptors stand for the pointers; these are unused
+        q_ptrs = Q
+        do_ptrs = DO
+        k_ptrs = K
+        v_ptrs = V
+    else:
+        q_ptrs = Q + b * sqb + h * sqh + offs_m[None, :] * sql + offs_d[:, None]
+        do_ptrs = DO + b * sdb + h * sdh + offs_m[:, None] * sdl + offs_d[None, :]
+        k_ptrs = K + b * skb + h * skh + tl.arange(0, BLOCK_N)[:, None] * skl + offs_d[None, :]
+        v_ptrs = V + b * svb + h * svh + tl.arange(0, BLOCK_N)[:, None] * svl + offs_d[None, :]
+    k = _rows(K, k_ptrs, b, h, start_n, tl.arange(0, BLOCK_N), LK, skl, BLOCK_N, D, TMA, True)
+    v = _rows(V, v_ptrs, b, h, start_n, tl.arange(0, BLOCK_N), LK, svl, BLOCK_N, D, TMA, True)
     lse_ptrs = LSE + bh.to(tl.int64) * LQ + offs_m
     delta_ptrs = DELTA + bh.to(tl.int64) * LQ + offs_m
     dk = tl.zeros([BLOCK_N, D], tl.float32)
     dv = tl.zeros([BLOCK_N, D], tl.float32)
     if CAUSAL:
-        lo = start_n
-        diagonal = tl.minimum(start_n + BLOCK_N, LQ)
+        lo = start_n  # queries before this block's first key read none of it
+        diagonal = tl.minimum(start_n + BLOCK_N, LQ)  # BLOCK_N % BLOCK_M == 0
     else:
         lo = 0
         diagonal = 0
     full = (LQ // BLOCK_M) * BLOCK_M
     for start_m in range(lo, diagonal, BLOCK_M):
-        dk, dv = _dkdv_tma_block(dk, dv, k, v, q_desc, do_desc, lse_ptrs, delta_ptrs, b32, h32, start_m, offs_m,
-                                 offs_n, LQ, qk_scale, BLOCK_M, D, True, CAUSAL)
+        dk, dv = _dkdv_block(dk, dv, k, v, Q, DO, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, b, h, start_m, offs_m,
+                             offs_n, LQ, qk_scale, sql, sdl, BLOCK_M, D, TMA, True, CAUSAL)
     for start_m in range(tl.maximum(diagonal, lo), full, BLOCK_M):
-        dk, dv = _dkdv_tma_block(dk, dv, k, v, q_desc, do_desc, lse_ptrs, delta_ptrs, b32, h32, start_m, offs_m,
-                                 offs_n, LQ, qk_scale, BLOCK_M, D, False, CAUSAL)
+        dk, dv = _dkdv_block(dk, dv, k, v, Q, DO, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, b, h, start_m, offs_m,
+                             offs_n, LQ, qk_scale, sql, sdl, BLOCK_M, D, TMA, False, CAUSAL)
     for start_m in range(tl.maximum(full, tl.maximum(diagonal, lo)), LQ, BLOCK_M):
-        dk, dv = _dkdv_tma_block(dk, dv, k, v, q_desc, do_desc, lse_ptrs, delta_ptrs, b32, h32, start_m, offs_m,
-                                 offs_n, LQ, qk_scale, BLOCK_M, D, True, CAUSAL)
+        dk, dv = _dkdv_block(dk, dv, k, v, Q, DO, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, b, h, start_m, offs_m,
+                             offs_n, LQ, qk_scale, sql, sdl, BLOCK_M, D, TMA, True, CAUSAL)
     dk = dk * sm_scale
     kv_ok = offs_n[:, None] < LK
     tl.store(DK + b * sgkb + h * sgkh + offs_n[:, None] * sgkl + offs_d[None, :], dk.to(DK.dtype.element_ty),
@@ -391,51 +258,69 @@ def _attn_bwd_dkdv_tma_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK, D
 
 
 @triton.jit
-def _dq_tma_block(dq, q, do, lse, delta, k_desc, v_desc, b, h, start_n, offs_m, offs_n, LK, qk_scale,
-                  BLOCK_N: tl.constexpr, D: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
-    k = k_desc.load([b, h, start_n, 0]).reshape(BLOCK_N, D)
-    v = v_desc.load([b, h, start_n, 0]).reshape(BLOCK_N, D)
-    p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
+def _dq_block(dq, q, do, lse, delta, K, V, k_ptrs, v_ptrs, b, h, start_n, offs_m, offs_n, LK, qk_scale, skl, svl,
+              BLOCK_N: tl.constexpr, D: tl.constexpr, TMA: tl.constexpr, MASKED: tl.constexpr,
+              CAUSAL: tl.constexpr):
+    if TMA:  # k as rows too: dq's product takes them as they are, not transposed back
+        k = _rows(K, k_ptrs, b, h, start_n, offs_n, LK, skl, BLOCK_N, D, TMA, MASKED)
+        kT = tl.trans(k)
+    else:
+        kT = _cols(K, k_ptrs, b, h, start_n, offs_n, LK, skl, BLOCK_N, D, TMA, MASKED)
+        k = tl.trans(kT)
+    vT = _cols(V, v_ptrs, b, h, start_n, offs_n, LK, svl, BLOCK_N, D, TMA, MASKED)
+    p = tl.math.exp2(tl.dot(q, kT) * qk_scale - lse[:, None])
     if MASKED:
         cols = start_n + offs_n
         keep = cols[None, :] < LK
         if CAUSAL:
             keep = keep & (cols[None, :] <= offs_m[:, None])
         p = tl.where(keep, p, 0.0)
-    dp = tl.dot(do, tl.trans(v))
+    dp = tl.dot(do, vT)
     ds = p * (dp - delta[:, None])
     dq = tl.dot(ds.to(k.dtype), k, dq)
     return dq
 
 
 @triton.jit(do_not_specialize=["LQ", "LK"])
-def _attn_bwd_dq_tma_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DQ, qk_scale, sm_scale,
-                            sgqb, sgqh, sgql, H, LQ, LK,
-                            D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, qk_scale, sm_scale,
+                        sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sdb, sdh, sdl, sgqb, sgqh, sgql,
+                        H, LQ, LK,
+                        D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                        TMA: tl.constexpr):
+    """One program: BLOCK_M queries of one (batch, head); walks the keys they read."""
     pid_m, bh, b, h = _program_block(H, CAUSAL)
-    b32 = b.to(tl.int32)
-    h32 = h.to(tl.int32)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
     row_ok = offs_m < LQ
-    q = q_desc.load([b32, h32, pid_m * BLOCK_M, 0]).reshape(BLOCK_M, D)
-    do = do_desc.load([b32, h32, pid_m * BLOCK_M, 0]).reshape(BLOCK_M, D)
+    if TMA:  # the descriptors stand for the pointers; these are unused
+        q_ptrs = Q
+        do_ptrs = DO
+        k_ptrs = K
+        v_ptrs = V
+    else:
+        q_ptrs = Q + b * sqb + h * sqh + tl.arange(0, BLOCK_M)[:, None] * sql + offs_d[None, :]
+        do_ptrs = DO + b * sdb + h * sdh + tl.arange(0, BLOCK_M)[:, None] * sdl + offs_d[None, :]
+        k_ptrs = K + b * skb + h * skh + offs_n[None, :] * skl + offs_d[:, None]
+        v_ptrs = V + b * svb + h * svh + offs_n[None, :] * svl + offs_d[:, None]
+    q = _rows(Q, q_ptrs, b, h, start_m, tl.arange(0, BLOCK_M), LQ, sql, BLOCK_M, D, TMA, True)
+    do = _rows(DO, do_ptrs, b, h, start_m, tl.arange(0, BLOCK_M), LQ, sdl, BLOCK_M, D, TMA, True)
     lse = tl.load(LSE + bh.to(tl.int64) * LQ + offs_m, mask=row_ok, other=0.0)
     delta = tl.load(DELTA + bh.to(tl.int64) * LQ + offs_m, mask=row_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, D], tl.float32)
     if CAUSAL:
-        full = pid_m * BLOCK_M
-        end = tl.minimum((pid_m + 1) * BLOCK_M, LK)
+        full = start_m  # BLOCK_M % BLOCK_N == 0
+        end = tl.minimum(start_m + BLOCK_M, LK)
     else:
         full = (LK // BLOCK_N) * BLOCK_N
         end = LK
     for start_n in range(0, full, BLOCK_N):
-        dq = _dq_tma_block(dq, q, do, lse, delta, k_desc, v_desc, b32, h32, start_n, offs_m, offs_n, LK, qk_scale,
-                           BLOCK_N, D, False, CAUSAL)
+        dq = _dq_block(dq, q, do, lse, delta, K, V, k_ptrs, v_ptrs, b, h, start_n, offs_m, offs_n, LK, qk_scale,
+                       skl, svl, BLOCK_N, D, TMA, False, CAUSAL)
     for start_n in range(full, end, BLOCK_N):
-        dq = _dq_tma_block(dq, q, do, lse, delta, k_desc, v_desc, b32, h32, start_n, offs_m, offs_n, LK, qk_scale,
-                           BLOCK_N, D, True, CAUSAL)
+        dq = _dq_block(dq, q, do, lse, delta, K, V, k_ptrs, v_ptrs, b, h, start_n, offs_m, offs_n, LK, qk_scale,
+                       skl, svl, BLOCK_N, D, TMA, True, CAUSAL)
     dq = dq * sm_scale
     tl.store(DQ + b * sgqb + h * sgqh + offs_m[:, None] * sgql + offs_d[None, :], dq.to(DQ.dtype.element_ty),
              mask=row_ok[:, None])
@@ -497,7 +382,7 @@ def _use_tma(tma: bool | None, *tensors: torch.Tensor) -> bool:
         return False
     device = tensors[0].device
     if device.type == "cuda":
-        if torch.cuda.get_device_capability(device)[0] < 9:
+        if _capability(device.index if device.index is not None else torch.cuda.current_device()) < 9:
             return False
     elif not (tma and interpreting()):
         return False
@@ -506,6 +391,11 @@ def _use_tma(tma: bool | None, *tensors: torch.Tensor) -> bool:
         if t.data_ptr() % 16 or t.stride(-1) != 1 or any(s <= 0 or s * size % 16 for s in t.stride()[:-1]):
             return False
     return True
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
 
 
 def _desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
@@ -573,7 +463,7 @@ def _reference_backward(grad_out, query, key, value, out, lse, is_causal=False, 
 
 
 @register("attention_forward", reference=_reference_forward,
-          jit=(_program_block, _fwd_block, _attn_fwd_kernel, _fwd_tma_block, _attn_fwd_tma_kernel))
+          jit=(_program_block, _rows, _cols, _fwd_block, _attn_fwd_kernel))
 def attention_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, is_causal: bool = False,
                       scale: float | None = None, config: tuple[int, int, int, int] | None = None,
                       out_order: tuple[int, ...] | None = None, check: bool = True, tma: bool | None = None
@@ -595,22 +485,17 @@ def attention_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     for part in _batch_chunks(b, h):
         q, k, v, o, ls = _chunk(part, query, key, value, out, lse)
         grid = (triton.cdiv(lq, block_m), q.shape[0] * h)
-        if use_tma:
-            _attn_fwd_tma_kernel[grid](_desc(q, block_m), _desc(k, block_n), _desc(v, block_n), o, ls,
-                                       scale * _LOG2E, *o.stride()[:3], h, lq, lk, D=d, BLOCK_M=block_m,
-                                       BLOCK_N=block_n, CAUSAL=bool(is_causal), num_warps=warps, num_stages=stages)
-            continue
-        _attn_fwd_kernel[grid](q, k, v, o, ls, scale * _LOG2E,
+        reads = (_desc(q, block_m), _desc(k, block_n), _desc(v, block_n)) if use_tma else (q, k, v)
+        _attn_fwd_kernel[grid](*reads, o, ls, scale * _LOG2E,
                                *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
                                h, lq, lk, D=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=bool(is_causal),
-                               num_warps=warps, num_stages=stages)
+                               TMA=use_tma, num_warps=warps, num_stages=stages)
     return out, lse
 
 
 @register("attention_backward", reference=_reference_backward,
-          jit=(_program_block, _attn_bwd_delta_kernel, _dkdv_block, _attn_bwd_dkdv_kernel, _dq_block,
-               _attn_bwd_dq_kernel, _dkdv_tma_block, _attn_bwd_dkdv_tma_kernel, _dq_tma_block,
-               _attn_bwd_dq_tma_kernel))
+          jit=(_program_block, _rows, _cols, _attn_bwd_delta_kernel, _dkdv_block, _attn_bwd_dkdv_kernel,
+               _dq_block, _attn_bwd_dq_kernel))
 def attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        out: torch.Tensor, lse: torch.Tensor, is_causal: bool = False, scale: float | None = None,
                        dkdv: tuple[int, int, int, int] | None = None, dq: tuple[int, int, int, int] | None = None,
@@ -637,24 +522,15 @@ def attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.T
         n = q.shape[0] * h
         _attn_bwd_delta_kernel[(triton.cdiv(lq, rows), n)](o, g, dl, *o.stride()[:3], *g.stride()[:3], h, lq,
                                                            D=d, BLOCK_M=rows, num_warps=warps)
-        if use_tma:
-            _attn_bwd_dkdv_tma_kernel[(triton.cdiv(lk, kv_n), n)](
-                _desc(q, kv_m), _desc(k, kv_n), _desc(v, kv_n), _desc(g, kv_m), ls, dl, gk, gv, scale * _LOG2E,
-                scale, *gk.stride()[:3], *gv.stride()[:3], h, lq, lk, D=d, BLOCK_M=kv_m, BLOCK_N=kv_n,
-                CAUSAL=bool(is_causal), num_warps=kv_warps, num_stages=kv_stages)
-            _attn_bwd_dq_tma_kernel[(triton.cdiv(lq, q_m), n)](
-                _desc(q, q_m), _desc(k, q_n), _desc(v, q_n), _desc(g, q_m), ls, dl, gq, scale * _LOG2E, scale,
-                *gq.stride()[:3], h, lq, lk, D=d, BLOCK_M=q_m, BLOCK_N=q_n, CAUSAL=bool(is_causal),
-                num_warps=q_warps, num_stages=q_stages)
-            continue
+        strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *g.stride()[:3])
+        reads = (_desc(q, kv_m), _desc(k, kv_n), _desc(v, kv_n), _desc(g, kv_m)) if use_tma else (q, k, v, g)
         _attn_bwd_dkdv_kernel[(triton.cdiv(lk, kv_n), n)](
-            q, k, v, g, ls, dl, gk, gv, scale * _LOG2E, scale,
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *g.stride()[:3], *gk.stride()[:3], *gv.stride()[:3],
-            h, lq, lk, D=d, BLOCK_M=kv_m, BLOCK_N=kv_n, CAUSAL=bool(is_causal), num_warps=kv_warps,
+            *reads, ls, dl, gk, gv, scale * _LOG2E, scale, *strides, *gk.stride()[:3], *gv.stride()[:3],
+            h, lq, lk, D=d, BLOCK_M=kv_m, BLOCK_N=kv_n, CAUSAL=bool(is_causal), TMA=use_tma, num_warps=kv_warps,
             num_stages=kv_stages)
+        reads = (_desc(q, q_m), _desc(k, q_n), _desc(v, q_n), _desc(g, q_m)) if use_tma else (q, k, v, g)
         _attn_bwd_dq_kernel[(triton.cdiv(lq, q_m), n)](
-            q, k, v, g, ls, dl, gq, scale * _LOG2E, scale,
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *g.stride()[:3], *gq.stride()[:3],
-            h, lq, lk, D=d, BLOCK_M=q_m, BLOCK_N=q_n, CAUSAL=bool(is_causal), num_warps=q_warps,
+            *reads, ls, dl, gq, scale * _LOG2E, scale, *strides, *gq.stride()[:3],
+            h, lq, lk, D=d, BLOCK_M=q_m, BLOCK_N=q_n, CAUSAL=bool(is_causal), TMA=use_tma, num_warps=q_warps,
             num_stages=q_stages)
     return grad_q, grad_k, grad_v
