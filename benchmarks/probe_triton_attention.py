@@ -4,8 +4,10 @@ inputs and slices of a fused [B, L, 3, H, D] projection. Sweeps each kernel's bl
 
     python3 benchmarks/probe_triton_attention.py --out $OUT
 
-Milliseconds a call (calls queued back to back between CUDA events, median of 5 runs), TFLOP/s on the causal FLOPs (forward 2 matmuls, backward
-5, half of each square), and each kernel's largest difference from an fp32 reference next to flash's.
+Milliseconds a call (calls queued back to back between CUDA events, median of 5 runs), TFLOP/s on the causal
+FLOPs (forward 2 matmuls, backward 5, half of each square), and each kernel's largest difference from an fp32
+reference next to flash's. Where the device has TMA (Hopper) the kernels run both ways, through pointers and
+through TMA descriptors.
 """
 from __future__ import annotations
 

@@ -69,29 +69,48 @@ def _program_block(H, LONGEST_FIRST: tl.constexpr):
 
 
 @triton.jit
-def _rows(T, ptrs, b, h, start, offs, L, stride, ROWS: tl.constexpr, D: tl.constexpr, TMA: tl.constexpr,
-          MASKED: tl.constexpr):
-    """``ROWS`` rows of one (batch, head) from row ``start``, [ROWS, D] (pointer path: ``ptrs`` + start rows)."""
+def _load(T, ptrs, b, h, start, offs, L, stride, ROWS: tl.constexpr, D: tl.constexpr, TRANSPOSED: tl.constexpr,
+          TMA: tl.constexpr, MASKED: tl.constexpr):
+    """``ROWS`` rows of one (batch, head) from row ``start``: [ROWS, D], or [D, ROWS] if ``TRANSPOSED`` (pointer
+    path: ``ptrs`` + ``start`` rows, ``ptrs`` laid out in the shape asked)."""
     if TMA:
         x = T.load([b.to(tl.int32), h.to(tl.int32), start, 0]).reshape(ROWS, D)
+        if TRANSPOSED:
+            x = tl.trans(x)
     elif MASKED:
-        x = tl.load(ptrs + start * stride, mask=(start + offs)[:, None] < L, other=0.0)
+        if TRANSPOSED:
+            x = tl.load(ptrs + start * stride, mask=(start + offs)[None, :] < L, other=0.0)
+        else:
+            x = tl.load(ptrs + start * stride, mask=(start + offs)[:, None] < L, other=0.0)
     else:
         x = tl.load(ptrs + start * stride)
     return x
 
 
 @triton.jit
+def _rows(T, ptrs, b, h, start, offs, L, stride, ROWS: tl.constexpr, D: tl.constexpr, TMA: tl.constexpr,
+          MASKED: tl.constexpr):
+    return _load(T, ptrs, b, h, start, offs, L, stride, ROWS, D, False, TMA, MASKED)
+
+
+@triton.jit
 def _cols(T, ptrs, b, h, start, offs, L, stride, ROWS: tl.constexpr, D: tl.constexpr, TMA: tl.constexpr,
           MASKED: tl.constexpr):
-    """The same rows transposed, [D, ROWS] (pointer path: ``ptrs`` laid out [D, ROWS], read as such)."""
+    return _load(T, ptrs, b, h, start, offs, L, stride, ROWS, D, True, TMA, MASKED)
+
+
+@triton.jit
+def _rows_and_cols(T, ptrs, b, h, start, offs, L, stride, ROWS: tl.constexpr, D: tl.constexpr, TMA: tl.constexpr,
+                   MASKED: tl.constexpr):
+    """Both orientations of the rows, for kernels that multiply by each: loaded in the one the path reads (TMA:
+    rows; pointers: ``ptrs`` laid out [D, ROWS]) and transposed once, never transposed back."""
     if TMA:
-        x = tl.trans(T.load([b.to(tl.int32), h.to(tl.int32), start, 0]).reshape(ROWS, D))
-    elif MASKED:
-        x = tl.load(ptrs + start * stride, mask=(start + offs)[None, :] < L, other=0.0)
+        x = _rows(T, ptrs, b, h, start, offs, L, stride, ROWS, D, TMA, MASKED)
+        xT = tl.trans(x)
     else:
-        x = tl.load(ptrs + start * stride)
-    return x
+        xT = _cols(T, ptrs, b, h, start, offs, L, stride, ROWS, D, TMA, MASKED)
+        x = tl.trans(xT)
+    return x, xT
 
 
 @triton.jit
@@ -128,9 +147,7 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, qk_scale,
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
     if TMA:  # the descriptors stand for the pointers; these are unused
-        q_ptrs = Q
-        k_ptrs = K
-        v_ptrs = V
+        q_ptrs, k_ptrs, v_ptrs = Q, K, V
     else:
         q_ptrs = Q + b * sqb + h * sqh + tl.arange(0, BLOCK_M)[:, None] * sql + offs_d[None, :]
         k_ptrs = K + b * skb + h * skh + offs_n[None, :] * skl + offs_d[:, None]
@@ -177,12 +194,7 @@ def _dkdv_block(dk, dv, k, v, Q, DO, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, b, h
                 qk_scale, sql, sdl, BLOCK_M: tl.constexpr, D: tl.constexpr, TMA: tl.constexpr,
                 MASKED: tl.constexpr, CAUSAL: tl.constexpr):
     rows = start_m + offs_m
-    if TMA:  # q as rows too: dk's product takes them as they are, not transposed back
-        q = _rows(Q, q_ptrs, b, h, start_m, offs_m, LQ, sql, BLOCK_M, D, TMA, MASKED)
-        qT = tl.trans(q)
-    else:
-        qT = _cols(Q, q_ptrs, b, h, start_m, offs_m, LQ, sql, BLOCK_M, D, TMA, MASKED)
-        q = tl.trans(qT)
+    q, qT = _rows_and_cols(Q, q_ptrs, b, h, start_m, offs_m, LQ, sql, BLOCK_M, D, TMA, MASKED)
     do = _rows(DO, do_ptrs, b, h, start_m, offs_m, LQ, sdl, BLOCK_M, D, TMA, MASKED)
     if MASKED:
         ok = rows < LQ
@@ -218,10 +230,7 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, qk_scale, sm_scale,
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
     if TMA:  # the descriptors stand for the pointers; these are unused
-        q_ptrs = Q
-        do_ptrs = DO
-        k_ptrs = K
-        v_ptrs = V
+        q_ptrs, do_ptrs, k_ptrs, v_ptrs = Q, DO, K, V
     else:
         q_ptrs = Q + b * sqb + h * sqh + offs_m[None, :] * sql + offs_d[:, None]
         do_ptrs = DO + b * sdb + h * sdh + offs_m[:, None] * sdl + offs_d[None, :]
@@ -261,12 +270,7 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, qk_scale, sm_scale,
 def _dq_block(dq, q, do, lse, delta, K, V, k_ptrs, v_ptrs, b, h, start_n, offs_m, offs_n, LK, qk_scale, skl, svl,
               BLOCK_N: tl.constexpr, D: tl.constexpr, TMA: tl.constexpr, MASKED: tl.constexpr,
               CAUSAL: tl.constexpr):
-    if TMA:  # k as rows too: dq's product takes them as they are, not transposed back
-        k = _rows(K, k_ptrs, b, h, start_n, offs_n, LK, skl, BLOCK_N, D, TMA, MASKED)
-        kT = tl.trans(k)
-    else:
-        kT = _cols(K, k_ptrs, b, h, start_n, offs_n, LK, skl, BLOCK_N, D, TMA, MASKED)
-        k = tl.trans(kT)
+    k, kT = _rows_and_cols(K, k_ptrs, b, h, start_n, offs_n, LK, skl, BLOCK_N, D, TMA, MASKED)
     vT = _cols(V, v_ptrs, b, h, start_n, offs_n, LK, svl, BLOCK_N, D, TMA, MASKED)
     p = tl.math.exp2(tl.dot(q, kT) * qk_scale - lse[:, None])
     if MASKED:
@@ -295,10 +299,7 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, qk_scale, sm_scale,
     offs_d = tl.arange(0, D)
     row_ok = offs_m < LQ
     if TMA:  # the descriptors stand for the pointers; these are unused
-        q_ptrs = Q
-        do_ptrs = DO
-        k_ptrs = K
-        v_ptrs = V
+        q_ptrs, do_ptrs, k_ptrs, v_ptrs = Q, DO, K, V
     else:
         q_ptrs = Q + b * sqb + h * sqh + tl.arange(0, BLOCK_M)[:, None] * sql + offs_d[None, :]
         do_ptrs = DO + b * sdb + h * sdh + tl.arange(0, BLOCK_M)[:, None] * sdl + offs_d[None, :]
@@ -463,7 +464,7 @@ def _reference_backward(grad_out, query, key, value, out, lse, is_causal=False, 
 
 
 @register("attention_forward", reference=_reference_forward,
-          jit=(_program_block, _rows, _cols, _fwd_block, _attn_fwd_kernel))
+          jit=(_program_block, _load, _rows, _cols, _fwd_block, _attn_fwd_kernel))
 def attention_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, is_causal: bool = False,
                       scale: float | None = None, config: tuple[int, int, int, int] | None = None,
                       out_order: tuple[int, ...] | None = None, check: bool = True, tma: bool | None = None
@@ -494,8 +495,8 @@ def attention_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 
 
 @register("attention_backward", reference=_reference_backward,
-          jit=(_program_block, _rows, _cols, _attn_bwd_delta_kernel, _dkdv_block, _attn_bwd_dkdv_kernel,
-               _dq_block, _attn_bwd_dq_kernel))
+          jit=(_program_block, _load, _rows, _cols, _rows_and_cols, _attn_bwd_delta_kernel, _dkdv_block,
+               _attn_bwd_dkdv_kernel, _dq_block, _attn_bwd_dq_kernel))
 def attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        out: torch.Tensor, lse: torch.Tensor, is_causal: bool = False, scale: float | None = None,
                        dkdv: tuple[int, int, int, int] | None = None, dq: tuple[int, int, int, int] | None = None,

@@ -156,6 +156,67 @@ def test_tma_descriptors_compute_what_pointer_loads_compute(n, d, causal, fused)
         assert err_k <= FACTOR * err_e + torch.finfo(torch.float16).eps * ref.abs().max().item()
 
 
+_HOPPER_COMPILE = r"""
+import inspect, json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from stepfx.codegen import attention_kernels as ak
+
+tma = sys.argv[1] == "tma"
+found = {}
+for kernel, (block_m, block_n, warps, stages) in ((ak._attn_fwd_kernel, ak.FWD), (ak._attn_bwd_dkdv_kernel, ak.BWD_DKDV),
+                                                  (ak._attn_bwd_dq_kernel, ak.BWD_DQ)):
+    rows = {"Q": block_m, "DO": block_m, "K": block_n, "V": block_n}
+    sig = {}
+    for name in inspect.signature(kernel.fn).parameters:
+        if name in rows:  # a bf16 [B, H, L, 128] tensor: its descriptor's block, or a pointer
+            sig[name] = f"tensordesc<bf16[1,1,{rows[name]},128]>" if tma else "*bf16"
+        elif name in ("O", "DK", "DV", "DQ"):
+            sig[name] = "*bf16"
+        elif name in ("LSE", "DELTA"):
+            sig[name] = "*fp32"
+        elif name in ("qk_scale", "sm_scale"):
+            sig[name] = "fp32"
+        elif name in ("D", "BLOCK_M", "BLOCK_N", "CAUSAL", "TMA"):
+            sig[name] = "constexpr"
+        else:
+            sig[name] = "i32"
+    consts = {"D": 128, "BLOCK_M": block_m, "BLOCK_N": block_n, "CAUSAL": True, "TMA": tma}
+    compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": warps, "num_stages": stages})
+    ptx = compiled.asm["ptx"]
+    found[kernel.fn.__name__] = {"tma_copies": "cp.async.bulk.tensor" in ptx, "wgmma": "wgmma" in ptx}
+print(json.dumps(found))
+"""
+
+
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
+def test_kernels_compile_for_hopper(tma):
+    """The kernels as the GPU compiles them (sm_90, both ways of reading, the default shapes, head size 128):
+    Triton's interpreter runs the Python, not the lowering to the GPU, which this checks without one (in a
+    process without the interpreter: its jit functions cannot be compiled)."""
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    done = subprocess.run([sys.executable, "-c", _HOPPER_COMPILE, "tma" if tma else "pointers"], env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    if done.returncode and "ptxas" in done.stderr.lower() and "not found" in done.stderr.lower():
+        pytest.skip("no ptxas with this Triton")
+    assert done.returncode == 0, done.stderr[-4000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(found) == {"_attn_fwd_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel"}
+    for name, got in found.items():
+        assert got["tma_copies"] == tma, name  # TMA copies exactly where asked
+        assert got["wgmma"], name  # Hopper's warp-group matrix products
+
+
 def test_unsupported_inputs_are_named():
     q = torch.zeros(1, 2, 8, 16, dtype=torch.float16)
     assert ak.unsupported_reason(q, q, q, attn_mask=torch.zeros(8, 8)) == "an attention mask"
