@@ -16,7 +16,8 @@ launcher                   computes
 
 q, k, v are [B, H, L, D] with any strides whose last one is 1 (slices of a fused projection are read in
 place); ``out`` and the gradients come out as flash attention's do: [B, H, L, D] over [B, L, H, D] memory, so
-the usual transpose and reshape after attention is a view. Heads of q, k and v are equal (no grouped K/V), D
+the usual transpose and reshape after attention is a view. k and v may have fewer heads than q (grouped-query
+attention, as ``enable_gqa``: query head h reads key/value head h // (H_q / H_kv)), D
 is 16..128 and a power of two, q/k/v are bf16 or fp16; ``unsupported_reason`` says what else is not taken.
 Statistics and accumulators are fp32. The causal mask is top-left aligned (query i reads keys 0..i), the
 meaning of ``is_causal`` in SDPA; it needs L_q == L_k.
@@ -140,8 +141,9 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, qk_scale,
                      sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sob, soh, sol,
                      H, LQ, LK,
                      D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                     TMA: tl.constexpr):
+                     TMA: tl.constexpr, GROUP: tl.constexpr):
     pid_m, bh, b, h = _program_block(H, CAUSAL)
+    hk = h // GROUP  # the key/value head of this query head (grouped heads: GROUP query heads share one)
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -150,8 +152,8 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, qk_scale,
         q_ptrs, k_ptrs, v_ptrs = Q, K, V
     else:
         q_ptrs = Q + b * sqb + h * sqh + tl.arange(0, BLOCK_M)[:, None] * sql + offs_d[None, :]
-        k_ptrs = K + b * skb + h * skh + offs_n[None, :] * skl + offs_d[:, None]
-        v_ptrs = V + b * svb + h * svh + offs_n[:, None] * svl + offs_d[None, :]
+        k_ptrs = K + b * skb + hk * skh + offs_n[None, :] * skl + offs_d[:, None]
+        v_ptrs = V + b * svb + hk * svh + offs_n[:, None] * svl + offs_d[None, :]
     q = _rows(Q, q_ptrs, b, h, start_m, tl.arange(0, BLOCK_M), LQ, sql, BLOCK_M, D, TMA, True)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -163,10 +165,10 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, qk_scale,
         full = (LK // BLOCK_N) * BLOCK_N
         end = LK
     for start_n in range(0, full, BLOCK_N):
-        acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, K, V, k_ptrs, v_ptrs, b, h, start_n, offs_m, offs_n, LK,
+        acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, K, V, k_ptrs, v_ptrs, b, hk, start_n, offs_m, offs_n, LK,
                                    qk_scale, skl, svl, BLOCK_N, D, TMA, False, CAUSAL)
     for start_n in range(full, end, BLOCK_N):
-        acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, K, V, k_ptrs, v_ptrs, b, h, start_n, offs_m, offs_n, LK,
+        acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, K, V, k_ptrs, v_ptrs, b, hk, start_n, offs_m, offs_n, LK,
                                    qk_scale, skl, svl, BLOCK_N, D, TMA, True, CAUSAL)
     acc = acc / l_i[:, None]
     row_ok = offs_m < LQ
@@ -222,24 +224,21 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, qk_scale, sm_scale,
                           sgkb, sgkh, sgkl, sgvb, sgvh, sgvl,
                           H, LQ, LK,
                           D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                          TMA: tl.constexpr):
-    """One program: BLOCK_N keys of one (batch, head); walks the queries that read them."""
-    pid_n, bh, b, h = _program_block(H, False)  # the first key blocks are the longest to walk: first already
+                          TMA: tl.constexpr, GROUP: tl.constexpr):
+    """One program: BLOCK_N keys of one (batch, key/value head); walks the queries that read them, of each of
+    the GROUP query heads that share the key/value head (their gradients summed in fp32, rounded once)."""
+    pid_n, bhk, b, hk = _program_block(H // GROUP, False)  # the first key blocks are the longest to walk: first already
     start_n = pid_n * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
     if TMA:  # the descriptors stand for the pointers; these are unused
-        q_ptrs, do_ptrs, k_ptrs, v_ptrs = Q, DO, K, V
+        k_ptrs, v_ptrs = K, V
     else:
-        q_ptrs = Q + b * sqb + h * sqh + offs_m[None, :] * sql + offs_d[:, None]
-        do_ptrs = DO + b * sdb + h * sdh + offs_m[:, None] * sdl + offs_d[None, :]
-        k_ptrs = K + b * skb + h * skh + tl.arange(0, BLOCK_N)[:, None] * skl + offs_d[None, :]
-        v_ptrs = V + b * svb + h * svh + tl.arange(0, BLOCK_N)[:, None] * svl + offs_d[None, :]
-    k = _rows(K, k_ptrs, b, h, start_n, tl.arange(0, BLOCK_N), LK, skl, BLOCK_N, D, TMA, True)
-    v = _rows(V, v_ptrs, b, h, start_n, tl.arange(0, BLOCK_N), LK, svl, BLOCK_N, D, TMA, True)
-    lse_ptrs = LSE + bh.to(tl.int64) * LQ + offs_m
-    delta_ptrs = DELTA + bh.to(tl.int64) * LQ + offs_m
+        k_ptrs = K + b * skb + hk * skh + tl.arange(0, BLOCK_N)[:, None] * skl + offs_d[None, :]
+        v_ptrs = V + b * svb + hk * svh + tl.arange(0, BLOCK_N)[:, None] * svl + offs_d[None, :]
+    k = _rows(K, k_ptrs, b, hk, start_n, tl.arange(0, BLOCK_N), LK, skl, BLOCK_N, D, TMA, True)
+    v = _rows(V, v_ptrs, b, hk, start_n, tl.arange(0, BLOCK_N), LK, svl, BLOCK_N, D, TMA, True)
     dk = tl.zeros([BLOCK_N, D], tl.float32)
     dv = tl.zeros([BLOCK_N, D], tl.float32)
     if CAUSAL:
@@ -249,20 +248,30 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, qk_scale, sm_scale,
         lo = 0
         diagonal = 0
     full = (LQ // BLOCK_M) * BLOCK_M
-    for start_m in range(lo, diagonal, BLOCK_M):
-        dk, dv = _dkdv_block(dk, dv, k, v, Q, DO, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, b, h, start_m, offs_m,
-                             offs_n, LQ, qk_scale, sql, sdl, BLOCK_M, D, TMA, True, CAUSAL)
-    for start_m in range(tl.maximum(diagonal, lo), full, BLOCK_M):
-        dk, dv = _dkdv_block(dk, dv, k, v, Q, DO, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, b, h, start_m, offs_m,
-                             offs_n, LQ, qk_scale, sql, sdl, BLOCK_M, D, TMA, False, CAUSAL)
-    for start_m in range(tl.maximum(full, tl.maximum(diagonal, lo)), LQ, BLOCK_M):
-        dk, dv = _dkdv_block(dk, dv, k, v, Q, DO, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, b, h, start_m, offs_m,
-                             offs_n, LQ, qk_scale, sql, sdl, BLOCK_M, D, TMA, True, CAUSAL)
+    for g in range(0, GROUP):
+        h = hk * GROUP + g
+        row = (bhk * GROUP + g).to(tl.int64) * LQ  # (batch, query head)'s first row of lse and delta
+        if TMA:
+            q_ptrs, do_ptrs = Q, DO
+        else:
+            q_ptrs = Q + b * sqb + h * sqh + offs_m[None, :] * sql + offs_d[:, None]
+            do_ptrs = DO + b * sdb + h * sdh + offs_m[:, None] * sdl + offs_d[None, :]
+        lse_ptrs = LSE + row + offs_m
+        delta_ptrs = DELTA + row + offs_m
+        for start_m in range(lo, diagonal, BLOCK_M):
+            dk, dv = _dkdv_block(dk, dv, k, v, Q, DO, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, b, h, start_m, offs_m,
+                                 offs_n, LQ, qk_scale, sql, sdl, BLOCK_M, D, TMA, True, CAUSAL)
+        for start_m in range(tl.maximum(diagonal, lo), full, BLOCK_M):
+            dk, dv = _dkdv_block(dk, dv, k, v, Q, DO, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, b, h, start_m, offs_m,
+                                 offs_n, LQ, qk_scale, sql, sdl, BLOCK_M, D, TMA, False, CAUSAL)
+        for start_m in range(tl.maximum(full, tl.maximum(diagonal, lo)), LQ, BLOCK_M):
+            dk, dv = _dkdv_block(dk, dv, k, v, Q, DO, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, b, h, start_m, offs_m,
+                                 offs_n, LQ, qk_scale, sql, sdl, BLOCK_M, D, TMA, True, CAUSAL)
     dk = dk * sm_scale
     kv_ok = offs_n[:, None] < LK
-    tl.store(DK + b * sgkb + h * sgkh + offs_n[:, None] * sgkl + offs_d[None, :], dk.to(DK.dtype.element_ty),
+    tl.store(DK + b * sgkb + hk * sgkh + offs_n[:, None] * sgkl + offs_d[None, :], dk.to(DK.dtype.element_ty),
              mask=kv_ok)
-    tl.store(DV + b * sgvb + h * sgvh + offs_n[:, None] * sgvl + offs_d[None, :], dv.to(DV.dtype.element_ty),
+    tl.store(DV + b * sgvb + hk * sgvh + offs_n[:, None] * sgvl + offs_d[None, :], dv.to(DV.dtype.element_ty),
              mask=kv_ok)
 
 
@@ -290,9 +299,10 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, qk_scale, sm_scale,
                         sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sdb, sdh, sdl, sgqb, sgqh, sgql,
                         H, LQ, LK,
                         D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                        TMA: tl.constexpr):
+                        TMA: tl.constexpr, GROUP: tl.constexpr):
     """One program: BLOCK_M queries of one (batch, head); walks the keys they read."""
     pid_m, bh, b, h = _program_block(H, CAUSAL)
+    hk = h // GROUP
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -303,8 +313,8 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, qk_scale, sm_scale,
     else:
         q_ptrs = Q + b * sqb + h * sqh + tl.arange(0, BLOCK_M)[:, None] * sql + offs_d[None, :]
         do_ptrs = DO + b * sdb + h * sdh + tl.arange(0, BLOCK_M)[:, None] * sdl + offs_d[None, :]
-        k_ptrs = K + b * skb + h * skh + offs_n[None, :] * skl + offs_d[:, None]
-        v_ptrs = V + b * svb + h * svh + offs_n[None, :] * svl + offs_d[:, None]
+        k_ptrs = K + b * skb + hk * skh + offs_n[None, :] * skl + offs_d[:, None]
+        v_ptrs = V + b * svb + hk * svh + offs_n[None, :] * svl + offs_d[:, None]
     q = _rows(Q, q_ptrs, b, h, start_m, tl.arange(0, BLOCK_M), LQ, sql, BLOCK_M, D, TMA, True)
     do = _rows(DO, do_ptrs, b, h, start_m, tl.arange(0, BLOCK_M), LQ, sdl, BLOCK_M, D, TMA, True)
     lse = tl.load(LSE + bh.to(tl.int64) * LQ + offs_m, mask=row_ok, other=0.0)
@@ -317,10 +327,10 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, qk_scale, sm_scale,
         full = (LK // BLOCK_N) * BLOCK_N
         end = LK
     for start_n in range(0, full, BLOCK_N):
-        dq = _dq_block(dq, q, do, lse, delta, K, V, k_ptrs, v_ptrs, b, h, start_n, offs_m, offs_n, LK, qk_scale,
+        dq = _dq_block(dq, q, do, lse, delta, K, V, k_ptrs, v_ptrs, b, hk, start_n, offs_m, offs_n, LK, qk_scale,
                        skl, svl, BLOCK_N, D, TMA, False, CAUSAL)
     for start_n in range(full, end, BLOCK_N):
-        dq = _dq_block(dq, q, do, lse, delta, K, V, k_ptrs, v_ptrs, b, h, start_n, offs_m, offs_n, LK, qk_scale,
+        dq = _dq_block(dq, q, do, lse, delta, K, V, k_ptrs, v_ptrs, b, hk, start_n, offs_m, offs_n, LK, qk_scale,
                        skl, svl, BLOCK_N, D, TMA, True, CAUSAL)
     dq = dq * sm_scale
     tl.store(DQ + b * sgqb + h * sgqh + offs_m[:, None] * sgql + offs_d[None, :], dq.to(DQ.dtype.element_ty),
@@ -360,8 +370,8 @@ def unsupported_reason(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     d = query.shape[-1]
     if key.shape[-1] != d or value.shape[-1] != d or not isinstance(d, int) or d < 16 or d > 128 or d & (d - 1):
         return f"head_dim {d} (a power of two from 16 to 128, equal for q, k and v)"
-    if query.shape[1] != key.shape[1] or key.shape[1] != value.shape[1]:
-        return "grouped K/V heads"
+    if key.shape[1] != value.shape[1] or query.shape[1] % key.shape[1]:
+        return f"{query.shape[1]} query heads over {key.shape[1]} key and {value.shape[1]} value heads"
     if query.shape[0] != key.shape[0] or key.shape[2] != value.shape[2]:
         return "batch or key/value lengths differ"
     if is_causal and query.shape[2] != key.shape[2]:
@@ -434,6 +444,7 @@ def _empty(like: torch.Tensor, order: tuple[int, ...] | None) -> torch.Tensor:
 def _reference_forward(query, key, value, is_causal=False, scale=None, config=None, out_order=None):
     """Eager PyTorch with :func:`attention_forward`'s contract (fp32 math, one rounding)."""
     q, k, v = (t.float() for t in (query, key, value))
+    k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], 1) for t in (k, v))  # grouped heads: each its group's
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     s = q @ k.transpose(-1, -2) * scale
     if is_causal:
@@ -451,11 +462,12 @@ def _reference_backward(grad_out, query, key, value, out, lse, is_causal=False, 
     q, k, v = (t.detach().float().requires_grad_(True) for t in (query, key, value))
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     with torch.enable_grad():
-        s = q @ k.transpose(-1, -2) * scale
+        kr, vr = (t.repeat_interleave(q.shape[1] // t.shape[1], 1) for t in (k, v))
+        s = q @ kr.transpose(-1, -2) * scale
         if is_causal:
             n = q.shape[2]
             s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
-        (torch.softmax(s, -1) @ v).backward(grad_out.float())
+        (torch.softmax(s, -1) @ vr).backward(grad_out.float())
     orders = grad_orders or (None, None, None)
     grads = []
     for t, g, o in zip((query, key, value), (q.grad, k.grad, v.grad), orders, strict=True):
@@ -490,7 +502,7 @@ def attention_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         _attn_fwd_kernel[grid](*reads, o, ls, scale * _LOG2E,
                                *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
                                h, lq, lk, D=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=bool(is_causal),
-                               TMA=use_tma, num_warps=warps, num_stages=stages)
+                               TMA=use_tma, GROUP=h // key.shape[1], num_warps=warps, num_stages=stages)
     return out, lse
 
 
@@ -504,7 +516,7 @@ def attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.T
     """``(grad_query, grad_key, grad_value)`` of :func:`attention_forward`'s output, each in the memory order
     ``grad_orders`` gives (default: flash's [B, L, H, D])."""
     b, h, lq, d = query.shape
-    lk = key.shape[2]
+    hk, lk = key.shape[1], key.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     if grad_out.stride(-1) != 1:
         grad_out = grad_out.contiguous()
@@ -525,13 +537,13 @@ def attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.T
                                                            D=d, BLOCK_M=rows, num_warps=warps)
         strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *g.stride()[:3])
         reads = (_desc(q, kv_m), _desc(k, kv_n), _desc(v, kv_n), _desc(g, kv_m)) if use_tma else (q, k, v, g)
-        _attn_bwd_dkdv_kernel[(triton.cdiv(lk, kv_n), n)](
+        _attn_bwd_dkdv_kernel[(triton.cdiv(lk, kv_n), q.shape[0] * hk)](
             *reads, ls, dl, gk, gv, scale * _LOG2E, scale, *strides, *gk.stride()[:3], *gv.stride()[:3],
-            h, lq, lk, D=d, BLOCK_M=kv_m, BLOCK_N=kv_n, CAUSAL=bool(is_causal), TMA=use_tma, num_warps=kv_warps,
-            num_stages=kv_stages)
+            h, lq, lk, D=d, BLOCK_M=kv_m, BLOCK_N=kv_n, CAUSAL=bool(is_causal), TMA=use_tma, GROUP=h // hk,
+            num_warps=kv_warps, num_stages=kv_stages)
         reads = (_desc(q, q_m), _desc(k, q_n), _desc(v, q_n), _desc(g, q_m)) if use_tma else (q, k, v, g)
         _attn_bwd_dq_kernel[(triton.cdiv(lq, q_m), n)](
             *reads, ls, dl, gq, scale * _LOG2E, scale, *strides, *gq.stride()[:3],
-            h, lq, lk, D=d, BLOCK_M=q_m, BLOCK_N=q_n, CAUSAL=bool(is_causal), TMA=use_tma, num_warps=q_warps,
-            num_stages=q_stages)
+            h, lq, lk, D=d, BLOCK_M=q_m, BLOCK_N=q_n, CAUSAL=bool(is_causal), TMA=use_tma, GROUP=h // hk,
+            num_warps=q_warps, num_stages=q_stages)
     return grad_q, grad_k, grad_v

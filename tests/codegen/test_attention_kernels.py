@@ -126,6 +126,42 @@ def test_batches_wider_than_the_grid_launch_in_chunks(monkeypatch):
         assert torch.equal(got, ref)
 
 
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
+@pytest.mark.parametrize("kv_heads,causal", [(2, True), (1, False), (1, True)])
+def test_grouped_key_value_heads(kv_heads, causal, tma):
+    """Grouped-query attention (4 query heads over 2 or 1 key/value heads, as ``enable_gqa`` gives them): against
+    the fp64 exact of the repeated heads, no worse than eager SDPA with ``enable_gqa``; the key/value gradients
+    sum their group's query heads. The pointer and TMA ways compute the same values."""
+    if tma and not ak._use_tma(True, torch.zeros(1, 1, 1, 16, dtype=torch.float16, device=DEVICE)):
+        pytest.skip("no TMA here")
+    gen = torch.Generator().manual_seed(kv_heads * 10 + causal)
+    n, d = 70, 16
+    q = torch.randn(2, 4, n, d, generator=gen).to(DEVICE, torch.float16)
+    k, v = (torch.randn(2, kv_heads, n, d, generator=gen).to(DEVICE, torch.float16) for _ in range(2))
+    grad = torch.randn(2, 4, n, d, generator=gen).to(DEVICE, torch.float16)
+    out, lse = ak.attention_forward(q, k, v, causal, tma=tma)
+    ours = (out, *ak.attention_backward(grad, q, k, v, out, lse, causal, tma=tma))
+    assert [t.shape[1] for t in ours] == [4, 4, kv_heads, kv_heads]
+    scale = 1.0 / math.sqrt(d)
+    groups = 4 // kv_heads
+    kr, vr = (t.detach().double().requires_grad_(True) for t in (k, v))
+    qr = q.detach().double().requires_grad_(True)
+    s = qr @ kr.repeat_interleave(groups, 1).transpose(-1, -2) * scale
+    if causal:
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    exact_out = torch.softmax(s, -1) @ vr.repeat_interleave(groups, 1)
+    exact_out.backward(grad.double())
+    exact = (exact_out, qr.grad, kr.grad, vr.grad)
+    qe, ke, ve = (t.detach().requires_grad_(True) for t in (q, k, v))
+    eager_out = F.scaled_dot_product_attention(qe, ke, ve, is_causal=causal, enable_gqa=True)
+    eager_out.backward(grad)
+    eager = (eager_out, qe.grad, ke.grad, ve.grad)
+    for name, got, ref, e in zip(("output", "grad_query", "grad_key", "grad_value"), ours, exact, eager):
+        err_k, err_e = (got.double() - ref).abs().max().item(), (e.double() - ref).abs().max().item()
+        ulp = torch.finfo(torch.float16).eps * ref.abs().max().item()
+        assert err_k <= FACTOR * err_e + ulp, f"{name}: error {err_k:.3g} > {FACTOR} x eager {err_e:.3g} + {ulp:.3g}"
+
+
 @pytest.mark.parametrize("n,d,causal,fused", [(37, 16, True, False), (130, 32, True, True), (150, 32, False, True)])
 def test_tma_descriptors_compute_what_pointer_loads_compute(n, d, causal, fused):
     """The kernels reading through TMA descriptors (Hopper; rows past the length come back as zeros, no masks)
@@ -163,10 +199,10 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from stepfx.codegen import attention_kernels as ak
 
-tma = sys.argv[1] == "tma"
+tma, group = sys.argv[1] == "tma", int(sys.argv[2])
 found = {}
-for kernel, (block_m, block_n, warps, stages) in ((ak._attn_fwd_kernel, ak.FWD), (ak._attn_bwd_dkdv_kernel, ak.BWD_DKDV),
-                                                  (ak._attn_bwd_dq_kernel, ak.BWD_DQ)):
+kernels = ((ak._attn_fwd_kernel, ak.FWD), (ak._attn_bwd_dkdv_kernel, ak.BWD_DKDV), (ak._attn_bwd_dq_kernel, ak.BWD_DQ))
+for kernel, (block_m, block_n, warps, stages) in kernels:
     rows = {"Q": block_m, "DO": block_m, "K": block_n, "V": block_n}
     sig = {}
     for name in inspect.signature(kernel.fn).parameters:
@@ -178,11 +214,11 @@ for kernel, (block_m, block_n, warps, stages) in ((ak._attn_fwd_kernel, ak.FWD),
             sig[name] = "*fp32"
         elif name in ("qk_scale", "sm_scale"):
             sig[name] = "fp32"
-        elif name in ("D", "BLOCK_M", "BLOCK_N", "CAUSAL", "TMA"):
+        elif name in ("D", "BLOCK_M", "BLOCK_N", "CAUSAL", "TMA", "GROUP"):
             sig[name] = "constexpr"
         else:
             sig[name] = "i32"
-    consts = {"D": 128, "BLOCK_M": block_m, "BLOCK_N": block_n, "CAUSAL": True, "TMA": tma}
+    consts = {"D": 128, "BLOCK_M": block_m, "BLOCK_N": block_n, "CAUSAL": True, "TMA": tma, "GROUP": group}
     compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": warps, "num_stages": stages})
     ptx = compiled.asm["ptx"]
@@ -191,9 +227,10 @@ print(json.dumps(found))
 """
 
 
-@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
-def test_kernels_compile_for_hopper(tma):
-    """The kernels as the GPU compiles them (sm_90, both ways of reading, the default shapes, head size 128):
+@pytest.mark.parametrize("tma,group", [(False, 1), (True, 1), (True, 4)], ids=["pointers", "tma", "tma-grouped"])
+def test_kernels_compile_for_hopper(tma, group):
+    """The kernels as the GPU compiles them (sm_90, both ways of reading, the default shapes, head size 128,
+    one or four query heads a key/value head):
     Triton's interpreter runs the Python, not the lowering to the GPU, which this checks without one (in a
     process without the interpreter: its jit functions cannot be compiled)."""
     pytest.importorskip("triton.backends.nvidia.compiler")
@@ -205,7 +242,7 @@ def test_kernels_compile_for_hopper(tma):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    done = subprocess.run([sys.executable, "-c", _HOPPER_COMPILE, "tma" if tma else "pointers"], env=env,
+    done = subprocess.run([sys.executable, "-c", _HOPPER_COMPILE, "tma" if tma else "pointers", str(group)], env=env,
                           capture_output=True, text=True, timeout=300, check=False)
     if done.returncode and "ptxas" in done.stderr.lower() and "not found" in done.stderr.lower():
         pytest.skip("no ptxas with this Triton")
@@ -222,7 +259,8 @@ def test_unsupported_inputs_are_named():
     assert ak.unsupported_reason(q, q, q, attn_mask=torch.zeros(8, 8)) == "an attention mask"
     assert ak.unsupported_reason(q, q, q, dropout_p=0.1) == "dropout"
     assert "head_dim 24" in ak.unsupported_reason(*(torch.zeros(1, 2, 8, 24, dtype=torch.float16),) * 3)
-    assert "grouped" in ak.unsupported_reason(q, q[:, :1], q[:, :1])
+    assert ak.unsupported_reason(q, q[:, :1], q[:, :1]) is None  # grouped heads: 2 query heads over 1
+    assert "3 query heads over 2 key" in ak.unsupported_reason(torch.zeros(1, 3, 8, 16, dtype=torch.float16), q, q)
     assert "dtype torch.float32" in ak.unsupported_reason(q.float(), q.float(), q.float())
     assert "causal" in ak.unsupported_reason(q, q[:, :, :4], q[:, :, :4], is_causal=True)
     if DEVICE == "cpu":
