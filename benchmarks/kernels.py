@@ -32,19 +32,27 @@ MODULES = ("kernels_optimizer", "kernels_norm", "kernels_cross_entropy")
 IMPLEMENTATIONS = ("stepfx", "eager", "compiled", "fused")
 
 
-def time_ms(fn, warmup: int, iters: int) -> float:
+def queued_ms(fn, warmup: int, iters: int, reps: int = 5) -> float:
+    """Milliseconds a call: ``iters`` calls queued back to back between two events (as a step queues them:
+    the host's launch cost hides behind the device's work), median of ``reps`` such runs."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
+    runs = []
+    for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(iters):
+            fn()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+        runs.append(start.elapsed_time(end) / iters)
+    return statistics.median(runs)
+
+
+def time_ms(fn, warmup: int, iters: int) -> float:
+    """Milliseconds a call, each of ``iters`` calls timed alone (its launch cost included), median."""
+    return queued_ms(fn, warmup, 1, reps=iters)
 
 
 def graph_ms(fn, iters: int, reps: int = 10) -> float:

@@ -24,25 +24,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.kernels import queued_ms  # noqa: E402
 from stepfx.codegen import attention_kernels as ak  # noqa: E402
-
-
-def time_ms(fn, warmup: int, iters: int, reps: int = 5) -> float:
-    """Milliseconds a call: ``iters`` calls queued back to back between two events (as the step queues them:
-    the host's launch cost hides behind the device's work), median of ``reps`` such runs."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    runs = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        end.synchronize()
-        runs.append(start.elapsed_time(end) / iters)
-    return sorted(runs)[len(runs) // 2]
 
 
 FWD = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 8, 4),
@@ -132,7 +115,7 @@ def main() -> None:
                 fn = lambda cfg=cfg, tma=tma: ak.attention_backward(grad, q, k, v, out, lse, True, dkdv=ak.BWD_DKDV,
                                                                     dq=cfg, tma=tma)
             try:
-                timings[cfg, tma] = time_ms(fn, 3, args.reps)
+                timings[cfg, tma] = queued_ms(fn, 3, args.reps)
             except Exception as exc:  # noqa: BLE001 - a config that does not compile (shared memory) is skipped
                 timings[cfg, tma] = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
         for tma in tmas:
@@ -155,8 +138,8 @@ def main() -> None:
         for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
             fwd, both, result = sdpa_run(backend, q, k, v, grad)
             row[f"{name}_err"] = round(err(result(), ref), 5)
-            row[f"{name}_fwd_ms"] = round(time_ms(fwd, 3, args.reps), 4)
-            row[f"{name}_fwd_bwd_ms"] = round(time_ms(both, 3, args.reps), 4)
+            row[f"{name}_fwd_ms"] = round(queued_ms(fwd, 3, args.reps), 4)
+            row[f"{name}_fwd_bwd_ms"] = round(queued_ms(both, 3, args.reps), 4)
 
         names = ["flash", "cudnn"]
         for tma in tmas:
@@ -172,8 +155,8 @@ def main() -> None:
                                              tma=tma)
             o, _ = triton_fwd()
             row[f"{name}_err"] = round(err((o, *triton_both()), ref), 5)
-            row[f"{name}_fwd_ms"] = round(time_ms(triton_fwd, 3, args.reps), 4)
-            row[f"{name}_fwd_bwd_ms"] = round(time_ms(triton_both, 3, args.reps), 4)
+            row[f"{name}_fwd_ms"] = round(queued_ms(triton_fwd, 3, args.reps), 4)
+            row[f"{name}_fwd_bwd_ms"] = round(queued_ms(triton_both, 3, args.reps), 4)
             row[f"{name}_over_flash"] = round(row["flash_fwd_bwd_ms"] / row[f"{name}_fwd_bwd_ms"], 3)
             row[f"{name}_over_cudnn"] = round(row["cudnn_fwd_bwd_ms"] / row[f"{name}_fwd_bwd_ms"], 3)
         for name in names:
