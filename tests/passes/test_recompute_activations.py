@@ -22,6 +22,12 @@ def _gpt():
     return tiny_gpt(seq_len=64, d_model=32)
 
 
+def _four_block_gpt():
+    # per-block recomputation ("all") holds one whole block's recomputed values in its backward: with two
+    # blocks that working set outweighs what it saves over "matmuls"; from four blocks on it does not
+    return tiny_gpt(seq_len=64, d_model=32, n_layers=4)
+
+
 def _batches(n=2):
     return token_batches(n, batch=4, seq=64)
 
@@ -45,13 +51,13 @@ def _copies(step) -> list:
 
 
 def test_budgets_pick_a_level_lower_the_peak_and_keep_the_step_bitwise():
-    base = _run({"gradient_clipping": 0})
+    base = _run({"gradient_clipping": 0}, make=_four_block_gpt)
     peak0 = estimate_memory(base.plan.graph).peak
     assert not _copies(base)
     peaks = {}
     for budget, level in ((0.7, "cheap"), (0.4, "matmuls"), (0.0, "all")):
         config = {"gradient_clipping": 0, "stepfx": {"activation_memory_budget": budget}}
-        step = _run(config)
+        step = _run(config, make=_four_block_gpt)
         summary = _summary(step)
         assert f"level '{level}'" in summary and "cheap: saves" in summary and "all: saves" in summary
         copies = _copies(step)
@@ -64,9 +70,24 @@ def test_budgets_pick_a_level_lower_the_peak_and_keep_the_step_bitwise():
             first_reader = min((u for u in n.users), key=list(step.plan.graph.gm.graph.nodes).index)
             assert first_reader.meta.get(META_PHASE) != Phase.FORWARD
         peaks[budget] = estimate_memory(step.plan.graph).peak
-        report = assert_step_equivalent(lm_step, _gpt, adamw, _batches(), exact=True, config=config)
+        report = assert_step_equivalent(lm_step, _four_block_gpt, adamw, _batches(), exact=True, config=config)
         assert report.bitwise
     assert peaks[0.0] < peaks[0.4] < peaks[0.7] < peak0, (peaks, peak0)
+
+
+def test_all_level_recomputes_every_block_from_its_input():
+    # the residual stream's values are every other shared value; multi-output ops (attention, LayerNorm)
+    # are read by several getitems but are not on the stream: counted among them, they shifted which values
+    # were kept from block to block (half the blocks kept their attention, a quarter of the norms were saved)
+    step = _run({"gradient_clipping": 0, "stepfx": {"activation_memory_budget": 0.0}}, make=_four_block_gpt)
+    assert "level 'all'" in _summary(step)
+    targets = [n.target for n in _copies(step)]
+    assert sum(t in ATTENTION_OPS for t in targets) == 4  # each block's attention, once
+    assert targets.count(torch.ops.aten.native_layer_norm.default) == 2 * 4 + 1  # both norms of each, and ln_f
+    saved_adds = {n.name for n in step.plan.graph.gm.graph.nodes
+                  if n.target is torch.ops.aten.add.Tensor and n.meta.get(META_PHASE) == Phase.FORWARD
+                  and any(u.meta.get(META_PHASE) == Phase.BACKWARD and META_RECOMPUTED in u.meta for u in n.users)}
+    assert len(saved_adds) == 4, saved_adds  # the embedding's sum and the three later block inputs
 
 
 def test_no_budget_or_budget_one_recomputes_nothing():

@@ -26,9 +26,10 @@ data flows through one value that several ops read: the residual stream,
 before the attention and before the MLP) are kept: a cut that saved only
 the embedding would rebuild every earlier block for each later block's
 backward and keep those copies alive until their own backward — fewer
-saved bytes, a higher peak. At ``all`` every other one is kept, from the
-first: a pre-norm block's input, as ``torch.utils.checkpoint`` per block
-keeps it.
+saved bytes, a higher peak. At ``all`` every other one of those that carry
+the residual stream (the next one reached through cheap ops only: not a
+norm's output that several projections read) is kept, from the first: a
+pre-norm block's input, as ``torch.utils.checkpoint`` per block keeps it.
 
 Never recomputed at any level: random ops (a second draw would differ;
 attention with dropout),
@@ -175,15 +176,26 @@ class _Analysis:
         self.returned = {n for n in self.forward if any(u.op == "output" for u in n.users)}
         self.fwd = fwd
         self.boundaries = self._boundaries()
-        # at ``all``: every other boundary, from the first (a pre-norm transformer's block inputs: the value
-        # between attention and MLP is recomputed with the block, as torch.utils.checkpoint per block does)
-        ordered = sorted(self.boundaries, key=self.index.__getitem__)
-        self.block_inputs = set(ordered[::2])
+        # at ``all``: every other value of the residual stream, from the first (a pre-norm transformer's block
+        # inputs: the value between attention and MLP is recomputed with the block, as torch.utils.checkpoint
+        # per block does)
+        self.block_inputs = set(self._residual_stream()[::2])
         self.loss_head = _loss_head(self.nodes) if keep_loss_head else set()
+
+    def _is_value(self, n: fx.Node) -> bool:
+        """One tensor of storage its own: an op's result, or one result of a multi-output op (a norm's
+        output, attention's); not a view of another value, not the tuple itself."""
+        if not isinstance(n.meta.get("val"), torch.Tensor):
+            return False
+        if n.target is operator.getitem:
+            parent = n.args[0]
+            return isinstance(parent, fx.Node) and not allocates_nothing(parent)
+        return not allocates_nothing(n)
 
     def _boundaries(self) -> set:
         """Where the batch's data flows through one value that several ops read: the residual stream
-        between blocks (an articulation point of the forward's data flow with more than one reader).
+        between blocks (an articulation point of the forward's data flow with more than one reader;
+        a multi-output op too, read by its results: attention, a norm).
         Recomputing across them would rebuild earlier blocks for a later block's backward and keep the
         copies alive until their own backward: from the ``matmuls`` level on they are kept."""
         data = batch_dependent([n for n in self.nodes if n.op == "placeholder"] + list(self.forward))
@@ -192,8 +204,29 @@ class _Analysis:
             if n in data and _is_tensor(n.meta.get("val")):
                 flow.add_node(n)
                 flow.add_edges_from((a, n) for a in n.all_input_nodes if a in data and a in self.fwd)
-        return {n for n in nx.articulation_points(flow)
-                if sum(1 for u in n.users if u in self.fwd) > 1 and not allocates_nothing(n)}
+        points = [n for n in nx.articulation_points(flow) if sum(1 for u in n.users if u in self.fwd) > 1]
+        # the residual stream is among the values: one tensor each, not a multi-output op's tuple
+        self.shared_values = {n for n in points if self._is_value(n)}
+        return {n for n in points if not allocates_nothing(n)}
+
+    def _residual_stream(self) -> list:
+        """The shared values that carry the residual stream, in program order: those from which the next
+        one is reached through ops recomputable at level ``cheap`` (a residual add; a post-norm's add and
+        norm). A norm's output that several projections read (Llama's q/k/v, gate/up) is shared too, but
+        the next one is reached from it only through matmuls."""
+        ordered = sorted(self.shared_values, key=self.index.__getitem__)
+        stream = []
+        for b, after in zip(ordered, ordered[1:]):
+            seen, stack = {b}, [b]
+            while stack and after not in seen:
+                for u in stack.pop().users:
+                    if u in self.fwd and u not in seen and (
+                            u is after or (u not in self.shared_values and _level_of(u) == 0)):
+                        seen.add(u)
+                        stack.append(u)
+            if after in seen:
+                stream.append(b)
+        return stream
 
     def bytes(self, node: fx.Node) -> float:
         val = node.meta.get("val")
