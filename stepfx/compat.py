@@ -117,6 +117,13 @@ def trace_step_function(fn: Callable[..., Any], fake_args: tuple, decompositions
         return make_fx(fn, decomposition_table=decompositions, tracing_mode="fake")(*fake_args)
 
 
+def addmm_gelu_epilogue(bias: torch.Tensor, x: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
+    """``gelu(bias + x @ weight_t, approximate='tanh')`` with the GELU in the matmul's epilogue (cuBLASLt's
+    ``CUBLASLT_EPILOGUE_GELU_BIAS``): ``torch._addmm_activation``, private in torch 2.11 and 2.13. CUDA only:
+    on the CPU that function applies the erf GELU instead."""
+    return torch._addmm_activation(bias, x, weight_t, use_gelu=True)
+
+
 def compiled_code_runs_eagerly() -> contextlib.AbstractContextManager:
     """Code the user compiled with ``torch.compile`` (a compiled model held
     in a closure, a compiled loss function, a library's compiled kernel

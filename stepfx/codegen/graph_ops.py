@@ -16,7 +16,7 @@ import importlib
 import torch
 
 __all__ = ["adam_step", "adam_step_reference", "sgd_step", "sgd_step_reference", "host_float", "sum_squares",
-           "layer_norm", "layer_norm_backward", "cat_column_sum",
+           "layer_norm", "layer_norm_backward", "cat_column_sum", "addmm_gelu",
            "linear_cross_entropy", "vocab_cross_entropy_stats", "vocab_cross_entropy_grads", "attention",
            "attention_backward", "attention_cpu", "attention_cpu_backward", "KERNELS_OF", "kernels_of"]
 
@@ -218,6 +218,20 @@ def column_sum(x, *, keepdim: bool):
     gradient) by stepfx's column-sum kernel: torch's reduction ran at about
     half the copy bandwidth there, after a memset."""
     return _kernels("reduction_kernels").column_sum(x, keepdim)
+
+
+def addmm_gelu(bias, x, weight_t):
+    """``aten.gelu(aten.addmm(bias, x, weight_t), approximate='tanh')`` where nothing else reads the
+    pre-activation (``fuse_linear_gelu``): on CUDA the GELU is the matmul's epilogue (cuBLASLt, through torch),
+    so the pre-activation is never written and read back; elsewhere the two ops, as they were."""
+    if x.is_cuda:
+        from .. import compat
+
+        return compat.addmm_gelu_epilogue(bias, x, weight_t)
+    return torch.nn.functional.gelu(torch.addmm(bias, x, weight_t), approximate="tanh")
+
+
+addmm_gelu.stepfx_matmul_args = 1  # node_flops: a matmul of args[1] and args[2]
 
 
 def run_region(key: str, *inputs):

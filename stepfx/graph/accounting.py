@@ -398,8 +398,9 @@ def _hinted(sizes) -> list[int] | None:
 def node_flops(node: fx.Node) -> float:
     """2 x multiply-adds of matmuls and attention; 0 for the rest (memory-bound). Symbolic sizes count at
     their hints (never guarded on); data-dependent ones as 0."""
-    if node.target in _MATMULS:
-        a, b = (x.meta.get("val") for x in node.args[_MATMULS[node.target]:][:2])
+    first = _MATMULS.get(node.target, getattr(node.target, "stepfx_matmul_args", None))
+    if first is not None:
+        a, b = (x.meta.get("val") for x in node.args[first:][:2])
         if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
             sa, sb = _hinted(a.shape), _hinted(b.shape[-1:])
             return 0.0 if sa is None or sb is None else 2.0 * math.prod(sa) * sb[0]

@@ -39,6 +39,7 @@ from .fusion.fuse_column_sums import fuse_column_sums
 from .fusion.fuse_generic_regions import fuse_generic_regions, regions_apply
 from .fusion.fuse_layer_norm import fuse_layer_norm
 from .fusion.fuse_linear_cross_entropy import fuse_linear_cross_entropy
+from .fusion.fuse_linear_gelu import fuse_linear_gelu
 from .fusion.fuse_optimizer_update import fuse_optimizer_update
 from .fusion.fuse_residual_layer_norm import fuse_residual_layer_norm
 from .fusion.fuse_rms_norm import fuse_rms_norm
@@ -258,6 +259,13 @@ PIPELINE: tuple[PipelineEntry, ...] = (
         "fuse_residual_layer_norm",
         fuse_residual_layer_norm,
         "codegen, after fuse_layer_norm (the norm is its kernel call): the residual add joins the norm that reads it",
+        applies=codegen_enabled,
+    ),
+    PipelineEntry(
+        "fuse_linear_gelu",
+        fuse_linear_gelu,
+        "codegen, after recompute_activations (which decides the pre-activations the backward reads) and before "
+        "fuse_generic_regions (which would take the GELU into a region with the ops around it)",
         applies=codegen_enabled,
     ),
     PipelineEntry(

@@ -1,0 +1,98 @@
+"""fuse_linear_gelu: a GELU(tanh) whose pre-activation the backward does not
+read is its matmul's epilogue (cuBLASLt on CUDA; the two ops elsewhere,
+bitwise), and only there."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import stepfx
+from stepfx.codegen import graph_ops
+from stepfx.graph.accounting import node_flops
+from stepfx.graph.step_graph import META_PHASE, Phase
+from tests.steps import adamw, lm_step, tiny_gpt, token_batches
+
+
+def _gpt():
+    return tiny_gpt(seq_len=64, d_model=32, n_layers=3)
+
+
+def _run(config, make=_gpt, batches=None, step_fn=lm_step):
+    torch.manual_seed(0)
+    model = make()
+    opt = adamw(model)
+    step = stepfx.parallelize(config)(step_fn)
+    losses = [step(model, opt, *batch).item() for batch in batches or token_batches(2, batch=4, seq=64)]
+    return step, losses
+
+
+def _fused(step) -> list:
+    return [n for n in step.plan.graph.gm.graph.nodes if n.target is graph_ops.addmm_gelu]
+
+
+def test_recomputed_blocks_take_the_gelu_into_the_forward_matmul_bitwise_on_cpu():
+    config = {"gradient_clipping": 1.0, "stepfx": {"codegen": True, "activation_memory_budget": 0.0}}
+    step, losses = _run(config)
+    fused = _fused(step)
+    # every block's first forward (the backward reads its recomputed copy, never this pre-activation)
+    assert len(fused) == 3 and all(n.meta[META_PHASE] == Phase.FORWARD for n in fused)
+    assert all(u.target is not torch.ops.aten.gelu.default for n in fused for u in n.users)
+    assert all(node_flops(n) == 2 * (4 * 63) * 32 * 128 for n in fused)  # the matmul it is (63 inputs a row)
+    assert "GELU(tanh) by their matmul's epilogue" in step.explain()
+    # on the CPU addmm_gelu is the two ops: the step is the unfused one's, bit for bit
+    unfused, unfused_losses = _run({**config, "stepfx": {**config["stepfx"], "disable": ["fuse_linear_gelu"]}})
+    assert not _fused(unfused) and losses == unfused_losses
+    ours, theirs = step.model_state_dict(), unfused.model_state_dict()
+    assert all(torch.equal(ours[n], theirs[n]) for n in theirs)
+
+
+def test_a_pre_activation_the_backward_reads_is_not_fused():
+    # without recomputation the backward's GELU derivative reads the forward's pre-activation
+    step, _ = _run({"gradient_clipping": 1.0, "stepfx": {"codegen": True}})
+    assert not _fused(step)
+    assert any(n.target is torch.ops.aten.gelu.default for n in step.plan.graph.gm.graph.nodes)
+
+
+class _ErfMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 64), nn.Linear(64, 4)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.up(x)))  # the erf GELU: cuBLASLt's epilogue is the tanh form only
+
+
+def _mse_step(model, optimizer, x, y):
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def test_the_erf_gelu_is_not_fused():
+    config = {"gradient_clipping": 0, "stepfx": {"codegen": True, "activation_memory_budget": 0.0}}
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g))]
+    step, _ = _run(config, make=_ErfMLP, batches=batches, step_fn=_mse_step)
+    assert not _fused(step)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLASLt's epilogue: CUDA only")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_epilogue_rounds_once_from_what_the_two_ops_compute(dtype):
+    torch.manual_seed(0)
+    x = torch.randn(4096, 1024, device="cuda", dtype=dtype)
+    w = torch.randn(4096, 1024, device="cuda", dtype=dtype) / 32
+    b = torch.randn(4096, device="cuda", dtype=dtype)
+    fused = graph_ops.addmm_gelu(b, x, w.t())
+    ops = F.gelu(torch.addmm(b, x, w.t()), approximate="tanh")
+    exact = F.gelu(torch.addmm(b.double(), x.double(), w.double().t()), approximate="tanh")
+    if dtype == torch.float32:
+        torch.testing.assert_close(fused, ops, rtol=1e-5, atol=1e-5)
+    else:
+        # no further from the exact value than the two ops, give or take one unit in the last place
+        ulp = torch.finfo(dtype).eps * exact.abs().clamp_min(torch.finfo(dtype).tiny)
+        assert ((fused.double() - exact).abs() <= (ops.double() - exact).abs() + ulp).all()
