@@ -18,7 +18,13 @@ one, out of memory, is recorded as such):
 - ``eager-ckpt``: autocast, every block under ``torch.utils.checkpoint``
   (non-reentrant), fused AdamW;
 - ``compile-<b>``: every block ``torch.compile``d with
-  ``torch._functorch.config.activation_memory_budget = b``.
+  ``torch._functorch.config.activation_memory_budget = b``;
+- ``bound``: BENCHMARKS.md's compute bound measured at this run's micro-batch
+  and sequence on this GPU: the step's GEMMs (each linear layer's forward
+  and both backward GEMMs, the tied head's too) and flash attention
+  (forward + backward) timed back to back, each at its shapes; the useful
+  FLOPs over that time is the bound's MFU. Run first when listed, and the
+  other systems report their fraction of it too (``of_measured_bound``).
 
 Reported per system: tokens/s, MFU with recomputation *not* counted (the
 workload's useful FLOPs); for stepfx also MFU with it counted (the useful
@@ -53,7 +59,54 @@ from stepfx.testing.models import GPT, gpt_config  # noqa: E402
 COMPUTE_BOUND_MFU = 0.74
 
 
+def measure_bound(args) -> dict:
+    """The workload's compute bound at this micro-batch (BENCHMARKS.md's method): every GEMM of a step
+    (forward, input gradient, weight gradient) and flash attention's forward and backward, each timed with
+    its calls queued back to back (benchmarks/kernels.py's queued_ms); layers times one block, plus the
+    head. Returned: the bound's step ms and MFU (the useful FLOPs over that time)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from benchmarks.kernels import queued_ms
+
+    cfg = gpt_config(args.size, seq_len=args.seq)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    rows, dt, dev = args.batch * args.seq, torch.bfloat16, torch.device(args.device)
+    block = [m for m in model.blocks[0].modules() if isinstance(m, torch.nn.Linear)]
+    parts = {}
+    for name, linears, count in (("block GEMMs", block, cfg.n_layers), ("head GEMMs", [model.head], 1)):
+        total = 0.0
+        for m in linears:
+            x = torch.randn(rows, m.in_features, device=dev, dtype=dt)
+            w = torch.randn(m.out_features, m.in_features, device=dev, dtype=dt) / m.in_features ** 0.5
+            dy = torch.randn(rows, m.out_features, device=dev, dtype=dt)
+            b = torch.randn(m.out_features, device=dev, dtype=dt) if m.bias is not None else None
+            forward = (lambda: torch.addmm(b, x, w.t())) if b is not None else (lambda: x @ w.t())
+            for fn in (forward, lambda: dy @ w, lambda: dy.t() @ x):
+                total += queued_ms(fn, 3, 10, reps=3)
+            del x, w, dy, b
+        parts[name] = total * count
+    heads, hd = cfg.n_heads, cfg.d_model // cfg.n_heads
+    q, k, v = (torch.randn(args.batch, heads, args.seq, hd, device=dev, dtype=dt, requires_grad=True) for _ in range(3))
+    grad = torch.randn(args.batch, heads, args.seq, hd, device=dev, dtype=dt)
+
+    def attention():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        torch.autograd.grad(out, (q, k, v), grad)
+
+    parts["flash attention"] = queued_ms(attention, 3, 10, reps=3) * cfg.n_layers
+    step_ms = sum(parts.values())
+    flops_per_token = 6 * model.matmul_params() + 12 * cfg.n_layers * cfg.d_model * args.seq
+    mfu = flops_per_token * rows / (step_ms / 1e3) / PEAK_FLOPS
+    return {"system": "bound", "size": args.size, "batch": args.batch, "seq": args.seq,
+            "bound_step_ms": round(step_ms, 1), "bound_mfu": round(mfu, 4),
+            "parts_ms": {k: round(v, 1) for k, v in parts.items()}}
+
+
 def run(kind: str, args) -> dict:
+    if kind == "bound":
+        return measure_bound(args)
     torch.manual_seed(0)
     device = torch.device(args.device)
     cfg = gpt_config(args.size, seq_len=args.seq)
@@ -115,6 +168,8 @@ def run(kind: str, args) -> dict:
         counted_mfu = row["mfu_useful"] * total / (total - again)
         row.update(step_flops=total, recomputed_flops=again, mfu_counted=round(counted_mfu, 4),
                    of_compute_bound=round(counted_mfu / COMPUTE_BOUND_MFU, 4))
+    if args.bound_mfu:  # the bound measured in this run, at this micro-batch
+        row["of_measured_bound"] = round(row.get("mfu_counted", row["mfu_useful"]) / args.bound_mfu, 4)
     return row
 
 
@@ -128,6 +183,15 @@ def recomputed_flops(graph) -> tuple[float, float]:
         if META_RECOMPUTED in node.meta:
             again += flops
     return total, again
+
+
+def read_rows(path: str) -> list:
+    import json
+
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def main() -> None:
@@ -144,6 +208,8 @@ def main() -> None:
     ap.add_argument("--trace", action="store_true", help="with --profile: keep the Chrome trace (gzipped)")
     ap.add_argument("--set", default="", metavar="MODULE.NAME=INT,...",
                     help="override stepfx.codegen module constants for this run (single_gpu.py's --set)")
+    ap.add_argument("--bound-mfu", type=float, default=None,
+                    help="the compute bound's MFU at this micro-batch (the 'bound' system's, which passes it on)")
     args = ap.parse_args()
     apply_settings(args.set)
     systems = args.systems.split(",")
@@ -152,12 +218,19 @@ def main() -> None:
             "command": f"python3 benchmarks/remat.py --size {args.size} --seq {args.seq} --batch {args.batch} "
                        f"--systems {args.systems}" + (f" --set {args.set}" if args.set else "")}
     if len(systems) > 1:  # one process per system: an out-of-memory failure leaves nothing behind for the next
+        if "bound" in systems:  # first: the others report their fraction of it
+            systems = ["bound"] + [k for k in systems if k != "bound"]
         for kind in systems:
+            if args.bound_mfu is None and kind != "bound" and "bound" in systems and args.out:
+                bounds = [r for r in read_rows(os.path.join(args.out, "remat.jsonl")) if r.get("system") == "bound"
+                          and r.get("batch") == args.batch and r.get("bound_mfu")]
+                args.bound_mfu = bounds[-1]["bound_mfu"] if bounds else None
             cmd = [sys.executable, os.path.abspath(__file__), "--systems", kind, "--size", args.size, "--seq",
                    str(args.seq), "--batch", str(args.batch), "--warmup", str(args.warmup), "--steps",
                    str(args.steps), "--device", args.device] + (["--out", args.out] if args.out else []) + \
                   (["--profile"] if args.profile else []) + (["--trace"] if args.trace else []) + \
-                  (["--set", args.set] if args.set else [])
+                  (["--set", args.set] if args.set else []) + \
+                  (["--bound-mfu", str(args.bound_mfu)] if args.bound_mfu else [])
             subprocess.run(cmd, check=False)
         return
     kind = systems[0]
