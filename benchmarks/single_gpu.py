@@ -107,6 +107,7 @@ def profile(kind: str, one_step, args, trace: bool = False) -> dict:
         else:
             groups["other"] += us
     if args.out:
+        os.makedirs(args.out, exist_ok=True)
         table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=45, max_name_column_width=70)
         with open(os.path.join(args.out, f"profile_{kind}.txt"), "w") as f:
             f.write(table)

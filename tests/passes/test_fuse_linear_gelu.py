@@ -92,7 +92,13 @@ def test_the_epilogue_rounds_once_from_what_the_two_ops_compute(dtype):
     exact = F.gelu(torch.addmm(b.double(), x.double(), w.double().t()), approximate="tanh")
     if dtype == torch.float32:
         torch.testing.assert_close(fused, ops, rtol=1e-5, atol=1e-5)
-    else:
-        # no further from the exact value than the two ops, give or take one unit in the last place
-        ulp = torch.finfo(dtype).eps * exact.abs().clamp_min(torch.finfo(dtype).tiny)
-        assert ((fused.double() - exact).abs() <= (ops.double() - exact).abs() + ulp).all()
+        return
+    # rounded once from the fp32 accumulator: each element within half a unit in the last place of the exact
+    # value (eps/2 relative) and the accumulation's own error (1e-5 absolute: where GELU crosses zero the
+    # relative error of any fp32 sum is unbounded); and no less accurate than the two ops, which round twice
+    # (on an H100: bf16 mean error 2.0e-3 against 3.1e-3 for h in [1, 3), max 0.0078 against 0.0162;
+    # benchmarks/probe_gelu_epilogue_numerics.py)
+    eps = torch.finfo(dtype).eps
+    err, err_ops = (fused.double() - exact).abs(), (ops.double() - exact).abs()
+    assert (err <= eps / 2 * exact.abs() * (1 + 1e-3) + 1e-5).all(), (err - eps / 2 * exact.abs()).max()
+    assert err.max() <= err_ops.max() and err.mean() <= err_ops.mean()
