@@ -20,7 +20,7 @@ cpu_codegen = pytest.mark.skipif(not available("cpu")[0], reason=available("cpu"
 
 
 def _gpt():
-    return tiny_gpt(seq_len=64, d_model=32, n_layers=3)
+    return tiny_gpt(seq_len=64, d_model=32, n_layers=2)
 
 
 def _run(config, make=_gpt, batches=None, step_fn=lm_step):
@@ -42,7 +42,7 @@ def test_recomputed_blocks_take_the_gelu_into_the_forward_matmul_bitwise_on_cpu(
     step, losses = _run(config)
     fused = _fused(step)
     # every block's first forward (the backward reads its recomputed copy, never this pre-activation)
-    assert len(fused) == 3 and all(n.meta[META_PHASE] == Phase.FORWARD for n in fused)
+    assert len(fused) == 2 and all(n.meta[META_PHASE] == Phase.FORWARD for n in fused)
     assert all(u.target is not torch.ops.aten.gelu.default for n in fused for u in n.users)
     assert all(node_flops(n) == 2 * (4 * 63) * 32 * 128 for n in fused)  # the matmul it is (63 inputs a row)
     assert "GELU(tanh) by their matmul's epilogue" in step.explain()

@@ -51,13 +51,15 @@ def _copies(step) -> list:
 
 
 def test_budgets_pick_a_level_lower_the_peak_and_keep_the_step_bitwise():
-    base = _run({"gradient_clipping": 0}, make=_four_block_gpt)
+    # bitwise the step without recomputation (which equals the eager step: the capture tests)
+    batches = _batches()
+    base = _run({"gradient_clipping": 0}, make=_four_block_gpt, batches=batches)
     peak0 = estimate_memory(base.plan.graph).peak
     assert not _copies(base)
     peaks = {}
     for budget, level in ((0.7, "cheap"), (0.4, "matmuls"), (0.0, "all")):
         config = {"gradient_clipping": 0, "stepfx": {"activation_memory_budget": budget}}
-        step = _run(config, make=_four_block_gpt)
+        step = _run(config, make=_four_block_gpt, batches=batches)
         summary = _summary(step)
         assert f"level '{level}'" in summary and "cheap: saves" in summary and "all: saves" in summary
         copies = _copies(step)
@@ -70,8 +72,8 @@ def test_budgets_pick_a_level_lower_the_peak_and_keep_the_step_bitwise():
             first_reader = min((u for u in n.users), key=list(step.plan.graph.gm.graph.nodes).index)
             assert first_reader.meta.get(META_PHASE) != Phase.FORWARD
         peaks[budget] = estimate_memory(step.plan.graph).peak
-        report = assert_step_equivalent(lm_step, _four_block_gpt, adamw, _batches(), exact=True, config=config)
-        assert report.bitwise
+        ours, theirs = step.model_state_dict(), base.model_state_dict()
+        assert all(torch.equal(ours[n], theirs[n]) for n in theirs), level
     assert peaks[0.0] < peaks[0.4] < peaks[0.7] < peak0, (peaks, peak0)
 
 
