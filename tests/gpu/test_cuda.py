@@ -239,6 +239,25 @@ def test_a_fused_adamw_on_cuda_captures_once_and_the_optimizer_steps_on_eagerly_
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+def _relative_loss_errors(make, configs, what: str, steps_n: int = 20):
+    """Three copies of one model, each trained by ``configs``' steps (the last the fp32 reference) over
+    ``steps_n`` AdamW steps: (the steps, the first's and the second's relative loss errors against the third's)."""
+    torch.manual_seed(0)
+    models = [make() for _ in range(3)]
+    for m in models[1:]:
+        m.load_state_dict(models[0].state_dict())
+    opts = [adamw(m) for m in models]
+    steps = [stepfx.parallelize(c)(lm_step) for c in configs]
+    errs = [[], []]
+    for (batch,) in token_batches(steps_n):
+        first, second, fp32 = (s(m, o, batch.cuda()).item() for s, m, o in zip(steps, models, opts))
+        errs[0].append(abs(first - fp32) / abs(fp32))
+        errs[1].append(abs(second - fp32) / abs(fp32))
+    print(f"\ncuda {what} vs fp32: worst {max(errs[0]):.2e} (against {max(errs[1]):.2e}), "
+          f"mean {sum(errs[0]) / steps_n:.2e} (against {sum(errs[1]) / steps_n:.2e})")
+    return steps, errs
+
+
 @pytest.mark.gpu
 @gpu
 def test_codegen_bf16_on_cuda_is_no_further_from_fp32_than_unfused_bf16():
@@ -247,24 +266,10 @@ def test_codegen_bf16_on_cuda_is_no_further_from_fp32_than_unfused_bf16():
     other places, and 20 steps amplify any difference): the fused run's
     worst relative loss error against fp32 is at most twice the unfused
     run's, and within the mixed-precision tolerance 2e-2 of fp32 on average."""
-    import stepfx
-
-    torch.manual_seed(0)
-    models = [cuda_tiny_gpt_nodrop() for _ in range(3)]
-    for m in models[1:]:
-        m.load_state_dict(models[0].state_dict())
-    opts = [adamw(m) for m in models]
     bf16 = {"bf16": {"enabled": True}}
-    steps = [stepfx.parallelize({**CODEGEN, **bf16})(lm_step),
-             stepfx.parallelize({**CODEGEN, **bf16, "stepfx": {"codegen": False}})(lm_step),
-             stepfx.parallelize({**CODEGEN, "stepfx": {"codegen": False}})(lm_step)]
-    errs = [[], []]
-    for (batch,) in token_batches(20):
-        fused, plain, fp32 = (s(m, o, batch.cuda()).item() for s, m, o in zip(steps, models, opts))
-        errs[0].append(abs(fused - fp32) / abs(fp32))
-        errs[1].append(abs(plain - fp32) / abs(fp32))
-    print(f"\ncuda codegen bf16 vs fp32: worst {max(errs[0]):.2e} (unfused bf16 {max(errs[1]):.2e}), "
-          f"mean {sum(errs[0]) / 20:.2e} (unfused {sum(errs[1]) / 20:.2e})")
+    steps, errs = _relative_loss_errors(cuda_tiny_gpt_nodrop, [
+        {**CODEGEN, **bf16}, {**CODEGEN, **bf16, "stepfx": {"codegen": False}}, {**CODEGEN, "stepfx": {"codegen": False}}],
+        "codegen bf16 (against unfused bf16)")
     assert max(errs[0]) <= 2 * max(errs[1]) and sum(errs[0]) / 20 <= 2e-2
     assert "adam_step_many" in kernel_calls(steps[0]) and not host_reads_of_device_values(steps[0])
 
@@ -277,22 +282,10 @@ def test_recomputed_codegen_bf16_step_on_cuda_is_no_further_from_fp32_than_witho
     fp32 step than the same codegen step without recomputation, judged as above."""
     from stepfx.codegen import graph_ops
 
-    torch.manual_seed(0)
-    models = [tiny_gpt(n_layers=4).cuda() for _ in range(3)]
-    for m in models[1:]:
-        m.load_state_dict(models[0].state_dict())
-    opts = [adamw(m) for m in models]
     bf16 = {**CODEGEN, "bf16": {"enabled": True}}
-    steps = [stepfx.parallelize({**bf16, "stepfx": {"codegen": True, "activation_memory_budget": 0.0}})(lm_step),
-             stepfx.parallelize(bf16)(lm_step),
-             stepfx.parallelize({**CODEGEN, "stepfx": {"codegen": False}})(lm_step)]
-    errs = [[], []]
-    for (batch,) in token_batches(20):
-        remat, plain, fp32 = (s(m, o, batch.cuda()).item() for s, m, o in zip(steps, models, opts))
-        errs[0].append(abs(remat - fp32) / abs(fp32))
-        errs[1].append(abs(plain - fp32) / abs(fp32))
-    print(f"\ncuda recomputed codegen bf16 vs fp32: worst {max(errs[0]):.2e} (without {max(errs[1]):.2e}), "
-          f"mean {sum(errs[0]) / 20:.2e} (without {sum(errs[1]) / 20:.2e})")
+    steps, errs = _relative_loss_errors(lambda: tiny_gpt(n_layers=4).cuda(), [
+        {**bf16, "stepfx": {"codegen": True, "activation_memory_budget": 0.0}}, bf16,
+        {**CODEGEN, "stepfx": {"codegen": False}}], "recomputed codegen bf16 (against without recomputation)")
     assert max(errs[0]) <= 2 * max(errs[1]) and sum(errs[0]) / 20 <= 2e-2
     nodes = steps[0].plan.graph.gm.graph.nodes
     assert sum(n.target is graph_ops.addmm_gelu for n in nodes) == 4
