@@ -179,7 +179,9 @@ class _Analysis:
         # at ``all``: every other value of the residual stream, from the first (a pre-norm transformer's block
         # inputs: the value between attention and MLP is recomputed with the block, as torch.utils.checkpoint
         # per block does)
-        self.block_inputs = set(self._residual_stream()[::2])
+        # (a model without such a chain: every other shared value, as before)
+        stream = self._residual_stream() or sorted(self.shared_values, key=self.index.__getitem__)
+        self.block_inputs = set(stream[::2])
         self.loss_head = _loss_head(self.nodes) if keep_loss_head else set()
 
     def _is_value(self, n: fx.Node) -> bool:
