@@ -15,6 +15,8 @@ import importlib
 
 import torch
 
+from .. import compat
+
 __all__ = ["adam_step", "adam_step_reference", "sgd_step", "sgd_step_reference", "host_float", "sum_squares",
            "layer_norm", "layer_norm_backward", "cat_column_sum", "addmm_gelu",
            "linear_cross_entropy", "vocab_cross_entropy_stats", "vocab_cross_entropy_grads", "attention",
@@ -225,8 +227,6 @@ def addmm_gelu(bias, x, weight_t):
     pre-activation (``fuse_linear_gelu``): on CUDA the GELU is the matmul's epilogue (cuBLASLt, through torch),
     so the pre-activation is never written and read back; elsewhere the two ops, as they were."""
     if x.is_cuda:
-        from .. import compat
-
         return compat.addmm_gelu_epilogue(bias, x, weight_t)
     return torch.nn.functional.gelu(torch.addmm(bias, x, weight_t), approximate="tanh")
 

@@ -175,11 +175,14 @@ class _Analysis:
         self.needed = {n for n in self.forward if any(u not in fwd for u in n.users)}
         self.returned = {n for n in self.forward if any(u.op == "output" for u in n.users)}
         self.fwd = fwd
-        self.boundaries = self._boundaries()
+        points = self._shared_points()
+        # kept from ``matmuls`` on: a multi-output op counts (attention, a norm: read by its results)
+        self.boundaries = {n for n in points if not allocates_nothing(n)}
+        # the residual stream is among the values: one tensor each, not a multi-output op's tuple
+        self.shared_values = {n for n in points if self._is_value(n)}
         # at ``all``: every other value of the residual stream, from the first (a pre-norm transformer's block
         # inputs: the value between attention and MLP is recomputed with the block, as torch.utils.checkpoint
-        # per block does)
-        # (a model without such a chain: every other shared value, as before)
+        # per block does); a model without such a chain: every other shared value
         stream = self._residual_stream() or sorted(self.shared_values, key=self.index.__getitem__)
         self.block_inputs = set(stream[::2])
         self.loss_head = _loss_head(self.nodes) if keep_loss_head else set()
@@ -194,22 +197,18 @@ class _Analysis:
             return isinstance(parent, fx.Node) and not allocates_nothing(parent)
         return not allocates_nothing(n)
 
-    def _boundaries(self) -> set:
-        """Where the batch's data flows through one value that several ops read: the residual stream
-        between blocks (an articulation point of the forward's data flow with more than one reader;
-        a multi-output op too, read by its results: attention, a norm).
-        Recomputing across them would rebuild earlier blocks for a later block's backward and keep the
-        copies alive until their own backward: from the ``matmuls`` level on they are kept."""
+    def _shared_points(self) -> list:
+        """Where the batch's data flows through one node that several forward ops read: the residual
+        stream between blocks (an articulation point of the forward's data flow with more than one
+        reader). Recomputing across them would rebuild earlier blocks for a later block's backward and
+        keep the copies alive until their own backward: from the ``matmuls`` level on they are kept."""
         data = batch_dependent([n for n in self.nodes if n.op == "placeholder"] + list(self.forward))
         flow = nx.Graph()
         for n in self.forward:
             if n in data and _is_tensor(n.meta.get("val")):
                 flow.add_node(n)
                 flow.add_edges_from((a, n) for a in n.all_input_nodes if a in data and a in self.fwd)
-        points = [n for n in nx.articulation_points(flow) if sum(1 for u in n.users if u in self.fwd) > 1]
-        # the residual stream is among the values: one tensor each, not a multi-output op's tuple
-        self.shared_values = {n for n in points if self._is_value(n)}
-        return {n for n in points if not allocates_nothing(n)}
+        return [n for n in nx.articulation_points(flow) if sum(1 for u in n.users if u in self.fwd) > 1]
 
     def _residual_stream(self) -> list:
         """The shared values that carry the residual stream, in program order: those from which the next
